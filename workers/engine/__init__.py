@@ -1,0 +1,8 @@
+"""The reference speculative-decoding engine: a leaf package that imports only torch, tokenizers and
+safetensors, never anything else from the project (so training, serving and benches share it).
+
+Modules: `model` (Llama-style decoder + rollback-able KV cache), `tokenizer` (byte-level BPE),
+`hf_io` (Hugging Face folder save/load), `proposers` (draft model, n-gram, predicted output),
+`verifier` (greedy and rejection-sampling verification), `decoder` (`SpeculativeDecoder`) and
+`metrics` (per-request records in native and Fireworks shape).
+"""

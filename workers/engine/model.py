@@ -1,0 +1,399 @@
+"""The Llama-style decoder the engine runs as target and drafter, and its rollback-able KV cache.
+
+Owns: `ModelConfig` (with the mapping to and from a Hugging Face Llama `config.json`), the
+`Transformer` module (RMSNorm, rotary positions in the HF `rotate_half` layout, SwiGLU, grouped-query
+attention, tied or untied embeddings) and `KVCache`.
+
+Parameter names are exactly those of `transformers`' `LlamaForCausalLM` (`model.embed_tokens.weight`,
+`model.layers.N.self_attn.q_proj.weight`, ..., `model.norm.weight`, `lm_head.weight`), so a state dict
+moves between the two without renaming and the logits agree to float rounding.
+
+Two forward paths:
+- `forward(tokens)` is the full causal pass for training and scoring (no cache, SDPA with
+  `is_causal=True`).
+- `forward_cached(tokens, cache)` appends `tokens` at `cache.pos` and attends over everything cached.
+  `cache.rollback(pos)` forgets every position >= pos, which is how a rejected draft is undone: the
+  stale keys/values stay in the preallocated buffer but are never read again and are overwritten by
+  the next write.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    # Only needed for foreign checkpoints: HF lets head_dim differ from dim // n_heads, Qwen2-style
+    # models put a bias on q/k/v, and Llama 3.x rescales the rotary frequencies.
+    head_dim: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict[str, Any] | None = field(default=None)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def hd(self) -> int:
+        assert self.head_dim is not None
+        return self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` of an equivalent `LlamaForCausalLM`."""
+        out: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.hd,
+            "max_position_embeddings": self.max_seq_len,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "mlp_bias": self.mlp_bias,
+            "rope_scaling": self.rope_scaling,
+            "initializer_range": 0.02,
+            "use_cache": True,
+        }
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            out["eos_token_id"] = self.eos_token_id
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a Llama-family HF `config.json`; refuse features this engine does not implement."""
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) Llama-family models")
+        scaling = d.get("rope_scaling")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}")
+        rope_params = d.get("rope_parameters")  # transformers 5 nests theta (and scaling) here
+        theta = d.get("rope_theta")
+        if theta is None and isinstance(rope_params, dict):
+            theta = rope_params.get("rope_theta")
+            kind = rope_params.get("rope_type", "default")
+            if kind not in ("default", None):
+                if kind not in ("linear", "llama3"):
+                    raise ValueError(f"unsupported rope_type {kind!r}")
+                scaling = rope_params
+        n_heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            dim=int(d["hidden_size"]),
+            n_layers=int(d["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            ffn_dim=int(d["intermediate_size"]),
+            max_seq_len=int(d.get("max_position_embeddings", 2048)),
+            rope_theta=float(theta if theta is not None else 10000.0),
+            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            head_dim=d.get("head_dim") or int(d["hidden_size"]) // n_heads,
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            rope_scaling=scaling,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    hd = cfg.hd
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv_freq.float()
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return (inv_freq / float(sc["factor"])).float()
+    if kind == "llama3":
+        # Same piecewise rule as transformers' _compute_llama3_parameters.
+        factor = float(sc["factor"])
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_len = float(sc.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return torch.where(medium, smoothed, scaled).float()
+    return inv_freq.float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # HF layout: the two rotated halves are the first and second half of head_dim (not interleaved).
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,H,T,hd]; cos/sin [T,hd]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated keys/values for every layer; `pos` is how many positions are valid.
+
+    Shapes: `k[layer]`, `v[layer]` are [B, n_kv_heads, max_len, head_dim]. Rolling back is O(1).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int = 1,
+        max_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.max_len = max_len or cfg.max_seq_len
+        if self.max_len > cfg.max_seq_len:
+            raise ValueError(f"cache length {self.max_len} exceeds max_seq_len {cfg.max_seq_len}")
+        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, self.max_len, cfg.hd)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.batch_size = batch_size
+        self.pos = 0
+
+    def rollback(self, pos: int) -> None:
+        """Forget every position >= pos (positions < pos stay valid)."""
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"cannot roll back to {pos}: cache holds {self.pos} positions")
+        self.pos = pos
+
+    truncate = rollback
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_len - self.pos
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+        self.gqa = cfg.n_heads != cfg.n_kv_heads
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=cfg.attention_bias)
+
+    def _qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B,H,T,hd]
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.hd).transpose(1, 2)  # [B,Hkv,T,hd]
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.hd).transpose(1, 2)  # [B,Hkv,T,hd]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)  # [B,H,T,hd]
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_cached(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        pos: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        end = pos + t
+        k_buf[:, :, pos:end] = k
+        v_buf[:, :, pos:end] = v
+        y = F.scaled_dot_product_attention(
+            q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask=mask, enable_gqa=self.gqa
+        )  # [B,H,T,hd]
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
+        # HF normalises in fp32 and casts back before scaling; match it for half-precision runs.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class _Backbone(nn.Module):
+    """Holds the `model.*` parameters so names match `LlamaForCausalLM` exactly."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq = _rope_inv_freq(cfg)
+        t = torch.arange(cfg.max_seq_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [S, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
+        # Non-persistent: derived from the config, so they never appear in a checkpoint.
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        causal = torch.ones(cfg.max_seq_len, cfg.max_seq_len, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", causal, persistent=False)  # [S, S], True = may attend
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        return KVCache(self.config, batch_size, max_len, dtype=self.dtype, device=self.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B,T] -> logits [B,T,V]; full causal attention from position 0, no cache."""
+        t = tokens.shape[1]
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence of {t} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        cos, sin = self.rope_cos[:t].to(self.dtype), self.rope_sin[:t].to(self.dtype)  # [T,hd]
+        h = self.model.embed_tokens(tokens)  # [B,T,D]
+        for layer in self.model.layers:
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.model.norm(h))  # [B,T,V]
+
+    def forward_cached(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Append tokens [B,T] at `cache.pos`; returns logits [B,T,V] ([B,1,V] when last_only).
+
+        Advances `cache.pos` by T. The caller rolls back whatever it does not keep.
+        """
+        t = tokens.shape[1]
+        pos = cache.pos
+        end = pos + t
+        if end > cache.max_len:
+            raise ValueError(f"KV cache full: {pos} + {t} tokens > {cache.max_len}")
+        cos, sin = self.rope_cos[pos:end], self.rope_sin[pos:end]  # [T,hd]
+        if self.dtype != torch.float32:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        # A single new token attends to everything cached, so it needs no mask (the fast path).
+        mask = self.causal_mask[pos:end, :end] if t > 1 else None  # [T, pos+T]
+        h = self.model.embed_tokens(tokens)  # [B,T,D]
+        for i, layer in enumerate(self.model.layers):
+            h = h + layer.self_attn.forward_cached(
+                layer.input_layernorm(h), cos, sin, cache.k[i], cache.v[i], pos, mask
+            )
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache.pos = end
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(self.model.norm(h))  # [B,T,V]
+
+
+def build_model(cfg: ModelConfig, seed: int | None = None) -> Transformer:
+    """A freshly initialised model; `seed` makes the initial weights reproducible."""
+    if seed is None:
+        return Transformer(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Transformer(cfg)
