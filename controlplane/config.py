@@ -1,0 +1,78 @@
+"""Settings: the one place that reads the environment (prefix ``CONTROLPLANE_``).
+
+Defaults are the embedded development setup (SQLite under ./var, no services). Outside
+development the service refuses to start while a secret still has its default value.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_SECRET = "dev-insecure-secret-change-me"
+VAR_DIR = Path("var")
+
+
+class UnsafeSettingsError(RuntimeError):
+    """Raised when production-like settings still carry development defaults."""
+
+
+class Settings(BaseSettings):
+    """Everything configurable about the control plane, validated at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="CONTROLPLANE_", env_file=".env", extra="ignore")
+
+    environment: Literal["development", "test", "production"] = "development"
+    database_url: str = f"sqlite:///{VAR_DIR}/controlplane.db"
+    broker_url: str = f"sqla+sqlite:///{VAR_DIR}/broker.db"
+    result_backend_url: str = f"db+sqlite:///{VAR_DIR}/celery-results.db"
+    artifact_dir: Path = VAR_DIR / "artifacts"
+    # Peppers the API-key hash so a leaked database alone cannot be brute-forced offline.
+    secret_key: str = DEFAULT_SECRET
+    api_host: str = "127.0.0.1"
+    api_port: int = 8600
+    # Where the CLI sends its HTTP requests, and the key it sends.
+    api_url: str = "http://127.0.0.1:8600"
+    api_key: str | None = None
+
+    max_batch_records: int = Field(default=10_000, ge=1)
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    rollup_bucket_seconds: int = 60
+
+    # Drift and canary thresholds (defaults per deployment; each deployment may override).
+    drift_arl0_requests: int = Field(default=50_000, ge=100)
+    drift_min_drop: float = Field(default=0.05, gt=0, lt=1)
+    drift_cooldown_s: int = Field(default=600, ge=0)
+    canary_alpha: float = Field(default=0.05, gt=0, lt=1)
+    canary_min_samples_per_arm: int = Field(default=50, ge=1)
+
+    @model_validator(mode="after")
+    def _refuse_unsafe_defaults(self) -> Settings:
+        if self.environment == "production" and self.secret_key == DEFAULT_SECRET:
+            raise UnsafeSettingsError(
+                "CONTROLPLANE_SECRET_KEY still has its development default; "
+                "set a random secret before running with CONTROLPLANE_ENVIRONMENT=production"
+            )
+        return self
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    def ensure_local_dirs(self) -> None:
+        """Create ./var and the artifact directory used by the embedded default."""
+        if self.is_sqlite:
+            path = self.database_url.removeprefix("sqlite:///")
+            if path and path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.artifact_dir.mkdir(parents=True, exist_ok=True)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

@@ -1,0 +1,1 @@
+"""Database layer: typed models, engine/session factory and the unit of work."""

@@ -1,0 +1,374 @@
+"""SQLAlchemy 2.0 typed models for the whole data model (see shared/DESIGN.md).
+
+Invariants live in the database, not only in Python: request ids are unique per deployment,
+at most one drafter version per deployment is active, at most one realignment job per
+deployment is queued or running, and every reference is a foreign key.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Stable constraint names keep Alembic revisions reproducible across dialects.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments INTEGER PRIMARY KEY, so big ids fall back to Integer there.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Role(enum.StrEnum):
+    admin = "admin"
+    ingest = "ingest"
+    viewer = "viewer"
+
+
+class SpeculationMode(enum.StrEnum):
+    default = "default"  # inherit the platform's default drafter
+    draft_model = "draft_model"
+    ngram = "ngram"
+    disabled = "disabled"
+
+
+class DrafterState(enum.StrEnum):
+    candidate = "candidate"
+    canary = "canary"
+    active = "active"
+    retired = "retired"
+    rejected = "rejected"
+
+
+class JobKind(enum.StrEnum):
+    realign = "realign"
+    canary = "canary"
+
+
+class JobState(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class DriftState(enum.StrEnum):
+    open = "open"
+    realigning = "realigning"
+    resolved = "resolved"
+    dismissed = "dismissed"
+
+
+class TraceSource(enum.StrEnum):
+    sampled = "sampled"
+    dataset = "dataset"
+
+
+def _enum(cls: type[enum.StrEnum], name: str) -> Enum:
+    # Non-native enums are VARCHAR + CHECK on both PostgreSQL and SQLite: adding a value later
+    # is a plain constraint change instead of an ALTER TYPE.
+    return Enum(cls, name=name, native_enum=False, create_constraint=True, length=32)
+
+
+class Account(Base):
+    __tablename__ = "accounts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    # The public prefix finds the row; only an HMAC of the full key is stored.
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    role: Mapped[Role] = mapped_column(_enum(Role, "role"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Deployment(Base):
+    __tablename__ = "deployments"
+    __table_args__ = (
+        # Names are reusable once a deployment is deleted (soft delete keeps its history).
+        Index(
+            "uq_deployments_account_name_live",
+            "account_id",
+            "name",
+            unique=True,
+            postgresql_where=text("deleted_at IS NULL"),
+            sqlite_where=text("deleted_at IS NULL"),
+        ),
+        CheckConstraint("draft_token_count IS NULL OR draft_token_count BETWEEN 1 AND 16", name="k_range"),
+        CheckConstraint(
+            "ngram_speculation_length IS NULL OR ngram_speculation_length BETWEEN 1 AND 16",
+            name="ngram_range",
+        ),
+        CheckConstraint("NOT (draft_model IS NOT NULL AND ngram_speculation_length IS NOT NULL)", name="exclusive"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(63))
+    display_name: Mapped[str | None] = mapped_column(String(200))
+    target_model: Mapped[str] = mapped_column(String(500))
+    speculation_mode: Mapped[SpeculationMode] = mapped_column(_enum(SpeculationMode, "speculation_mode"))
+    draft_model: Mapped[str | None] = mapped_column(String(500))
+    draft_token_count: Mapped[int | None] = mapped_column(SmallInteger)
+    ngram_speculation_length: Mapped[int | None] = mapped_column(SmallInteger)
+    auto_realign: Mapped[bool] = mapped_column(Boolean, default=True)
+    drift_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    canary_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    trace_sample_rate: Mapped[float] = mapped_column(Float, default=0.1)
+    trace_retention_days: Mapped[int] = mapped_column(Integer, default=30)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    row_version: Mapped[int] = mapped_column(Integer, default=1)
+
+    __mapper_args__ = {"version_id_col": row_version}
+
+
+class DrafterVersion(Base):
+    __tablename__ = "drafter_versions"
+    __table_args__ = (
+        UniqueConstraint("deployment_id", "version", name="uq_drafter_versions_deployment_version"),
+        Index(
+            "uq_drafter_versions_one_active",
+            "deployment_id",
+            unique=True,
+            postgresql_where=text("state = 'active'"),
+            sqlite_where=text("state = 'active'"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    parent_version_id: Mapped[int | None] = mapped_column(ForeignKey("drafter_versions.id", ondelete="SET NULL"))
+    training_job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    traffic_window_start: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    traffic_window_end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    artifact_path: Mapped[str] = mapped_column(String(1000))
+    artifact_sha256: Mapped[str] = mapped_column(String(64))
+    state: Mapped[DrafterState] = mapped_column(_enum(DrafterState, "drafter_state"))
+    training_metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    eval_metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    activated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class AcceptanceRecordRow(Base):
+    __tablename__ = "acceptance_records"
+    __table_args__ = (
+        # Retried batches are idempotent: the same request id is stored once per deployment.
+        UniqueConstraint("deployment_id", "request_id", name="uq_acceptance_records_deployment_request"),
+        Index("ix_acceptance_records_deployment_time", "deployment_id", "created_at"),
+        CheckConstraint("accepted_tokens <= drafted_tokens", name="accepted_le_drafted"),
+        CheckConstraint(
+            "drafted_tokens >= 0 AND accepted_tokens >= 0 AND verify_steps >= 0 AND generated_tokens >= 0",
+            name="counts_non_negative",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    request_id: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    arm: Mapped[str] = mapped_column(String(40))
+    drafter_version: Mapped[int | None] = mapped_column(Integer)
+    k: Mapped[int | None] = mapped_column(SmallInteger)
+    drafted_tokens: Mapped[int] = mapped_column(Integer)
+    accepted_tokens: Mapped[int] = mapped_column(Integer)
+    verify_steps: Mapped[int] = mapped_column(Integer)
+    generated_tokens: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    accepted_per_position: Mapped[list[Any]] = mapped_column(JSON)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    inter_token_ms: Mapped[float | None] = mapped_column(Float)
+    total_ms: Mapped[float | None] = mapped_column(Float)
+    category: Mapped[str | None] = mapped_column(String(100))
+
+
+class AcceptanceRollup(Base):
+    """Per-minute sums of acceptance records so dashboards never scan the raw table."""
+
+    __tablename__ = "acceptance_rollups"
+    __table_args__ = (
+        UniqueConstraint(
+            "deployment_id", "bucket_start", "arm", "drafter_version", name="uq_acceptance_rollups_key"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    bucket_start: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    arm: Mapped[str] = mapped_column(String(40))
+    # 0 stands for "no drafter version" so that the unique key has no NULLs (NULLs never collide).
+    drafter_version: Mapped[int] = mapped_column(Integer, default=0)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    drafted_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    accepted_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    verify_steps: Mapped[int] = mapped_column(BigInteger, default=0)
+    generated_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    total_ms_sum: Mapped[float] = mapped_column(Float, default=0.0)
+    timed_requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    accepted_per_position: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    # Sparse log-bucket histograms {bucket index: count}; see controlplane.ingest.rollups.
+    inter_token_hist: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    total_ms_hist: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    ttft_hist: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class CounterSnapshotRow(Base):
+    """Last Prometheus counter values pushed per deployment, to turn counters into deltas."""
+
+    __tablename__ = "counter_snapshots"
+
+    deployment_id: Mapped[int] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True
+    )
+    snapshot: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Trace(Base):
+    __tablename__ = "traces"
+    __table_args__ = (Index("ix_traces_deployment_time", "deployment_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    source: Mapped[TraceSource] = mapped_column(_enum(TraceSource, "trace_source"))
+    dataset_name: Mapped[str | None] = mapped_column(String(200))
+    category: Mapped[str | None] = mapped_column(String(100))
+    prompt: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str] = mapped_column(Text)
+
+
+class DriftEvent(Base):
+    __tablename__ = "drift_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    detected_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    state: Mapped[DriftState] = mapped_column(_enum(DriftState, "drift_state"), default=DriftState.open)
+    detector: Mapped[str] = mapped_column(String(100))
+    baseline_rate: Mapped[float | None] = mapped_column(Float)
+    current_rate: Mapped[float | None] = mapped_column(Float)
+    drop: Mapped[float | None] = mapped_column(Float)
+    position_most_affected: Mapped[int | None] = mapped_column(Integer)
+    statistic: Mapped[float | None] = mapped_column(Float)
+    threshold: Mapped[float | None] = mapped_column(Float)
+    records_examined: Mapped[int] = mapped_column(BigInteger, default=0)
+    first_record_id: Mapped[int | None] = mapped_column(BigInteger)
+    last_record_id: Mapped[int | None] = mapped_column(BigInteger)
+    detection_delay_estimate: Mapped[int | None] = mapped_column(Integer)
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        # Two simultaneous drift events must start a single realignment.
+        Index(
+            "uq_jobs_one_active_realign",
+            "deployment_id",
+            unique=True,
+            postgresql_where=text("kind = 'realign' AND state IN ('queued', 'running')"),
+            sqlite_where=text("kind = 'realign' AND state IN ('queued', 'running')"),
+        ),
+        CheckConstraint("progress >= 0 AND progress <= 1", name="progress_fraction"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[JobKind] = mapped_column(_enum(JobKind, "job_kind"))
+    state: Mapped[JobState] = mapped_column(_enum(JobState, "job_state"), default=JobState.queued)
+    drift_event_id: Mapped[int | None] = mapped_column(ForeignKey("drift_events.id", ondelete="SET NULL"))
+    requested_by: Mapped[str] = mapped_column(String(200), default="system")
+    celery_task_id: Mapped[str | None] = mapped_column(String(200))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    progress_message: Mapped[str] = mapped_column(String(500), default="")
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    result: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Canary(Base):
+    __tablename__ = "canaries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    candidate_version_id: Mapped[int] = mapped_column(ForeignKey("drafter_versions.id", ondelete="CASCADE"))
+    incumbent_version_id: Mapped[int | None] = mapped_column(
+        ForeignKey("drafter_versions.id", ondelete="SET NULL")
+    )
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    phase: Mapped[str] = mapped_column(String(20), default="shadow")
+    routing_weights: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    arms: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    decision: Mapped[str | None] = mapped_column(String(20))
+    reason: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    decided_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit_log"
+    __table_args__ = (Index("ix_audit_log_account_time", "account_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id", ondelete="CASCADE"))
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(100))
+    resource: Mapped[str] = mapped_column(String(500))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,0 +1,53 @@
+"""Engine and session factory, and the unit of work that is the one transaction boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # SQLite ignores foreign keys unless asked per connection; WAL lets readers run beside
+    # the ingest writer, and busy_timeout makes concurrent writers wait instead of failing.
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+@lru_cache(maxsize=8)
+def get_engine(url: str) -> Engine:
+    """One pooled engine per database URL for the whole process."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+@lru_cache(maxsize=8)
+def get_sessionmaker(url: str) -> sessionmaker[Session]:
+    return sessionmaker(bind=get_engine(url), expire_on_commit=False)
+
+
+@contextmanager
+def unit_of_work(url: str) -> Iterator[Session]:
+    """A session that commits only when the block ends cleanly, and rolls back otherwise."""
+    session = get_sessionmaker(url)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
