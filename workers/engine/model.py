@@ -317,16 +317,20 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq = _rope_inv_freq(cfg)
-        t = torch.arange(cfg.max_seq_len, dtype=torch.float32)
+        self.init_buffers()
+        self.apply(self._init_weights)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the derived rotary tables; needed after `to_empty()` left them uninitialised."""
+        cfg = self.config
+        inv_freq = _rope_inv_freq(cfg).to(device)
+        t = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # [S, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
         # Non-persistent: derived from the config, so they never appear in a checkpoint.
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
-        causal = torch.ones(cfg.max_seq_len, cfg.max_seq_len, dtype=torch.bool).tril()
-        self.register_buffer("causal_mask", causal, persistent=False)  # [S, S], True = may attend
-        self.apply(self._init_weights)
+        self.register_buffer("positions", torch.arange(cfg.max_seq_len, device=device), persistent=False)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -377,7 +381,8 @@ class Transformer(nn.Module):
         if self.dtype != torch.float32:
             cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         # A single new token attends to everything cached, so it needs no mask (the fast path).
-        mask = self.causal_mask[pos:end, :end] if t > 1 else None  # [T, pos+T]
+        # Built per call rather than stored: an [S, S] table is gigabytes for 128k-context checkpoints.
+        mask = self.positions[:end] <= self.positions[pos:end, None] if t > 1 else None  # [T, pos+T]
         h = self.model.embed_tokens(tokens)  # [B,T,D]
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn.forward_cached(
