@@ -1,0 +1,218 @@
+"""The decoding loop: prefill, then rounds of propose -> score -> verify -> roll back, with metrics.
+
+Owns `SpeculativeDecoder` (one request at a time, batch size 1, the latency-bound case speculation
+is for), its `GenerationResult`, and two plain helpers: `greedy_reference` (recomputes the whole
+sequence each step, no cache: the ground truth tests compare against) and `generate_batch` (batched
+plain decoding of equal-length prompts, for producing training traces quickly).
+
+Per-round overhead is what separates realised speed-ups from the Leviathan prediction on a CPU, so
+the loop keeps it small: preallocated KV caches rolled back in O(1), one target forward per round,
+one host sync (the accepted count), append-only Python lists for the context, and no per-token
+allocation beyond a 1-element tensor. `torch.set_num_threads` is left to the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.metrics import RequestMetrics
+from workers.engine.model import Transformer
+from workers.engine.proposers import DraftModelProposer, PredictedOutputProposer, Proposals, Proposer
+from workers.engine.tokenizer import Tokenizer
+from workers.engine.verifier import (
+    SamplingParams,
+    logits_to_probs,
+    sample_token,
+    score,
+    verify_greedy,
+    verify_sampled,
+)
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus the requested new tokens do not fit the model's context window."""
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens, without a final end-of-text token
+    text: str
+    metrics: RequestMetrics
+    finish_reason: str  # "stop" (end-of-text) or "length" (max_new_tokens reached)
+    prompt_ids: list[int]
+
+
+TokenCallback = Callable[[list[int]], None]
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer,
+        proposer: Proposer | None = None,
+        k: int = 4,
+        max_len: int | None = None,
+    ) -> None:
+        if k < 1 and proposer is not None:
+            raise ValueError(f"k must be >= 1 with a proposer, got {k}")
+        if isinstance(proposer, DraftModelProposer):
+            dv, tv = proposer.drafter.config.vocab_size, target.config.vocab_size
+            if dv != tv:
+                raise ValueError(f"drafter vocab_size {dv} differs from the target's {tv}")
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.k = k
+        self.cache = target.new_cache(1, max_len)
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        stop_at_eos: bool = True,
+        prediction: str | Sequence[int] | None = None,
+        on_tokens: TokenCallback | None = None,
+    ) -> GenerationResult:
+        """Generate up to `max_new_tokens` tokens after `prompt`.
+
+        `prediction` (Predicted Outputs) is proposed while the output follows it, with this decoder's
+        proposer as the fallback. `on_tokens` receives each round's new tokens (for streaming).
+        """
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature, top_p)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt_ids) + max_new_tokens > self.cache.max_len:
+            raise ContextLengthError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"context window of {self.cache.max_len} tokens"
+            )
+        proposer = self.proposer
+        metrics = RequestMetrics(k=self.k if proposer is not None or prediction is not None else 0)
+        if prediction is not None:
+            pred_ids = self.tokenizer.encode(prediction) if isinstance(prediction, str) else list(prediction)
+            proposer = PredictedOutputProposer(pred_ids, fallback=self.proposer)
+            metrics.prediction_tokens = len(pred_ids)
+            metrics.prediction_matched_tokens = 0
+        metrics.prompt_tokens = len(prompt_ids)
+        eos = self.tokenizer.eos_id if stop_at_eos else None
+        k = metrics.k
+        target, cache = self.target, self.cache
+        greedy = params.greedy
+
+        with torch.inference_mode():
+            cache.reset()
+            logits = target.forward_cached(torch.tensor([prompt_ids]), cache, last_only=True)[0, -1]  # [V]
+            first = sample_token(logits, params, generator)
+            t_first = time.perf_counter()
+            ctx = list(prompt_ids)  # prompt + output, append-only: proposers read it every round
+            ctx.append(first)
+            out_start = len(prompt_ids)
+            metrics.generated_tokens = 1
+            if on_tokens is not None:
+                on_tokens([first])
+            finish: str | None = None
+            if eos is not None and first == eos:
+                finish = "stop"
+            elif max_new_tokens == 1:
+                finish = "length"
+            if proposer is not None:
+                proposer.start_request(prompt_ids)
+            last = torch.tensor([first])
+            empty = Proposals.empty()
+            while finish is None:
+                remaining = max_new_tokens - (len(ctx) - out_start)
+                # Never draft past max_new_tokens: a step emits at most k'+1 tokens.
+                kk = min(k, remaining - 1)
+                props = proposer.propose(ctx, kk, params, generator) if proposer and kk > 0 else empty
+                drafts = props.token_ids  # [k']
+                pos0 = cache.pos
+                target_logits = score(target, cache, last, drafts)  # [k'+1, V]
+                if greedy:
+                    n, emitted = verify_greedy(target_logits, drafts)
+                else:
+                    n, emitted = verify_sampled(target_logits, drafts, props.probs, params, generator)
+                cache.rollback(pos0 + 1 + n)  # keep `last` and the accepted drafts
+                if eos is not None and eos in emitted:
+                    j = emitted.index(eos)
+                    emitted = emitted[: j + 1]
+                    n = min(n, j + 1)
+                    finish = "stop"
+                metrics.record_step(len(drafts), n, len(emitted), props.from_prediction)
+                ctx.extend(emitted)
+                if on_tokens is not None:
+                    on_tokens(emitted)
+                if finish is None and len(ctx) - out_start >= max_new_tokens:
+                    finish = "length"
+                last = torch.tensor(emitted[-1:])
+        t_end = time.perf_counter()
+
+        out = ctx[out_start:]
+        if finish == "stop" and out and out[-1] == eos:
+            out.pop()
+        metrics.ttft_ms = (t_first - t0) * 1000.0
+        metrics.total_ms = (t_end - t0) * 1000.0
+        if metrics.generated_tokens > 1:
+            metrics.inter_token_ms = (t_end - t_first) * 1000.0 / (metrics.generated_tokens - 1)
+        return GenerationResult(out, self.tokenizer.decode(out), metrics, finish, prompt_ids)
+
+
+@torch.inference_mode()
+def greedy_reference(
+    model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int | None = None
+) -> list[int]:
+    """Plain greedy decoding that recomputes the full sequence every step (no KV cache)."""
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(model(torch.tensor([ids]))[0, -1].argmax())
+        if tok == eos_id:
+            break
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: Transformer,
+    prompts: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Plain decoding of B equal-length prompts [B,T] -> new tokens [B, max_new_tokens].
+
+    No early stop: the caller cuts each row at its end-of-text token. Batching amortises the
+    per-step overhead, which makes this several times faster per token than batch-1 decoding.
+    """
+    b, t = prompts.shape
+    cache = model.new_cache(b, t + max_new_tokens)
+    logits = model.forward_cached(prompts, cache, last_only=True)[:, -1]  # [B,V]
+    out: list[torch.Tensor] = []
+    for i in range(max_new_tokens):
+        if temperature == 0.0:
+            tok = logits.argmax(dim=-1, keepdim=True)  # [B,1]
+        else:
+            probs = logits_to_probs(logits, temperature, top_p)  # [B,V]
+            tok = torch.multinomial(probs, 1, generator=generator)  # [B,1]
+        out.append(tok)
+        if i < max_new_tokens - 1:
+            logits = model.forward_cached(tok, cache)[:, -1]
+    return torch.cat(out, dim=1)  # [B, N]

@@ -1,0 +1,155 @@
+"""Per-request speculative-decoding metrics, counted by the decoder and exported in two shapes.
+
+Owns `RequestMetrics` and its exports: `to_native()` (the control plane's ingest record, exactly its
+keys), `to_fireworks()` (the `perf_metrics` object of Fireworks' `perf_metrics_in_response`) and
+`to_vllm()` (vLLM's per-request `metrics.speculative_decoding`).
+
+Definitions (raw counts; every ratio is derived from them):
+- prompt_tokens: tokens in the prompt (the prefill).
+- verify_steps: target forward passes after the prefill. A step whose proposer proposed nothing
+  (n-gram lookup without a match, speculation disabled) still counts: it is a plain decoding step.
+- drafted_tokens: draft tokens sent to verification. Positions after a rejection in the same step
+  still count as drafted; a proposer that proposes k' < k tokens adds only k'.
+- accepted_tokens: draft tokens the verifier accepted and that were kept (if an accepted draft is
+  the end-of-text token, the drafts after it are not kept and not counted).
+- generated_tokens: tokens the engine emitted: the token sampled from the prefill, then per step
+  the accepted drafts plus the target's own token; an end-of-text token counts, nothing after it.
+  So generated_tokens = 1 + accepted_tokens + verify_steps, less one if the request ended on an
+  accepted end-of-text draft.
+- accepted_per_position[i] (length k): verify steps in which draft position i was accepted, i.e. at
+  least i + 1 drafts were accepted; non-increasing in i and summing to accepted_tokens.
+- drafted_per_position[i]: verify steps that drafted position i; the Fireworks
+  `speculation-acceptance[i]` is accepted_per_position[i] / drafted_per_position[i].
+- hit rate = accepted_tokens / drafted_tokens; mean accepted length = 1 + accepted / verify_steps.
+- ttft_ms: from the start of the request to the first generated token (prefill + first sample).
+  inter_token_ms: mean gap per token after the first, (t_last - t_first) / (generated - 1).
+  total_ms: start of the request to the last token.
+- Predicted outputs: prediction_tokens = tokens in the caller's prediction; prediction_matched_tokens
+  = accepted drafts that came from the prediction (Fireworks `speculation-prompt-tokens` and
+  `speculation-prompt-matched-tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+NATIVE_KEYS = (
+    "request_id",
+    "drafted_tokens",
+    "accepted_tokens",
+    "verify_steps",
+    "generated_tokens",
+    "accepted_per_position",
+    "k",
+    "prompt_tokens",
+    "ttft_ms",
+    "inter_token_ms",
+    "total_ms",
+    "arm",
+    "drafter_version",
+)
+
+
+@dataclass
+class RequestMetrics:
+    k: int
+    prompt_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    generated_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    # One entry per verify step; kept because vLLM's "detailed" mode and our tests need them.
+    per_step_drafted: list[int] = field(default_factory=list)
+    per_step_accepted: list[int] = field(default_factory=list)
+    ttft_ms: float | None = None
+    inter_token_ms: float | None = None
+    total_ms: float | None = None
+    prediction_tokens: int | None = None
+    prediction_matched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.k
+        if not self.drafted_per_position:
+            self.drafted_per_position = [0] * self.k
+
+    def record_step(self, drafted: int, accepted: int, emitted: int, from_prediction: int = 0) -> None:
+        """Count one verify step: `drafted` proposals, `accepted` kept drafts, `emitted` new tokens."""
+        self.verify_steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.generated_tokens += emitted
+        self.per_step_drafted.append(drafted)
+        self.per_step_accepted.append(accepted)
+        for i in range(min(drafted, self.k)):
+            self.drafted_per_position[i] += 1
+        for i in range(min(accepted, self.k)):
+            self.accepted_per_position[i] += 1
+        if from_prediction:
+            self.prediction_matched_tokens = (self.prediction_matched_tokens or 0) + min(
+                accepted, from_prediction
+            )
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else None
+
+    def per_position_acceptance(self) -> list[float]:
+        pairs = zip(self.accepted_per_position, self.drafted_per_position, strict=True)
+        return [a / d if d else 0.0 for a, d in pairs]
+
+    def to_native(
+        self, request_id: str, arm: str = "live", drafter_version: int | None = None
+    ) -> dict[str, Any]:
+        return {
+            "request_id": request_id,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "verify_steps": self.verify_steps,
+            "generated_tokens": self.generated_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "k": self.k,
+            "prompt_tokens": self.prompt_tokens,
+            "ttft_ms": self.ttft_ms,
+            "inter_token_ms": self.inter_token_ms,
+            "total_ms": self.total_ms,
+            "arm": arm,
+            "drafter_version": drafter_version,
+        }
+
+    def to_fireworks(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt-tokens": self.prompt_tokens,
+            "speculation-generated-tokens": self.drafted_tokens,
+            "speculation-acceptance": self.per_position_acceptance(),
+            "server-time-to-first-token": (self.ttft_ms or 0.0) / 1000.0,
+            "server-processing-time": (self.total_ms or 0.0) / 1000.0,
+        }
+        if self.prediction_tokens is not None:
+            out["speculation-prompt-tokens"] = self.prediction_tokens
+            out["speculation-prompt-matched-tokens"] = self.prediction_matched_tokens or 0
+        return out
+
+    def to_vllm(self, detailed: bool = False) -> dict[str, Any]:
+        hist = [0] * (self.k + 1)
+        for a in self.per_step_accepted:
+            hist[min(a, self.k)] += 1
+        out: dict[str, Any] = {
+            "num_spec_steps": self.verify_steps,
+            "num_draft_tokens": self.drafted_tokens,
+            "num_accepted_draft_tokens": self.accepted_tokens,
+            "draft_acceptance_rate": self.hit_rate,
+            "mean_acceptance_length": self.mean_accepted_length,
+            "acceptance_histogram": hist,
+        }
+        if detailed:
+            out["per_step_drafted"] = list(self.per_step_drafted)
+            out["per_step_accepted"] = list(self.per_step_accepted)
+        return out

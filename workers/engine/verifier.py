@@ -1,0 +1,125 @@
+"""Scoring and verification: turn one target forward over the drafts into the tokens to emit.
+
+Owns `SamplingParams`, `logits_to_probs` (temperature + top-p, shared by target and drafter so both
+sample from the distributions the verifier reasons about), the scorer (`score`: one target forward
+over [last emitted token, d_1..d_k']) and the verifier:
+
+- greedy: accept drafts while they equal the target's argmax, then emit the target's argmax at the
+  first disagreement (or the bonus token after k' accepted drafts). The output is token-identical to
+  plain greedy decoding with the target.
+- rejection sampling (Leviathan et al. 2023; Chen et al. 2023): accept d_i with probability
+  min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from norm(max(0, p_i - q_i)); if all are
+  accepted sample the bonus token from p_{k'}. The emitted tokens are distributed exactly as the
+  target's. Deterministic proposers (n-gram, predicted output) have no q: they are a point mass, so
+  acceptance is p_i(d_i) and the residual is p_i with d_i removed.
+
+All randomness comes from the caller's `torch.Generator`, drawn in a fixed order (k' uniforms, then
+one categorical draw), so a seed reproduces a request exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.model import KVCache, Transformer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] (float32) after temperature and nucleus filtering."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+    drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def score(
+    target: Transformer, cache: KVCache, last_token: torch.Tensor, drafts: torch.Tensor
+) -> torch.Tensor:
+    """One target forward over [last_token, drafts...]: last_token [1], drafts [k'] -> logits [k'+1, V].
+
+    Row i is the target's prediction after d_i (row 0: after the last emitted token). The cache
+    advances by k'+1; the caller rolls back past the rejected drafts.
+    """
+    tokens = torch.cat((last_token, drafts)).unsqueeze(0) if drafts.numel() else last_token.unsqueeze(0)
+    return target.forward_cached(tokens, cache)[0]  # [k'+1, V]
+
+
+def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, list[int]]:
+    """target_logits [k'+1, V], drafts [k'] -> (accepted count n, emitted tokens d_1..d_n + target's)."""
+    best = target_logits.argmax(dim=-1)  # [k'+1]
+    k = drafts.numel()
+    if k == 0:
+        return 0, [int(best[0])]
+    n = int((best[:k] == drafts).cumprod(0).sum())
+    return n, torch.cat((drafts[:n], best[n : n + 1])).tolist()
+
+
+def verify_sampled(
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[int, list[int]]:
+    """Rejection sampling. target_logits [k'+1, V], drafts [k'], draft_probs q [k', V] or None
+    (a deterministic proposer) -> (accepted count n, emitted tokens)."""
+    p = logits_to_probs(target_logits, params.temperature, params.top_p)  # [k'+1, V]
+    return rejection_sample(p, drafts, draft_probs, generator)
+
+
+def rejection_sample(
+    p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None = None
+) -> tuple[int, list[int]]:
+    """p [k'+1, V] target probabilities, drafts [k'], q [k', V] or None -> (n accepted, emitted)."""
+    k = drafts.numel()
+    n = 0
+    if k:
+        rows = torch.arange(k)
+        p_d = p[rows, drafts]  # [k']
+        u = torch.rand(k, generator=generator, dtype=p.dtype)  # [k']
+        # u < p/q written as u*q < p: no division, and q(d) > 0 since d was sampled from q.
+        accept = u * q[rows, drafts] < p_d if q is not None else u < p_d  # [k']
+        n = int(accept.cumprod(0).sum())
+    if n < k:
+        if q is not None:
+            residual = (p[n] - q[n]).clamp_min(0.0)  # [V]
+        else:
+            residual = p[n].clone()
+            residual[drafts[n]] = 0.0
+        # p == q (to rounding) leaves no residual mass; rejection was then a rounding event.
+        dist = residual if float(residual.sum()) > 1e-12 else p[n]
+    else:
+        dist = p[k]
+    tok = torch.multinomial(dist, 1, generator=generator)  # [1]; multinomial normalises
+    return n, torch.cat((drafts[:n], tok)).tolist()
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from logits [V] (argmax when greedy)."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = logits_to_probs(logits, params.temperature, params.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
