@@ -30,6 +30,7 @@ class Settings(BaseSettings):
     database_url: str = f"sqlite:///{VAR_DIR}/controlplane.db"
     broker_url: str = f"sqla+sqlite:///{VAR_DIR}/broker.db"
     result_backend_url: str = f"db+sqlite:///{VAR_DIR}/celery-results.db"
+    var_dir: Path = VAR_DIR
     artifact_dir: Path = VAR_DIR / "artifacts"
     # Peppers the API-key hash so a leaked database alone cannot be brute-forced offline.
     secret_key: str = DEFAULT_SECRET

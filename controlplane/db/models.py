@@ -144,7 +144,9 @@ class Deployment(Base):
             "ngram_speculation_length IS NULL OR ngram_speculation_length BETWEEN 1 AND 16",
             name="ngram_range",
         ),
-        CheckConstraint("NOT (draft_model IS NOT NULL AND ngram_speculation_length IS NOT NULL)", name="exclusive"),
+        CheckConstraint(
+            "NOT (draft_model IS NOT NULL AND ngram_speculation_length IS NOT NULL)", name="exclusive"
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -185,7 +187,9 @@ class DrafterVersion(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
     version: Mapped[int] = mapped_column(Integer)
-    parent_version_id: Mapped[int | None] = mapped_column(ForeignKey("drafter_versions.id", ondelete="SET NULL"))
+    parent_version_id: Mapped[int | None] = mapped_column(
+        ForeignKey("drafter_versions.id", ondelete="SET NULL")
+    )
     training_job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
     traffic_window_start: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     traffic_window_end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,163 @@
+"""Routes that take acceptance metrics in (batches, Prometheus pushes) and serve statistics."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.exc import IntegrityError
+
+from controlplane.api.deps import DataWriter, Reader, SessionDep, SettingsDep
+from controlplane.config import Settings
+from controlplane.deployments.service import get_deployment
+from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
+from controlplane.ingest.formats import BatchTooLargeError, BatchValidationError, parse_batch
+from controlplane.ingest.prometheus_push import store_prometheus_push
+from controlplane.ingest.record import AcceptanceRecord
+from controlplane.ingest.service import IngestResult, is_unique_violation, store_records
+from controlplane.stats.service import acceptance_series
+
+router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["acceptance"])
+
+
+async def _read_body(request: Request, settings: Settings) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
+        raise PayloadTooLargeError(
+            f"body of {declared} bytes exceeds the {settings.max_body_bytes}-byte limit"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > settings.max_body_bytes:
+            raise PayloadTooLargeError(f"body exceeds the {settings.max_body_bytes}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _store_with_retry(
+    session: SessionDep, deployment_id: int, records: list[AcceptanceRecord]
+) -> IngestResult:
+    # A concurrent writer may store one of our request ids between our lookup and our COPY;
+    # the unique constraint catches it, and a second pass then reports it as a duplicate.
+    for attempt in range(2):
+        try:
+            result = store_records(session=session, deployment_id=deployment_id, records=records)
+            session.commit()
+            return result
+        except IntegrityError as exc:
+            session.rollback()
+            if attempt == 1 or not is_unique_violation(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+@router.post("/acceptance")
+async def ingest_batch(
+    account: str,
+    deployment: str,
+    request: Request,
+    principal: DataWriter,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    """Store a batch of acceptance records (native, Fireworks, vLLM, SGLang or TensorRT-LLM shape).
+
+    All or nothing: any invalid record rejects the whole batch with every problem listed.
+    Records whose request id is already stored are skipped and reported (idempotent retries).
+    """
+    body = await _read_body(request, settings)
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValidationProblem(f"body is not valid JSON: {exc}") from exc
+    if isinstance(payload, dict) and isinstance(payload.get("records"), list):
+        count, limit = len(payload["records"]), settings.max_batch_records
+        if count > limit:
+            raise PayloadTooLargeError(f"batch of {count} records exceeds the limit of {limit}")
+    try:
+        records = parse_batch(payload)
+    except BatchTooLargeError as exc:
+        raise PayloadTooLargeError(str(exc), details=exc.as_dicts()) from exc
+    except BatchValidationError as exc:
+        raise ValidationProblem(
+            f"{len(exc.problems)} problem(s) in the batch; nothing was stored", details=exc.as_dicts()
+        ) from exc
+    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+    result = await run_in_threadpool(_store_with_retry, session, target.id, records)
+    return result.as_dict()
+
+
+@router.post("/acceptance/prometheus")
+async def ingest_prometheus(
+    account: str,
+    deployment: str,
+    request: Request,
+    principal: DataWriter,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    """Take a vLLM Prometheus text exposition; counter deltas since the last push become records."""
+    body = await _read_body(request, settings)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValidationProblem("body must be UTF-8 Prometheus text exposition") from exc
+    scrape_id = request.query_params.get("scrape_id") or hashlib.sha256(body).hexdigest()[:16]
+    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+
+    def work() -> dict[str, Any]:
+        outcome = store_prometheus_push(
+            session=session, deployment_id=target.id, text=text, scrape_id=scrape_id
+        )
+        session.commit()
+        return outcome
+
+    try:
+        return await run_in_threadpool(work)
+    except DomainError:
+        session.rollback()
+        raise
+
+
+def _parse_time(value: str | None, default: datetime, name: str) -> datetime:
+    if value is None:
+        return default
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise ValidationProblem(f"{name} must be an ISO-8601 time, got {value!r}") from exc
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+@router.get("/stats")
+def stats(
+    account: str,
+    deployment: str,
+    principal: Reader,
+    session: SessionDep,
+    start: str | None = None,
+    end: str | None = None,
+    bucket_seconds: int = 300,
+    arm: str | None = None,
+    drafter_version: int | None = None,
+) -> dict[str, Any]:
+    """Hit rate, accepted length, per-position acceptance, latency percentiles and throughput."""
+    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+    now = datetime.now(UTC)
+    end_at = _parse_time(end, now + timedelta(minutes=1), "end")
+    start_at = _parse_time(start, end_at - timedelta(hours=24), "start")
+    return acceptance_series(
+        session=session,
+        deployment_id=target.id,
+        start=start_at,
+        end=end_at,
+        bucket_seconds=bucket_seconds,
+        arm=arm,
+        drafter_version=drafter_version,
+    )

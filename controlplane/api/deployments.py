@@ -1,0 +1,124 @@
+"""Routes for deployments (firectl semantics) and their audit history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, status
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.api.deps import Admin, Reader, SessionDep
+from controlplane.audit.service import entry_summary, list_entries
+from controlplane.deployments.service import (
+    DeploymentChanges,
+    create_deployment,
+    delete_deployment,
+    describe,
+    get_deployment,
+    list_deployments,
+    resource_name,
+    update_deployment,
+)
+from controlplane.deployments.spec import SpeculationRequest
+
+router = APIRouter(prefix="/v1/accounts/{account}", tags=["deployments"])
+
+
+class SpeculationFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    draft_model: str | None = Field(default=None, max_length=500)
+    draft_token_count: int | None = None
+    ngram_speculation_length: int | None = None
+    disable_speculative_decoding: bool | None = None
+
+    def speculation(self) -> SpeculationRequest:
+        return SpeculationRequest(
+            draft_model=self.draft_model,
+            draft_token_count=self.draft_token_count,
+            ngram_speculation_length=self.ngram_speculation_length,
+            disable_speculative_decoding=self.disable_speculative_decoding,
+        )
+
+
+class DeploymentCreate(SpeculationFields):
+    deployment_id: str | None = Field(default=None, description="name; generated when omitted")
+    target_model: str = Field(min_length=1, max_length=500)
+    display_name: str | None = Field(default=None, max_length=200)
+    auto_realign: bool = True
+
+
+class DeploymentUpdate(SpeculationFields):
+    display_name: str | None = Field(default=None, max_length=200)
+    auto_realign: bool | None = None
+    trace_sample_rate: float | None = None
+    trace_retention_days: int | None = None
+    row_version: int | None = Field(default=None, description="optimistic lock: fail with 409 if it moved")
+
+
+@router.get("/deployments")
+def list_(account: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+    rows = list_deployments(session=session, account_id=principal.account_id)
+    return {"deployments": [describe(session=session, deployment=d, account_name=account) for d in rows]}
+
+
+@router.post("/deployments", status_code=status.HTTP_201_CREATED)
+def create(account: str, body: DeploymentCreate, principal: Admin, session: SessionDep) -> dict[str, Any]:
+    deployment = create_deployment(
+        session=session,
+        principal=principal,
+        target_model=body.target_model,
+        speculation=body.speculation(),
+        name=body.deployment_id,
+        display_name=body.display_name,
+        auto_realign=body.auto_realign,
+    )
+    session.commit()
+    return describe(session=session, deployment=deployment, account_name=account)
+
+
+@router.get("/deployments/{deployment}")
+def get(account: str, deployment: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+    row = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+    return describe(session=session, deployment=row, account_name=account)
+
+
+@router.patch("/deployments/{deployment}")
+def update(
+    account: str, deployment: str, body: DeploymentUpdate, principal: Admin, session: SessionDep
+) -> dict[str, Any]:
+    row = update_deployment(
+        session=session,
+        principal=principal,
+        name=deployment,
+        changes=DeploymentChanges(
+            speculation=body.speculation(),
+            display_name=body.display_name,
+            auto_realign=body.auto_realign,
+            trace_sample_rate=body.trace_sample_rate,
+            trace_retention_days=body.trace_retention_days,
+            expected_row_version=body.row_version,
+        ),
+    )
+    session.commit()
+    return describe(session=session, deployment=row, account_name=account)
+
+
+@router.delete("/deployments/{deployment}", status_code=status.HTTP_204_NO_CONTENT)
+def delete(account: str, deployment: str, principal: Admin, session: SessionDep) -> None:
+    delete_deployment(session=session, principal=principal, name=deployment)
+    session.commit()
+
+
+@router.get("/audit")
+def audit(
+    account: str, principal: Reader, session: SessionDep, deployment: str | None = None, limit: int = 100
+) -> dict[str, Any]:
+    prefix = resource_name(account, deployment) if deployment else None
+    entries = list_entries(
+        session=session,
+        account_id=principal.account_id,
+        resource_prefix=prefix,
+        limit=max(1, min(limit, 1000)),
+    )
+    return {"entries": [entry_summary(e) for e in entries]}

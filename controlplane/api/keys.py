@@ -1,0 +1,68 @@
+"""Routes for the caller's identity and the account's API keys (admin only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, status
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.accounts.service import issue_key, key_summary, list_keys, revoke_key
+from controlplane.api.deps import Admin, CurrentPrincipal, SessionDep, SettingsDep
+from controlplane.audit.service import record_change
+from controlplane.db.models import Account, Role
+
+router = APIRouter(tags=["keys"])
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=100)
+    role: Role
+
+
+@router.get("/v1/whoami")
+def whoami(principal: CurrentPrincipal) -> dict[str, Any]:
+    return {"account": principal.account_name, "key": principal.key_name, "role": principal.role.value}
+
+
+@router.get("/v1/accounts/{account}/api-keys")
+def list_(account: str, principal: Admin, session: SessionDep) -> dict[str, Any]:
+    return {"api_keys": [key_summary(k) for k in list_keys(session=session, account_id=principal.account_id)]}
+
+
+@router.post("/v1/accounts/{account}/api-keys", status_code=status.HTTP_201_CREATED)
+def create(
+    account: str, body: KeyCreate, principal: Admin, session: SessionDep, settings: SettingsDep
+) -> dict[str, Any]:
+    owner = session.get_one(Account, principal.account_id)
+    issued = issue_key(
+        session=session, account=owner, name=body.name, role=body.role, secret=settings.secret_key
+    )
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action="api_key.create",
+        resource=f"accounts/{account}/api-keys/{issued.key.id}",
+        before=None,
+        after=key_summary(issued.key),
+    )
+    session.commit()
+    return {**key_summary(issued.key), "key": issued.secret}
+
+
+@router.delete("/v1/accounts/{account}/api-keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT)
+def revoke(account: str, key_id: int, principal: Admin, session: SessionDep) -> None:
+    key = revoke_key(session=session, account_id=principal.account_id, key_id=key_id)
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action="api_key.revoke",
+        resource=f"accounts/{account}/api-keys/{key_id}",
+        before=None,
+        after=key_summary(key),
+    )
+    session.commit()

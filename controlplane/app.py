@@ -1,0 +1,64 @@
+"""The FastAPI application factory: routers, error mapping and start-up."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from controlplane.api import acceptance, deployments, health, keys
+from controlplane.bootstrap import prepare_embedded_database
+from controlplane.config import Settings, get_settings
+from controlplane.errors import DomainError
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, code: str, message: str, details: object = None) -> JSONResponse:
+    body: dict[str, object] = {"error": {"code": code, "message": message}}
+    if details is not None:
+        body["error"] = {"code": code, "message": message, "details": details}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.is_sqlite and settings.environment == "development":
+            # The embedded default needs no operator: migrate and create the first account.
+            prepare_embedded_database(settings)
+        yield
+
+    app = FastAPI(
+        title="Speculative-decoding drafter control plane",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs",
+    )
+    app.state.settings = settings
+
+    @app.exception_handler(DomainError)
+    async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
+        return _error(exc.status_code, type(exc).__name__, exc.message, exc.details)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        response = _error(exc.status_code, "HTTPError", str(exc.detail))
+        if exc.headers:
+            response.headers.update(exc.headers)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        details = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
+        return _error(422, "ValidationProblem", "request is invalid", details)
+
+    for module in (health, keys, deployments, acceptance):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,1 @@
+"""The audit log: who changed what, with the state before and after."""

@@ -1,0 +1,254 @@
+"""`controlplane ...`: serve the API, initialise an account, and firectl-like resource verbs.
+
+Resource verbs talk to the API over HTTP (CONTROLPLANE_API_URL, CONTROLPLANE_API_KEY; in
+development the key falls back to var/admin.key written at first start).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any, NoReturn
+
+import httpx
+import typer
+
+from controlplane.bootstrap import dev_key_file, init_account
+from controlplane.config import Settings, get_settings
+
+app = typer.Typer(no_args_is_help=True, help="Control plane for speculative-decoding drafters.")
+deployment_app = typer.Typer(no_args_is_help=True, help="Create, update, get, list and delete deployments.")
+key_app = typer.Typer(no_args_is_help=True, help="Manage API keys of your account.")
+app.add_typer(deployment_app, name="deployment")
+app.add_typer(key_app, name="key")
+
+
+class ApiClient:
+    """A small HTTP client that turns API errors into readable CLI failures."""
+
+    def __init__(self, settings: Settings) -> None:
+        key = settings.api_key
+        if key is None and dev_key_file(settings).exists():
+            key = dev_key_file(settings).read_text().strip()
+        if not key:
+            _fail("no API key: set CONTROLPLANE_API_KEY (printed once by `controlplane init`)")
+        self._http = httpx.Client(
+            base_url=settings.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30.0
+        )
+        self._account: str | None = None
+
+    @property
+    def account(self) -> str:
+        if self._account is None:
+            self._account = str(self.request("GET", "/v1/whoami")["account"])
+        return self._account
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        try:
+            response = self._http.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            _fail(f"cannot reach the API at {self._http.base_url}: {exc}")
+        if response.status_code >= 400:
+            try:
+                error = response.json().get("error", {})
+                message = error.get("message", response.text)
+                details = error.get("details")
+            except ValueError:
+                message, details = response.text, None
+            _fail(
+                f"{response.status_code}: {message}"
+                + (f"\n{json.dumps(details, indent=2)}" if details else "")
+            )
+        return response.json() if response.content else None
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=1)
+
+
+def _show(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+@app.command()
+def init(account: Annotated[str, typer.Option(help="name of the first account")] = "default") -> None:
+    """Migrate the database and create the first account, printing its admin key once."""
+    settings = get_settings()
+    issued = init_account(settings, account_name=account)
+    if issued is None:
+        _fail("an account already exists; keys are only printed when they are created")
+    typer.echo(f"account: {account}\nadmin API key (shown once, store it now): {issued.secret}")
+
+
+@app.command()
+def migrate() -> None:
+    """Upgrade the database to the newest schema (alembic upgrade head)."""
+    from controlplane.db.migrate import upgrade_to_head
+
+    upgrade_to_head(get_settings().database_url)
+    typer.echo("database at head")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+) -> None:
+    """Run the API server."""
+    import uvicorn
+
+    from controlplane.app import create_app
+
+    settings = get_settings()
+    settings.ensure_local_dirs()
+    host = host or settings.api_host
+    port = port or settings.api_port
+    typer.echo(f"control plane API on http://{host}:{port}  (OpenAPI: http://{host}:{port}/docs)")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+
+
+@app.command()
+def demo() -> None:
+    """Start the API on the embedded default (SQLite under ./var) and say where it listens."""
+    settings = get_settings()
+    typer.echo(f"database: {settings.database_url}")
+    serve(host=None, port=None)
+
+
+def _speculation_body(
+    draft_model: str | None,
+    draft_token_count: int | None,
+    ngram_speculation_length: int | None,
+    disable_speculative_decoding: bool | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if draft_model is not None:
+        body["draft_model"] = draft_model
+    if draft_token_count is not None:
+        body["draft_token_count"] = draft_token_count
+    if ngram_speculation_length is not None:
+        body["ngram_speculation_length"] = ngram_speculation_length
+    if disable_speculative_decoding is not None:
+        body["disable_speculative_decoding"] = disable_speculative_decoding
+    return body
+
+
+DraftModel = Annotated[str | None, typer.Option("--draft-model", help="drafter model to speculate with")]
+DraftTokenCount = Annotated[
+    int | None, typer.Option("--draft-token-count", help="tokens drafted per step (k)")
+]
+NgramLength = Annotated[
+    int | None, typer.Option("--ngram-speculation-length", help="n-gram prompt-lookup length")
+]
+DisableSpec = Annotated[
+    bool | None,
+    typer.Option(
+        "--disable-speculative-decoding/--enable-speculative-decoding", help="turn speculation off/on"
+    ),
+]
+
+
+@deployment_app.command("create")
+def deployment_create(
+    target_model: Annotated[str, typer.Argument(help="the target model to serve")],
+    deployment_id: Annotated[str | None, typer.Option("--deployment-id")] = None,
+    display_name: Annotated[str | None, typer.Option("--display-name")] = None,
+    draft_model: DraftModel = None,
+    draft_token_count: DraftTokenCount = None,
+    ngram_speculation_length: NgramLength = None,
+    disable_speculative_decoding: DisableSpec = None,
+    auto_realign: Annotated[bool, typer.Option("--auto-realign/--no-auto-realign")] = True,
+) -> None:
+    """Create a deployment (no speculation flag: inherit the default drafter)."""
+    client = ApiClient(get_settings())
+    body = {
+        "target_model": target_model,
+        "deployment_id": deployment_id,
+        "display_name": display_name,
+        "auto_realign": auto_realign,
+        **_speculation_body(
+            draft_model, draft_token_count, ngram_speculation_length, disable_speculative_decoding
+        ),
+    }
+    _show(client.request("POST", f"/v1/accounts/{client.account}/deployments", body))
+
+
+@deployment_app.command("update")
+def deployment_update(
+    deployment_id: Annotated[str, typer.Argument()],
+    draft_model: DraftModel = None,
+    draft_token_count: DraftTokenCount = None,
+    ngram_speculation_length: NgramLength = None,
+    disable_speculative_decoding: DisableSpec = None,
+    auto_realign: Annotated[bool | None, typer.Option("--auto-realign/--no-auto-realign")] = None,
+    display_name: Annotated[str | None, typer.Option("--display-name")] = None,
+) -> None:
+    """Change the drafter, draft-token count or options of a deployment."""
+    client = ApiClient(get_settings())
+    body = _speculation_body(
+        draft_model, draft_token_count, ngram_speculation_length, disable_speculative_decoding
+    )
+    if auto_realign is not None:
+        body["auto_realign"] = auto_realign
+    if display_name is not None:
+        body["display_name"] = display_name
+    if not body:
+        _fail("nothing to update: pass at least one flag")
+    _show(client.request("PATCH", f"/v1/accounts/{client.account}/deployments/{deployment_id}", body))
+
+
+@deployment_app.command("get")
+def deployment_get(deployment_id: Annotated[str, typer.Argument()]) -> None:
+    """Show one deployment."""
+    client = ApiClient(get_settings())
+    _show(client.request("GET", f"/v1/accounts/{client.account}/deployments/{deployment_id}"))
+
+
+@deployment_app.command("list")
+def deployment_list() -> None:
+    """List the account's deployments."""
+    client = ApiClient(get_settings())
+    rows = client.request("GET", f"/v1/accounts/{client.account}/deployments")["deployments"]
+    for row in rows:
+        k = row["effective_draft_token_count"]
+        typer.echo(f"{row['name']}\t{row['target_model']}\t{row['speculation_mode']}\tk={k}")
+    if not rows:
+        typer.echo("no deployments", err=True)
+
+
+@deployment_app.command("delete")
+def deployment_delete(deployment_id: Annotated[str, typer.Argument()]) -> None:
+    """Delete a deployment (its history is kept)."""
+    client = ApiClient(get_settings())
+    client.request("DELETE", f"/v1/accounts/{client.account}/deployments/{deployment_id}")
+    typer.echo(f"deleted {deployment_id}")
+
+
+@key_app.command("create")
+def key_create(
+    name: Annotated[str, typer.Argument()],
+    role: Annotated[str, typer.Option(help="admin | ingest | viewer")] = "viewer",
+) -> None:
+    """Issue a key; the secret is printed once."""
+    client = ApiClient(get_settings())
+    _show(client.request("POST", f"/v1/accounts/{client.account}/api-keys", {"name": name, "role": role}))
+
+
+@key_app.command("list")
+def key_list() -> None:
+    """List the account's keys (never their secrets)."""
+    client = ApiClient(get_settings())
+    _show(client.request("GET", f"/v1/accounts/{client.account}/api-keys"))
+
+
+@key_app.command("revoke")
+def key_revoke(key_id: Annotated[int, typer.Argument()]) -> None:
+    """Revoke a key at once."""
+    client = ApiClient(get_settings())
+    client.request("DELETE", f"/v1/accounts/{client.account}/api-keys/{key_id}")
+    typer.echo(f"revoked key {key_id}")
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app(sys.argv[1:])

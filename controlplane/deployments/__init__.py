@@ -1,0 +1,1 @@
+"""Deployments: speculation settings (firectl semantics), their validation and lifecycle."""

@@ -1,0 +1,241 @@
+"""Deployment services: create, update, get, list and delete, each audited."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
+
+from controlplane.accounts.service import Principal, validate_name
+from controlplane.audit.service import record_change
+from controlplane.db.models import Deployment, DrafterState, DrafterVersion, utcnow
+from controlplane.deployments.spec import (
+    SpeculationConfig,
+    SpeculationConfigError,
+    SpeculationRequest,
+    resolve_create,
+    resolve_update,
+)
+from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
+
+DRIFT_POLICY_KEYS = {"arl0_requests", "min_drop", "cooldown_s"}
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentChanges:
+    """Fields an update may change; None means unchanged."""
+
+    speculation: SpeculationRequest
+    display_name: str | None = None
+    auto_realign: bool | None = None
+    trace_sample_rate: float | None = None
+    trace_retention_days: int | None = None
+    expected_row_version: int | None = None
+
+
+def resource_name(account_name: str, deployment_name: str) -> str:
+    return f"accounts/{account_name}/deployments/{deployment_name}"
+
+
+def speculation_of(deployment: Deployment) -> SpeculationConfig:
+    return SpeculationConfig(
+        deployment.speculation_mode,
+        deployment.draft_model,
+        deployment.draft_token_count,
+        deployment.ngram_speculation_length,
+    )
+
+
+def _apply(deployment: Deployment, config: SpeculationConfig) -> None:
+    deployment.speculation_mode = config.mode
+    deployment.draft_model = config.draft_model
+    deployment.draft_token_count = config.draft_token_count
+    deployment.ngram_speculation_length = config.ngram_speculation_length
+
+
+def active_drafter(*, session: Session, deployment_id: int) -> DrafterVersion | None:
+    return session.scalar(
+        select(DrafterVersion).where(
+            DrafterVersion.deployment_id == deployment_id, DrafterVersion.state == DrafterState.active
+        )
+    )
+
+
+def describe(*, session: Session, deployment: Deployment, account_name: str) -> dict[str, Any]:
+    """The deployment as the API shows it."""
+    config = speculation_of(deployment)
+    active = active_drafter(session=session, deployment_id=deployment.id)
+    return {
+        "name": resource_name(account_name, deployment.name),
+        "deployment_id": deployment.name,
+        "display_name": deployment.display_name,
+        "target_model": deployment.target_model,
+        "speculation_mode": config.mode.value,
+        "draft_model": config.draft_model,
+        "draft_token_count": config.draft_token_count,
+        "effective_draft_token_count": config.effective_draft_token_count,
+        "ngram_speculation_length": config.ngram_speculation_length,
+        "active_drafter_version": active.version if active else None,
+        "auto_realign": deployment.auto_realign,
+        "drift_policy": deployment.drift_policy,
+        "trace_sample_rate": deployment.trace_sample_rate,
+        "trace_retention_days": deployment.trace_retention_days,
+        "row_version": deployment.row_version,
+        "created_at": deployment.created_at.isoformat(),
+        "updated_at": deployment.updated_at.isoformat(),
+    }
+
+
+def _audit_view(deployment: Deployment) -> dict[str, Any]:
+    return {
+        "target_model": deployment.target_model,
+        "speculation_mode": deployment.speculation_mode.value,
+        "draft_model": deployment.draft_model,
+        "draft_token_count": deployment.draft_token_count,
+        "ngram_speculation_length": deployment.ngram_speculation_length,
+        "auto_realign": deployment.auto_realign,
+        "display_name": deployment.display_name,
+        "trace_sample_rate": deployment.trace_sample_rate,
+        "trace_retention_days": deployment.trace_retention_days,
+    }
+
+
+def get_deployment(*, session: Session, account_id: int, name: str) -> Deployment:
+    """A live deployment of the account; another account's deployment is simply not found."""
+    deployment = session.scalar(
+        select(Deployment).where(
+            Deployment.account_id == account_id, Deployment.name == name, Deployment.deleted_at.is_(None)
+        )
+    )
+    if deployment is None:
+        raise NotFoundError(f"deployment {name!r} not found")
+    return deployment
+
+
+def list_deployments(*, session: Session, account_id: int) -> list[Deployment]:
+    return list(
+        session.scalars(
+            select(Deployment)
+            .where(Deployment.account_id == account_id, Deployment.deleted_at.is_(None))
+            .order_by(Deployment.name)
+        )
+    )
+
+
+def create_deployment(
+    *,
+    session: Session,
+    principal: Principal,
+    target_model: str,
+    speculation: SpeculationRequest,
+    name: str | None = None,
+    display_name: str | None = None,
+    auto_realign: bool = True,
+) -> Deployment:
+    """Create a deployment after validating its speculation flags."""
+    if not target_model.strip():
+        raise ValidationProblem("target_model must not be empty")
+    name = validate_name(name, what="deployment") if name else f"dep-{secrets.token_hex(4)}"
+    try:
+        config = resolve_create(speculation)
+    except SpeculationConfigError as exc:
+        raise ValidationProblem(str(exc)) from exc
+    exists = session.scalar(
+        select(Deployment.id).where(
+            Deployment.account_id == principal.account_id,
+            Deployment.name == name,
+            Deployment.deleted_at.is_(None),
+        )
+    )
+    if exists is not None:
+        raise ConflictError(f"deployment {name!r} already exists")
+    deployment = Deployment(
+        account_id=principal.account_id,
+        name=name,
+        display_name=display_name,
+        target_model=target_model,
+        auto_realign=auto_realign,
+        drift_policy={},
+        canary_policy={},
+    )
+    _apply(deployment, config)
+    session.add(deployment)
+    session.flush()
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action="deployment.create",
+        resource=resource_name(principal.account_name, name),
+        before=None,
+        after=_audit_view(deployment),
+    )
+    return deployment
+
+
+def update_deployment(
+    *, session: Session, principal: Principal, name: str, changes: DeploymentChanges
+) -> Deployment:
+    """Change speculation settings or options; optimistic locking via ``expected_row_version``."""
+    deployment = get_deployment(session=session, account_id=principal.account_id, name=name)
+    if changes.expected_row_version is not None and changes.expected_row_version != deployment.row_version:
+        raise ConflictError(
+            f"deployment {name!r} changed since row_version {changes.expected_row_version} "
+            f"(now {deployment.row_version}); re-read it and retry"
+        )
+    before = _audit_view(deployment)
+    try:
+        config = resolve_update(speculation_of(deployment), changes.speculation)
+    except SpeculationConfigError as exc:
+        raise ValidationProblem(str(exc)) from exc
+    _apply(deployment, config)
+    if changes.display_name is not None:
+        deployment.display_name = changes.display_name
+    if changes.auto_realign is not None:
+        deployment.auto_realign = changes.auto_realign
+    if changes.trace_sample_rate is not None:
+        if not 0.0 <= changes.trace_sample_rate <= 1.0:
+            raise ValidationProblem("trace_sample_rate must be between 0 and 1")
+        deployment.trace_sample_rate = changes.trace_sample_rate
+    if changes.trace_retention_days is not None:
+        if changes.trace_retention_days < 1:
+            raise ValidationProblem("trace_retention_days must be at least 1")
+        deployment.trace_retention_days = changes.trace_retention_days
+    after = _audit_view(deployment)
+    if after == before:
+        return deployment
+    try:
+        session.flush()
+    except StaleDataError as exc:
+        raise ConflictError(f"deployment {name!r} was changed concurrently; re-read it and retry") from exc
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action="deployment.update",
+        resource=resource_name(principal.account_name, name),
+        before=before,
+        after=after,
+    )
+    return deployment
+
+
+def delete_deployment(*, session: Session, principal: Principal, name: str) -> None:
+    """Soft delete: the name becomes free, the history (records, audit) is kept."""
+    deployment = get_deployment(session=session, account_id=principal.account_id, name=name)
+    before = _audit_view(deployment)
+    deployment.deleted_at = utcnow()
+    session.flush()
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action="deployment.delete",
+        resource=resource_name(principal.account_name, name),
+        before=before,
+        after=None,
+    )

@@ -1,0 +1,1 @@
+"""Read side of acceptance: time series computed from per-minute rollups."""

@@ -1,0 +1,147 @@
+"""Shared fixtures: real databases (SQLite file and the machine's PostgreSQL), accounts, clients.
+
+PostgreSQL tests run in one outer transaction per test, with every service commit turned into a
+SAVEPOINT release, so each test sees a clean database without re-migrating. SQLite tests get a
+fresh copy of a migrated template file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
+
+from controlplane.accounts.service import create_account, issue_key
+from controlplane.api.deps import get_session
+from controlplane.app import create_app
+from controlplane.config import Settings
+from controlplane.db.migrate import downgrade_to_base, upgrade_to_head
+from controlplane.db.models import Account, Role
+from controlplane.db.session import get_engine, get_sessionmaker
+
+PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+PG_TEST_DB = "controlplane_test"
+TEST_SECRET = "test-secret-not-for-production"
+
+
+def pg_url(database: str = PG_TEST_DB) -> str:
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + database
+
+
+def recreate_pg_database(name: str) -> str:
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    return pg_url(name)
+
+
+@pytest.fixture(scope="session")
+def migrated_pg_url() -> str:
+    url = recreate_pg_database(PG_TEST_DB)
+    upgrade_to_head(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    upgrade_to_head(f"sqlite:///{path}")
+    get_engine(f"sqlite:///{path}").dispose()
+    return path
+
+
+@dataclass
+class Database:
+    """A database for one test: its URL, dialect and a session factory in the test's scope."""
+
+    url: str
+    dialect: str
+    new_session: Callable[[], Session]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    if request.param == "sqlite":
+        template: Path = request.getfixturevalue("sqlite_template")
+        path = tmp_path / "controlplane.db"
+        shutil.copy(template, path)
+        url = f"sqlite:///{path}"
+        yield Database(url, "sqlite", get_sessionmaker(url))
+        get_engine(url).dispose()
+        return
+    url = request.getfixturevalue("migrated_pg_url")
+    connection = get_engine(url).connect()
+    outer = connection.begin()
+
+    def new_session() -> Session:
+        return Session(bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False)
+
+    yield Database(url, "postgresql", new_session)
+    outer.rollback()
+    connection.close()
+
+
+@dataclass
+class Tenant:
+    """An account with one key of each role."""
+
+    name: str
+    account_id: int
+    keys: dict[Role, str]
+
+    def headers(self, role: Role) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[role]}"}
+
+
+def make_tenant(session: Session, name: str) -> Tenant:
+    account, admin = create_account(session=session, name=name, secret=TEST_SECRET)
+    keys = {Role.admin: admin.secret}
+    owner = session.get_one(Account, account.id)
+    for role in (Role.ingest, Role.viewer):
+        keys[role] = issue_key(
+            session=session, account=owner, name=role.value, role=role, secret=TEST_SECRET
+        ).secret
+    return Tenant(name, account.id, keys)
+
+
+@pytest.fixture
+def tenants(db: Database) -> tuple[Tenant, Tenant]:
+    session = db.new_session()
+    first, second = make_tenant(session, "acme"), make_tenant(session, "globex")
+    session.commit()
+    session.close()
+    return first, second
+
+
+@pytest.fixture
+def settings(db: Database) -> Settings:
+    return Settings(database_url=db.url, environment="test", secret_key=TEST_SECRET)
+
+
+@pytest.fixture
+def client(db: Database, settings: Settings) -> Iterator[TestClient]:
+    app = create_app(settings)
+
+    def session_override() -> Iterator[Session]:
+        session = db.new_session()
+        try:
+            yield session
+        finally:
+            session.rollback()
+            session.close()
+
+    app.dependency_overrides[get_session] = session_override
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+__all__ = ["Database", "Tenant", "downgrade_to_base", "recreate_pg_database"]
