@@ -166,6 +166,26 @@ def detect_format(record: object) -> str:
     return candidates[0]
 
 
+def record_problems(record: AcceptanceRecord) -> list[tuple[str, str]]:
+    """(field, message) for every count identity an already-built record breaks; empty if none.
+
+    For records made outside ``parse_batch`` (e.g. Prometheus deltas), so they obey the same rules.
+    """
+    errs: _Errs = []
+    positions = _positions(record.accepted_per_position, "accepted_per_position", errs)
+    _check_relations(
+        record.drafted_tokens,
+        record.accepted_tokens,
+        record.verify_steps,
+        positions or [],
+        record.k,
+        record.arm,
+        _NATIVE_NAMES,
+        errs,
+    )
+    return errs
+
+
 def _parse_records(records: list[Any], fmt: str, problems: list[Problem]) -> list[AcceptanceRecord]:
     out: list[AcceptanceRecord] = []
     seen: dict[str, int] = {}

@@ -1,0 +1,299 @@
+"""vLLM's Prometheus spec-decode counters, turned into acceptance records by counter deltas.
+
+This module owns parsing the text exposition (only the four ``vllm:spec_decode_*`` counters;
+everything else is ignored), ``CounterSnapshot`` (one set of counters per label set, JSON-able so
+the service can keep the last one per deployment), and the pure delta logic
+``records_from_scrapes``. No I/O and no database: the caller stores snapshots and records.
+
+Counters used (vLLM ``vllm/v1/spec_decode/metrics.py``, labels ``model_name`` and ``engine``):
+
+* ``vllm:spec_decode_num_drafts_total``: verify steps that carried a draft;
+* ``vllm:spec_decode_num_draft_tokens_total``: draft tokens proposed;
+* ``vllm:spec_decode_num_accepted_tokens_total``: draft tokens accepted;
+* ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}``: drafts in which at least
+  ``i + 1`` tokens were accepted (so non-increasing in i); one series per position 0..k-1, created
+  at start-up, so the number of positions is the configured k.
+
+A delta between two scrapes becomes one aggregate record per label set: ``verify_steps`` = Δdrafts,
+``drafted_tokens`` = Δdraft tokens, ``accepted_tokens`` = Δaccepted, ``accepted_per_position`` =
+Δper position, ``k`` = number of positions, and ``generated_tokens`` = accepted + verify steps
+(each verify step emits its accepted drafts plus one token sampled by the target; the counters do
+not see prefill tokens or steps without a draft, so this is a lower bound on output tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final, TypeGuard
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.ingest.formats import BatchValidationError, Problem, record_problems
+from controlplane.ingest.record import ARM_LIVE, AcceptanceRecord
+
+DRAFTS: Final = "vllm:spec_decode_num_drafts_total"
+DRAFT_TOKENS: Final = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED_TOKENS: Final = "vllm:spec_decode_num_accepted_tokens_total"
+ACCEPTED_PER_POS: Final = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+POSITION_LABEL: Final = "position"
+SNAPSHOT_VERSION: Final = 1
+
+_TOTALS: Final = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED_TOKENS: "accepted_tokens"}
+# `<name>_created` (the counter's creation time) changes when the server restarts, even when the
+# new values have already grown past the old ones, so it catches resets that values alone miss.
+_CREATED: Final = "vllm:spec_decode_num_drafts_created"
+# Cheap line filter: the exposition of a busy server is mostly histograms we never read.
+_LINE_MARKER: Final = "vllm:spec_decode_num_"
+
+LabelKey = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SeriesCounters:
+    """Cumulative counter values of one label set at one scrape."""
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    per_pos: tuple[int, ...] = ()
+    created: float | None = None  # the drafts counter's creation time, when exposed
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSnapshot:
+    """The spec-decode counters of one scrape, per label set (all labels but ``position``)."""
+
+    series: Mapping[LabelKey, SeriesCounters] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form, stable across releases (``version`` guards the layout)."""
+        return {
+            "version": SNAPSHOT_VERSION,
+            "series": [
+                {
+                    "labels": dict(key),
+                    "drafts": c.drafts,
+                    "draft_tokens": c.draft_tokens,
+                    "accepted_tokens": c.accepted_tokens,
+                    "per_pos": list(c.per_pos),
+                    "created": c.created,
+                }
+                for key, c in sorted(self.series.items())
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> CounterSnapshot:
+        """Inverse of ``to_dict``; ``ValueError`` on anything it would not have written."""
+        if not isinstance(data, dict) or data.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"not a version-{SNAPSHOT_VERSION} counter snapshot")
+        items = data.get("series")
+        if not isinstance(items, list):
+            raise ValueError("snapshot series must be a list")
+        series: dict[LabelKey, SeriesCounters] = {}
+        for i, item in enumerate(items):
+            if not isinstance(item, dict) or not isinstance(item.get("labels"), dict):
+                raise ValueError(f"snapshot series[{i}] must be an object with labels")
+            labels = item["labels"]
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+                raise ValueError(f"snapshot series[{i}].labels must map strings to strings")
+            counts: list[int] = []
+            for name in ("drafts", "draft_tokens", "accepted_tokens"):
+                value = item.get(name)
+                if not _is_count(value):
+                    raise ValueError(f"snapshot series[{i}].{name} must be a non-negative integer")
+                counts.append(value)
+            per_pos = item.get("per_pos", [])
+            created = item.get("created")
+            if not isinstance(per_pos, list):
+                raise ValueError(f"snapshot series[{i}].per_pos must be a list")
+            if not all(_is_count(c) for c in per_pos):
+                raise ValueError(f"snapshot series[{i}].per_pos has invalid counters")
+            if created is not None and not isinstance(created, int | float):
+                raise ValueError(f"snapshot series[{i}].created must be a number or null")
+            key = _label_key(labels)
+            if key in series:
+                raise ValueError(f"snapshot series[{i}] repeats a label set")
+            series[key] = SeriesCounters(
+                counts[0],
+                counts[1],
+                counts[2],
+                tuple(per_pos),
+                float(created) if created is not None else None,
+            )
+        return cls(series)
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return type(value) is int and value >= 0
+
+
+def _label_key(labels: Mapping[str, str]) -> LabelKey:
+    return tuple(sorted((k, v) for k, v in labels.items() if k != POSITION_LABEL))
+
+
+def _describe(key: LabelKey) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in key) + "}"
+
+
+def parse_exposition(text: str) -> CounterSnapshot:
+    """The spec-decode counters in a Prometheus text exposition (other metrics are ignored).
+
+    Raises ``BatchValidationError`` (a ``ValueError``) listing every problem: malformed lines,
+    counter values that are negative, fractional or not finite, a label set missing one of the
+    three total counters, positions that are not 0..k-1, or no spec-decode counters at all.
+    """
+    lines = [line for line in text.splitlines() if _LINE_MARKER in line]
+    problems: list[Problem] = []
+    totals: dict[LabelKey, dict[str, int]] = {}
+    positions: dict[LabelKey, dict[int, int]] = {}
+    created: dict[LabelKey, float] = {}
+    try:
+        samples = [
+            s for family in text_string_to_metric_families("\n".join(lines) + "\n") for s in family.samples
+        ]
+    except ValueError as exc:
+        raise BatchValidationError([Problem(None, "body", f"malformed exposition: {exc}")]) from exc
+    for sample in samples:
+        name, labels, value = sample.name, sample.labels, sample.value
+        if name not in _TOTALS and name != ACCEPTED_PER_POS:
+            if name == _CREATED and math.isfinite(value):
+                created[_label_key(labels)] = value
+            continue  # other `_created` samples and non-spec metrics
+        key = _label_key(labels)
+        where = f"{name}{_describe(key)}"
+        if not (math.isfinite(value) and value >= 0 and value == int(value)):
+            problems.append(Problem(None, where, f"a counter must be a non-negative integer, got {value!r}"))
+            continue
+        count = int(value)
+        if name == ACCEPTED_PER_POS:
+            raw_pos = labels.get(POSITION_LABEL, "")
+            if not (raw_pos.isascii() and raw_pos.isdigit()):
+                problems.append(Problem(None, where, f"position label must be 0, 1, ..., got {raw_pos!r}"))
+                continue
+            slot = positions.setdefault(key, {})
+            if int(raw_pos) in slot:
+                problems.append(Problem(None, f"{where}[{raw_pos}]", "sample repeated"))
+            slot[int(raw_pos)] = count
+        else:
+            slot_totals = totals.setdefault(key, {})
+            if _TOTALS[name] in slot_totals:
+                problems.append(Problem(None, where, "sample repeated"))
+            slot_totals[_TOTALS[name]] = count
+
+    series: dict[LabelKey, SeriesCounters] = {}
+    for key in sorted(set(totals) | set(positions)):
+        found = totals.get(key, {})
+        missing = [n for n, short in _TOTALS.items() if short not in found]
+        if missing:
+            problems.append(Problem(None, _describe(key), f"missing {', '.join(missing)}"))
+            continue
+        by_pos = positions.get(key, {})
+        if sorted(by_pos) != list(range(len(by_pos))):
+            problems.append(Problem(None, f"{ACCEPTED_PER_POS}{_describe(key)}", "positions must be 0..k-1"))
+            continue
+        series[key] = SeriesCounters(
+            found["drafts"],
+            found["draft_tokens"],
+            found["accepted_tokens"],
+            tuple(by_pos[i] for i in range(len(by_pos))),
+            created.get(key),
+        )
+    if not series and not problems:
+        problems.append(
+            Problem(None, "body", "no vllm:spec_decode_* counters found; is speculative decoding on?")
+        )
+    if problems:
+        raise BatchValidationError(problems)
+    return CounterSnapshot(series)
+
+
+def scrape_request_id(key: LabelKey, scrape_id: str) -> str:
+    """Deterministic: the same scrape pushed twice yields the same ids, so the store dedupes it."""
+    digest = hashlib.sha256(json.dumps([scrape_id, list(key)], separators=(",", ":")).encode()).hexdigest()
+    return f"prom:{digest[:40]}"
+
+
+def _delta(previous: SeriesCounters | None, current: SeriesCounters) -> SeriesCounters:
+    """``increase`` semantics: after a reset (any counter went down, or a new creation time) the
+    current values are the increase since the reset; a label set not seen before counts from zero.
+    """
+    if previous is None:
+        return current
+    reset = (
+        current.drafts < previous.drafts
+        or current.draft_tokens < previous.draft_tokens
+        or current.accepted_tokens < previous.accepted_tokens
+        or any(c < p for c, p in zip(current.per_pos, previous.per_pos, strict=False))
+        or (
+            current.created is not None
+            and previous.created is not None
+            and current.created != previous.created
+        )
+    )
+    if reset:
+        return current
+    if len(current.per_pos) >= len(previous.per_pos):
+        padded = previous.per_pos + (0,) * (len(current.per_pos) - len(previous.per_pos))
+        per_pos = tuple(c - p for c, p in zip(current.per_pos, padded, strict=True))
+    else:
+        per_pos = ()  # positions vanished without a reset: per-position split unknown for this window
+    return SeriesCounters(
+        current.drafts - previous.drafts,
+        current.draft_tokens - previous.draft_tokens,
+        current.accepted_tokens - previous.accepted_tokens,
+        per_pos,
+        current.created,
+    )
+
+
+def records_from_scrapes(
+    previous: CounterSnapshot | None,
+    current: CounterSnapshot,
+    scrape_id: str,
+    *,
+    arm: str = ARM_LIVE,
+    drafter_version: int | None = None,
+    category: str | None = None,
+    scraped_at: datetime | None = None,
+) -> list[AcceptanceRecord]:
+    """One aggregate record per label set whose counters moved since ``previous``.
+
+    A label set with no previous value (first push, or a new engine) counts from zero, the same
+    assumption a reset makes. Windows with no drafts and no tokens yield no record. Raises
+    ``BatchValidationError`` when a delta breaks a count identity (e.g. more accepted than drafted,
+    which only a scrape torn between counter updates produces), so no inconsistent row is stored.
+    """
+    records: list[AcceptanceRecord] = []
+    problems: list[Problem] = []
+    for key in sorted(current.series):
+        before = previous.series.get(key) if previous is not None else None
+        delta = _delta(before, current.series[key])
+        if not (delta.drafts or delta.draft_tokens or delta.accepted_tokens or any(delta.per_pos)):
+            continue
+        record = AcceptanceRecord(
+            request_id=scrape_request_id(key, scrape_id),
+            drafted_tokens=delta.draft_tokens,
+            accepted_tokens=delta.accepted_tokens,
+            verify_steps=delta.drafts,
+            generated_tokens=delta.accepted_tokens + delta.drafts,
+            accepted_per_position=list(delta.per_pos),
+            k=len(current.series[key].per_pos) or None,
+            arm=arm,
+            drafter_version=drafter_version,
+            category=category,
+            created_at=scraped_at,
+        )
+        errs = record_problems(record)
+        if errs:
+            problems.extend(Problem(None, f"{_describe(key)}.{f}", m) for f, m in errs)
+            continue
+        records.append(record)
+    if problems:
+        raise BatchValidationError(problems)
+    return records
