@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+from psycopg.types.json import set_json_dumps
 from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -119,7 +120,8 @@ def _copy_rows(
     session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
 ) -> None:
     driver_conn: Any = session.connection().connection.driver_connection
-    dumps = orjson.dumps
+    # psycopg serialises json columns itself; orjson does it several times faster.
+    set_json_dumps(orjson.dumps, context=driver_conn)
     with driver_conn.cursor() as cursor, cursor.copy(_COPY_SQL) as copy:
         copy.set_types(_COPY_TYPES)
         write = copy.write_row
@@ -137,7 +139,7 @@ def _copy_rows(
                     rec.verify_steps,
                     rec.generated_tokens,
                     rec.prompt_tokens,
-                    dumps(rec.accepted_per_position).decode(),
+                    rec.accepted_per_position,
                     rec.ttft_ms,
                     rec.inter_token_ms,
                     rec.total_ms,

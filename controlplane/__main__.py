@@ -1,0 +1,5 @@
+"""`python -m controlplane` runs the CLI."""
+
+from controlplane.cli import app
+
+app()

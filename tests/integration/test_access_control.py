@@ -1,0 +1,103 @@
+"""Every account-scoped route checks account and role: another account's key sees 404, a too-weak
+role gets 403, and the right role gets through. A new route without an entry here fails the test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from controlplane.db.models import Role
+from tests.conftest import Tenant
+
+ADMIN = {Role.admin}
+READ = {Role.admin, Role.viewer}
+WRITE_DATA = {Role.admin, Role.ingest}
+
+RECORD = {
+    "request_id": "r1",
+    "drafted_tokens": 4,
+    "accepted_tokens": 2,
+    "verify_steps": 1,
+    "generated_tokens": 3,
+    "accepted_per_position": [1, 1, 0, 0],
+    "k": 4,
+}
+PROM = 'vllm:spec_decode_num_drafts_total{model_name="m"} 1\n'
+
+# (method, path template, roles allowed, json body or raw text)
+MATRIX: list[tuple[str, str, set[Role], Any]] = [
+    ("GET", "/v1/accounts/{account}/deployments", READ, None),
+    ("POST", "/v1/accounts/{account}/deployments", ADMIN, {"target_model": "m", "deployment_id": "new"}),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}", READ, None),
+    ("PATCH", "/v1/accounts/{account}/deployments/{deployment}", ADMIN, {"draft_token_count": 5}),
+    ("DELETE", "/v1/accounts/{account}/deployments/{deployment}", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/audit", READ, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/acceptance", WRITE_DATA, {"records": [RECORD]}),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/acceptance/prometheus", WRITE_DATA, PROM),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/stats", READ, None),
+    ("GET", "/v1/accounts/{account}/api-keys", ADMIN, None),
+    ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
+    ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
+]
+
+
+def _call(client: TestClient, method: str, path: str, headers: dict[str, str], body: Any) -> int:
+    if isinstance(body, str):
+        return client.request(method, path, content=body, headers=headers).status_code
+    return client.request(method, path, json=body, headers=headers).status_code
+
+
+def _setup(client: TestClient, tenant: Tenant) -> dict[str, str]:
+    admin = tenant.headers(Role.admin)
+    response = client.post(
+        f"/v1/accounts/{tenant.name}/deployments",
+        json={"target_model": "m", "deployment_id": "svc"},
+        headers=admin,
+    )
+    assert response.status_code == 201
+    key = client.post(
+        f"/v1/accounts/{tenant.name}/api-keys", json={"name": "spare", "role": "viewer"}, headers=admin
+    ).json()
+    return {"account": tenant.name, "deployment": "svc", "key_id": str(key["id"])}
+
+
+def test_matrix_covers_every_account_route(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    routes = {
+        (method.upper(), path)
+        for path, operations in paths.items()
+        if path.startswith("/v1/accounts/")
+        for method in operations
+    }
+    assert routes == {(method, path) for method, path, _, _ in MATRIX}
+
+
+def test_other_accounts_and_weak_roles_are_refused(
+    client: TestClient, tenants: tuple[Tenant, Tenant]
+) -> None:
+    acme, globex = tenants
+    acme_ids = _setup(client, acme)
+    _setup(client, globex)
+    for method, template, allowed, body in MATRIX:
+        path = template.format(**acme_ids)
+        for role in Role:
+            # globex's keys, whatever their role, must not even learn that acme's resources exist.
+            status = _call(client, method, path, globex.headers(role), body)
+            assert status == 404, (method, template, "other account", role, status)
+        for role in set(Role) - allowed:
+            status = _call(client, method, path, acme.headers(role), body)
+            assert status == 403, (method, template, role, status)
+        assert _call(client, method, path, {}, body) == 401
+
+
+def test_allowed_roles_get_through(client: TestClient, tenants: tuple[Tenant, Tenant]) -> None:
+    acme, _ = tenants
+    for method, template, allowed, body in MATRIX:
+        for role in sorted(allowed):
+            ids = _setup(client, acme)
+            path = template.format(**ids)
+            status = _call(client, method, path, acme.headers(role), body)
+            assert status < 400, (method, template, role, status)
+            client.delete(f"/v1/accounts/{acme.name}/deployments/svc", headers=acme.headers(Role.admin))
+            client.delete(f"/v1/accounts/{acme.name}/deployments/new", headers=acme.headers(Role.admin))

@@ -1,0 +1,194 @@
+"""Acceptance ingestion through the API on real databases: idempotency, all-or-nothing, stats."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from controlplane.db.models import AcceptanceRecordRow, AcceptanceRollup, Role
+from tests.conftest import Database, Tenant
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+
+
+def native_record(
+    i: int, rng: random.Random, *, k: int = 4, when: datetime = T0, arm: str = "live"
+) -> dict[str, Any]:
+    steps = rng.randint(3, 12)
+    per_step = [min(k, int(rng.expovariate(0.6))) for _ in range(steps)]
+    positions = [sum(1 for a in per_step if a > p) for p in range(k)]
+    accepted = sum(per_step)
+    if arm == "baseline":  # no speculation: every token comes from a plain target step
+        per_step, positions, accepted, k, steps = [], [], 0, 0, 0
+    return {
+        "request_id": f"req-{i}",
+        "drafted_tokens": len(per_step) * k,
+        "accepted_tokens": accepted,
+        "verify_steps": len(per_step),
+        "generated_tokens": accepted + len(per_step) if per_step else rng.randint(10, 60),
+        "accepted_per_position": positions,
+        "k": k,
+        "prompt_tokens": rng.randint(10, 200),
+        "ttft_ms": rng.uniform(5, 50),
+        "inter_token_ms": rng.uniform(2, 20),
+        "total_ms": rng.uniform(50, 500),
+        "arm": arm,
+        "created_at": (when + timedelta(seconds=i)).isoformat(),
+    }
+
+
+def _deployment(client: TestClient, tenant: Tenant, name: str = "svc") -> str:
+    response = client.post(
+        f"/v1/accounts/{tenant.name}/deployments",
+        json={"target_model": "m", "deployment_id": name},
+        headers=tenant.headers(Role.admin),
+    )
+    assert response.status_code == 201, response.text
+    return f"/v1/accounts/{tenant.name}/deployments/{name}"
+
+
+def _counts(db: Database) -> tuple[int, int]:
+    session = db.new_session()
+    try:
+        records = session.scalar(select(func.count()).select_from(AcceptanceRecordRow)) or 0
+        requests = session.scalar(select(func.coalesce(func.sum(AcceptanceRollup.requests), 0))) or 0
+        return int(records), int(requests)
+    finally:
+        session.close()
+
+
+def test_batch_is_stored_once_even_when_retried(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    rng = random.Random(1)
+    batch = {"format": "native", "records": [native_record(i, rng) for i in range(500)]}
+    headers = acme.headers(Role.ingest)
+    first = client.post(f"{base}/acceptance", json=batch, headers=headers)
+    assert first.status_code == 200, first.text
+    assert (first.json()["inserted"], first.json()["duplicates"]) == (500, 0)
+    again = client.post(f"{base}/acceptance", json=batch, headers=headers)
+    assert (again.json()["inserted"], again.json()["duplicates"]) == (0, 500)
+    assert again.json()["duplicate_request_ids"][:2] == ["req-0", "req-1"]
+    assert _counts(db) == (500, 500)
+    # A batch mixing new and already-stored ids stores only the new ones.
+    mixed = {"records": [native_record(i, rng) for i in range(490, 510)]}
+    response = client.post(f"{base}/acceptance", json=mixed, headers=headers).json()
+    assert (response["inserted"], response["duplicates"]) == (10, 10)
+    assert _counts(db) == (510, 510)
+
+
+def test_invalid_records_reject_the_whole_batch(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    rng = random.Random(2)
+    records = [native_record(i, rng) for i in range(20)]
+    records[3]["accepted_tokens"] = records[3]["drafted_tokens"] + 1
+    records[7]["verify_steps"] = -1
+    records[11]["arm"] = "sideways"
+    response = client.post(f"{base}/acceptance", json={"records": records}, headers=acme.headers(Role.ingest))
+    assert response.status_code == 422
+    problems = response.json()["error"]["details"]
+    assert {p["index"] for p in problems} == {3, 7, 11}
+    assert {(p["index"], p["field"]) for p in problems} >= {(7, "verify_steps"), (11, "arm")}
+    assert _counts(db) == (0, 0)
+    duplicate_ids = [native_record(1, rng), native_record(1, rng)]
+    response = client.post(
+        f"{base}/acceptance", json={"records": duplicate_ids}, headers=acme.headers(Role.ingest)
+    )
+    assert response.status_code == 422 and response.json()["error"]["details"][0]["index"] == 1
+    for body in (b"{not json", b'{"records": 5}'):
+        response = client.post(f"{base}/acceptance", content=body, headers=acme.headers(Role.ingest))
+        assert response.status_code == 422, response.text
+    assert _counts(db) == (0, 0)
+
+
+def test_batch_limit(client: TestClient, tenants: tuple[Tenant, Tenant], db: Database) -> None:
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    rng = random.Random(3)
+    too_many = {"records": [native_record(i, rng) for i in range(10_001)]}
+    response = client.post(f"{base}/acceptance", json=too_many, headers=acme.headers(Role.ingest))
+    assert response.status_code == 413
+    assert _counts(db) == (0, 0)
+
+
+def test_engine_formats_are_normalised(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    vllm = {
+        "request_id": "vllm-1",
+        "metrics": {
+            "speculative_decoding": {
+                "num_spec_steps": 4,
+                "num_draft_tokens": 12,
+                "num_accepted_draft_tokens": 8,
+                "acceptance_histogram": [0, 1, 2, 1],
+                "mean_acceptance_length": 3.0,
+                "draft_acceptance_rate": 8 / 12,
+            }
+        },
+    }
+    response = client.post(
+        f"{base}/acceptance", json={"format": "vllm", "records": [vllm]}, headers=acme.headers(Role.ingest)
+    )
+    assert response.status_code == 200, response.text
+    session = db.new_session()
+    row = session.scalars(select(AcceptanceRecordRow).where(AcceptanceRecordRow.request_id == "vllm-1")).one()
+    # Histogram [0, 1, 2, 1]: steps accepting >=1: 4, >=2: 3, >=3: 1.
+    assert (row.drafted_tokens, row.accepted_tokens, row.verify_steps) == (12, 8, 4)
+    assert row.accepted_per_position == [4, 3, 1]
+    session.close()
+
+
+def test_stats_match_a_brute_force_recount(client: TestClient, tenants: tuple[Tenant, Tenant]) -> None:
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    rng = random.Random(4)
+    records = [native_record(i, rng, when=T0) for i in range(600)]  # 10 minutes, one per second
+    records += [
+        native_record(1000 + i, rng, when=T0 - timedelta(seconds=1000), arm="baseline") for i in range(60)
+    ]
+    response = client.post(f"{base}/acceptance", json={"records": records}, headers=acme.headers(Role.ingest))
+    assert response.status_code == 200, response.text
+    params = {
+        "start": T0.isoformat(),
+        "end": (T0 + timedelta(minutes=10)).isoformat(),
+        "bucket_seconds": 300,
+        "arm": "live",
+    }
+    stats = client.get(f"{base}/stats", params=params, headers=acme.headers(Role.viewer)).json()
+    assert [b["requests"] for b in stats["buckets"]] == [300, 300]
+    for bucket, chunk in zip(stats["buckets"], (records[:300], records[300:600]), strict=True):
+        drafted = sum(r["drafted_tokens"] for r in chunk)
+        accepted = sum(r["accepted_tokens"] for r in chunk)
+        steps = sum(r["verify_steps"] for r in chunk)
+        assert bucket["hit_rate"] == pytest.approx(accepted / drafted)
+        assert bucket["mean_accepted_length"] == pytest.approx(1 + accepted / steps)
+        first_position = sum(r["accepted_per_position"][0] for r in chunk)
+        assert bucket["per_position_acceptance"][0] == pytest.approx(first_position / steps)
+        exact_p95 = sorted(r["total_ms"] for r in chunk)[int(0.95 * len(chunk)) - 1]
+        assert bucket["total_latency_ms_p95"] == pytest.approx(exact_p95, rel=0.03)
+    every_arm = {key: value for key, value in params.items() if key != "arm"}
+    both = client.get(
+        f"{base}/stats", params={**every_arm, "bucket_seconds": 600}, headers=acme.headers(Role.viewer)
+    ).json()
+    assert both["total"]["requests"] == 660
+    baseline = client.get(
+        f"{base}/stats", params={**params, "arm": "baseline"}, headers=acme.headers(Role.viewer)
+    ).json()
+    assert baseline["total"]["requests"] == 60
+    bad = client.get(
+        f"{base}/stats", params={**params, "bucket_seconds": 90}, headers=acme.headers(Role.viewer)
+    )
+    assert bad.status_code == 422
