@@ -13,8 +13,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+import psycopg
 from psycopg.types.json import set_json_dumps
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -102,6 +103,13 @@ def _check_unique_within_batch(records: Sequence[AcceptanceRecord]) -> None:
 
 
 def _existing_ids(session: Session, deployment_id: int, ids: list[str]) -> set[str]:
+    if session.get_bind().dialect.name == "postgresql":
+        # One array parameter instead of thousands of bound values.
+        rows = session.execute(
+            text("SELECT request_id FROM acceptance_records WHERE deployment_id = :d AND request_id = ANY(:ids)"),
+            {"d": deployment_id, "ids": ids},
+        )
+        return {row[0] for row in rows}
     found: set[str] = set()
     for start in range(0, len(ids), _LOOKUP_CHUNK):
         chunk = ids[start : start + _LOOKUP_CHUNK]
@@ -122,6 +130,14 @@ def _copy_rows(
     driver_conn: Any = session.connection().connection.driver_connection
     # psycopg serialises json columns itself; orjson does it several times faster.
     set_json_dumps(orjson.dumps, context=driver_conn)
+    try:
+        _copy_with(driver_conn, deployment_id, records, now)
+    except psycopg.errors.IntegrityError as exc:
+        # The raw COPY bypasses SQLAlchemy; give callers the same exception as the ORM path.
+        raise IntegrityError(_COPY_SQL, None, exc) from exc
+
+
+def _copy_with(driver_conn: Any, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime) -> None:
     with driver_conn.cursor() as cursor, cursor.copy(_COPY_SQL) as copy:
         copy.set_types(_COPY_TYPES)
         write = copy.write_row
@@ -177,27 +193,35 @@ def _insert_rows(
     )
 
 
-def store_records(
-    *, session: Session, deployment_id: int, records: Sequence[AcceptanceRecord]
-) -> IngestResult:
+def store_records(*, session: Session, deployment_id: int, records: Sequence[AcceptanceRecord]) -> IngestResult:
     """Store the batch's new records and update rollups, inside the caller's transaction.
 
     A request id already stored for the deployment is skipped (and reported), which makes a
-    retried batch idempotent. A concurrent writer inserting the same ids makes the unique
-    constraint fail; the caller retries the whole batch once (see ``ingest_batch``).
+    retried batch idempotent. The common case (no stored ids) goes straight to COPY inside a
+    savepoint; only when the unique constraint fires are stored ids looked up and skipped.
+    A concurrent writer storing the same ids between lookup and write makes the constraint fail
+    again; the caller then retries the batch once (see the ingest route).
     """
     _check_unique_within_batch(records)
     now = utcnow()
     for rec in records:
         if rec.created_at is not None:
             rec.created_at = _as_utc(rec.created_at)
-    existing = _existing_ids(session, deployment_id, [r.request_id for r in records]) if records else set()
-    fresh = [r for r in records if r.request_id not in existing] if existing else list(records)
+    if not records:
+        return IngestResult(received=0, inserted=0, duplicates=0)
+    existing: set[str] = set()
+    fresh: list[AcceptanceRecord] = list(records)
+    try:
+        with session.begin_nested():
+            _write_rows(session, deployment_id, fresh, now)
+    except IntegrityError as exc:
+        if not is_unique_violation(exc):
+            raise
+        existing = _existing_ids(session, deployment_id, [r.request_id for r in records])
+        fresh = [r for r in records if r.request_id not in existing]
+        if fresh:
+            _write_rows(session, deployment_id, fresh, now)
     if fresh:
-        if session.get_bind().dialect.name == "postgresql":
-            _copy_rows(session, deployment_id, fresh, now)
-        else:
-            _insert_rows(session, deployment_id, fresh, now)
         apply_deltas(session=session, deployment_id=deployment_id, deltas=aggregate(fresh, when_default=now))
     duplicates = [r.request_id for r in records if r.request_id in existing]
     return IngestResult(
@@ -206,6 +230,14 @@ def store_records(
         duplicates=len(duplicates),
         duplicate_request_ids=duplicates[:MAX_ECHOED_DUPLICATES],
     )
+
+
+def _write_rows(session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime) -> None:
+    if session.get_bind().dialect.name == "postgresql":
+        _copy_rows(session, deployment_id, records, now)
+    else:
+        _insert_rows(session, deployment_id, records, now)
+        session.flush()
 
 
 def is_unique_violation(exc: IntegrityError) -> bool:
