@@ -14,6 +14,8 @@ from sqlalchemy.orm import Session
 
 from controlplane.db.models import CounterSnapshotRow, utcnow
 from controlplane.errors import ValidationProblem
+from controlplane.ingest.formats import BatchValidationError
+from controlplane.ingest.prometheus import CounterSnapshot, parse_exposition, records_from_scrapes
 from controlplane.ingest.service import store_records
 
 
@@ -21,17 +23,20 @@ def store_prometheus_push(
     *, session: Session, deployment_id: int, text: str, scrape_id: str
 ) -> dict[str, Any]:
     """Parse, diff against the stored snapshot, store the delta records and the new snapshot."""
-    from controlplane.ingest.prometheus import CounterSnapshot, parse_exposition, records_from_scrapes
 
     try:
         current = parse_exposition(text)
-    except ValueError as exc:
-        raise ValidationProblem(f"not a valid Prometheus exposition: {exc}") from exc
-    row = session.scalar(
-        select(CounterSnapshotRow).where(CounterSnapshotRow.deployment_id == deployment_id).with_for_update()
-    )
-    previous = CounterSnapshot.from_dict(row.snapshot) if row is not None else None
-    records = records_from_scrapes(previous, current, scrape_id=scrape_id)
+        row = session.scalar(
+            select(CounterSnapshotRow)
+            .where(CounterSnapshotRow.deployment_id == deployment_id)
+            .with_for_update()
+        )
+        previous = CounterSnapshot.from_dict(row.snapshot) if row is not None else None
+        records = records_from_scrapes(previous, current, scrape_id=scrape_id, scraped_at=utcnow())
+    except BatchValidationError as exc:
+        raise ValidationProblem(
+            f"not a usable vLLM spec-decode exposition: {exc}; nothing was stored", details=exc.as_dicts()
+        ) from exc
     result = store_records(session=session, deployment_id=deployment_id, records=records)
     if row is None:
         session.add(

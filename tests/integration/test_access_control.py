@@ -23,7 +23,11 @@ RECORD = {
     "accepted_per_position": [1, 1, 0, 0],
     "k": 4,
 }
-PROM = 'vllm:spec_decode_num_drafts_total{model_name="m"} 1\n'
+PROM = (
+    'vllm:spec_decode_num_drafts_total{model_name="m"} 1\n'
+    'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 4\n'
+    'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2\n'
+)
 
 # (method, path template, roles allowed, json body or raw text)
 MATRIX: list[tuple[str, str, set[Role], Any]] = [

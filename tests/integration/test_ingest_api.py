@@ -192,3 +192,43 @@ def test_stats_match_a_brute_force_recount(client: TestClient, tenants: tuple[Te
         f"{base}/stats", params={**params, "bucket_seconds": 90}, headers=acme.headers(Role.viewer)
     )
     assert bad.status_code == 422
+
+
+def _exposition(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> str:
+    labels = 'model_name="llama",engine="0"'
+    lines = [
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts}",
+        f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens}",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}",
+    ]
+    lines += [
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {v}'
+        for i, v in enumerate(per_pos)
+    ]
+    lines.append('vllm:num_requests_running{model_name="llama"} 3')
+    return "\n".join(lines) + "\n"
+
+
+def test_prometheus_pushes_become_counter_deltas(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    headers = acme.headers(Role.ingest)
+    url = f"{base}/acceptance/prometheus"
+    first = client.post(url, content=_exposition(10, 40, 25, [9, 8, 5, 3]), headers=headers)
+    assert first.status_code == 200, first.text
+    second = client.post(url, content=_exposition(15, 60, 33, [13, 10, 7, 3]), headers=headers)
+    assert second.json()["inserted"] == 1
+    repeat = client.post(url, content=_exposition(15, 60, 33, [13, 10, 7, 3]), headers=headers)
+    assert repeat.json()["inserted"] == 0  # no counter moved: nothing stored twice
+    reset = client.post(url, content=_exposition(2, 8, 5, [2, 2, 1, 0]), headers=headers)  # server restarted
+    assert reset.json()["inserted"] == 1
+    session = db.new_session()
+    rows = session.scalars(select(AcceptanceRecordRow).order_by(AcceptanceRecordRow.id)).all()
+    deltas = [(r.verify_steps, r.drafted_tokens, r.accepted_tokens, r.accepted_per_position) for r in rows]
+    session.close()
+    assert deltas == [(10, 40, 25, [9, 8, 5, 3]), (5, 20, 8, [4, 2, 2, 0]), (2, 8, 5, [2, 2, 1, 0])]
+    garbage = client.post(url, content="this is not prometheus {{{", headers=headers)
+    assert garbage.status_code == 422
