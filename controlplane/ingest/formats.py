@@ -238,6 +238,11 @@ _ENGINE_MARKERS: Final = frozenset(
         "fireworks-speculation-acceptance",
     }
 )
+# Any one of these names a native record, so a native record missing a field still parses as native
+# and gets a "required field is missing" problem rather than "cannot detect the format".
+_NATIVE_MARKERS: Final = frozenset(
+    {"drafted_tokens", "accepted_tokens", "verify_steps", "accepted_per_position"}
+)
 _FIREWORKS_BARE_KEYS: Final = frozenset(
     {
         "speculation-acceptance",
@@ -273,7 +278,7 @@ def _detect_message(candidates: list[str]) -> str:
 
 def _candidates(rec: dict[str, Any]) -> list[str]:
     found: list[str] = []
-    if "drafted_tokens" in rec:
+    if not _NATIVE_MARKERS.isdisjoint(rec):
         found.append("native")
     if "perf_metrics" in rec or not _FIREWORKS_BARE_KEYS.isdisjoint(rec):
         found.append("fireworks")
@@ -512,7 +517,7 @@ def _check_relations(
         errs.append((names.accepted, f"accepted ({accepted}) exceeds drafted ({drafted})"))
     if steps == 0 and drafted > 0:
         errs.append((names.steps, f"is 0 but {drafted} tokens were drafted; every draft is verified"))
-    if k is not None and drafted > steps * k:
+    elif k is not None and drafted > steps * k:
         errs.append((names.drafted, f"({drafted}) exceeds verify steps × k ({steps} × {k})"))
     if positions:
         if positions[0] > steps:
@@ -924,8 +929,10 @@ def _from_vllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     hist: list[int] | None = None
     if sd.get("acceptance_histogram") is not None:
         hist = _histogram(sd["acceptance_histogram"], f"{p}acceptance_histogram", errs)
-        if hist is not None:
-            _check_histogram(hist, steps, accepted, k, f"{p}acceptance_histogram", names, errs)
+        if hist is not None and not _check_histogram(
+            hist, steps, accepted, k, f"{p}acceptance_histogram", names, errs
+        ):
+            hist = None  # already reported; deriving positions from it would only repeat the problem
     per_step = _vllm_per_step(sd, p, steps, accepted, drafted, names, errs)
     if hist is None and per_step is not None:
         hist = per_step  # detailed mode alone determines the histogram exactly
@@ -1091,8 +1098,10 @@ def _from_trtllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     hist: list[int] | None = None
     if sd.get("acceptance_histogram") is not None:
         hist = _histogram(sd["acceptance_histogram"], f"{p}acceptance_histogram", errs)
-        if hist is not None:
-            _check_histogram(hist, steps, accepted, k, f"{p}acceptance_histogram", names, errs)
+        if hist is not None and not _check_histogram(
+            hist, steps, accepted, k, f"{p}acceptance_histogram", names, errs
+        ):
+            hist = None  # already reported; deriving positions from it would only repeat the problem
     width = k if k is not None else (len(hist) - 1 if hist else 0)
     positions = _positions_from_histogram(hist, width) if hist else []
     return _build(
@@ -1191,9 +1200,12 @@ def _from_sglang(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
         # SGLang writes the spec counters only once a verify step happened.
         accepted = 0 if accepted is None and not _has_any(meta, _SGLANG_ACCEPTED) else accepted
         drafted = 0 if drafted is None and not _has_any(meta, _SGLANG_DRAFTED) else drafted
-    for value, field in ((accepted, accepted_field), (drafted, drafted_field)):
+    for value, field, aliases in (
+        (accepted, accepted_field, _SGLANG_ACCEPTED),
+        (drafted, drafted_field, _SGLANG_DRAFTED),
+    ):
         if value is None and not any(f == field for f, _ in errs):
-            errs.append((field, "is missing (needed with spec_verify_ct > 0)"))
+            errs.append((field, f"is missing: one of {', '.join(aliases)} is needed when spec_verify_ct > 0"))
     names = _Names(drafted_field, accepted_field, f"{p}spec_verify_ct", "")
 
     by_pos_acc = meta.get("spec_num_correct_drafts_by_position")
@@ -1217,8 +1229,8 @@ def _from_sglang(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
             if hist is not None and other != hist_key and meta.get(other) is not None:
                 if _histogram(meta[other], f"{p}{other}", errs) != hist:
                     errs.append((f"{p}{other}", f"disagrees with {hist_key}"))
-        if hist is not None:
-            _check_histogram(hist, steps, accepted, k, f"{p}{hist_key}", names, errs)
+        if hist is not None and not _check_histogram(hist, steps, accepted, k, f"{p}{hist_key}", names, errs):
+            hist = None
     positions: list[int] = []
     if hist:
         width = k if k is not None else max(len(_trim(hist)) - 1, 0)

@@ -238,11 +238,12 @@ def _delta(previous: SeriesCounters | None, current: SeriesCounters) -> SeriesCo
     )
     if reset:
         return current
-    if len(current.per_pos) >= len(previous.per_pos):
-        padded = previous.per_pos + (0,) * (len(current.per_pos) - len(previous.per_pos))
-        per_pos = tuple(c - p for c, p in zip(current.per_pos, padded, strict=True))
+    if len(current.per_pos) == len(previous.per_pos):
+        per_pos = tuple(c - p for c, p in zip(current.per_pos, previous.per_pos, strict=True))
     else:
-        per_pos = ()  # positions vanished without a reset: per-position split unknown for this window
+        # Positions appeared or vanished without a reset (k only changes on restart): a scrape
+        # missed some series, so the per-position split of this window is unknown, not zero.
+        per_pos = ()
     return SeriesCounters(
         current.drafts - previous.drafts,
         current.draft_tokens - previous.draft_tokens,

@@ -1,0 +1,259 @@
+"""Unit tests for vLLM Prometheus spec-decode counters -> acceptance records (no I/O).
+
+Metric names, labels and the per-position semantics follow vLLM's own exporter
+(https://github.com/vllm-project/vllm, vllm/v1/spec_decode/metrics.py: counters
+vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens / _num_accepted_tokens_per_pos
+with labels model_name, engine and position) and https://docs.vllm.ai/en/stable/design/metrics/.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from controlplane.ingest.formats import BatchValidationError
+from controlplane.ingest.prometheus import (
+    CounterSnapshot,
+    SeriesCounters,
+    parse_exposition,
+    records_from_scrapes,
+    scrape_request_id,
+)
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def exposition(
+    drafts: float,
+    draft_tokens: float,
+    accepted: float,
+    per_pos: list[float],
+    *,
+    engine: str = "0",
+    created: float = 1746100000.0,
+    extra: str = "",
+) -> str:
+    """A /metrics page the way prometheus_client renders vLLM's counters (plus unrelated metrics)."""
+    labels = f'engine="{engine}",model_name="{MODEL}"'
+    lines = [
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        f'vllm:num_requests_running{{engine="{engine}",model_name="{MODEL}"}} 3.0',
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts}",
+        f"vllm:spec_decode_num_drafts_created{{{labels}}} {created}",
+        "# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.",
+        "# TYPE vllm:spec_decode_num_draft_tokens_total counter",
+        f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens}",
+        f"vllm:spec_decode_num_draft_tokens_created{{{labels}}} {created}",
+        "# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.",
+        "# TYPE vllm:spec_decode_num_accepted_tokens_total counter",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}",
+        f"vllm:spec_decode_num_accepted_tokens_created{{{labels}}} {created}",
+        "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.",
+        "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter",
+    ]
+    for i, value in enumerate(per_pos):
+        lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {value}')
+        lines.append(
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_created{{{labels},position="{i}"}} {created}'
+        )
+    lines += [
+        "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        f'vllm:time_to_first_token_seconds_bucket{{engine="{engine}",le="0.001",model_name="{MODEL}"}} 0.0',
+        f'vllm:time_to_first_token_seconds_bucket{{engine="{engine}",le="+Inf",model_name="{MODEL}"}} 12.0',
+        f'vllm:time_to_first_token_seconds_count{{engine="{engine}",model_name="{MODEL}"}} 12.0',
+        f'vllm:time_to_first_token_seconds_sum{{engine="{engine}",model_name="{MODEL}"}} 0.84',
+    ]
+    return "\n".join(lines) + "\n" + extra
+
+
+KEY0 = (("engine", "0"), ("model_name", MODEL))
+KEY1 = (("engine", "1"), ("model_name", MODEL))
+
+
+def test_parse_keeps_only_spec_decode_counters() -> None:
+    snapshot = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
+    assert snapshot.series == {KEY0: SeriesCounters(100, 300, 170, (80, 55, 35), 1746100000.0)}
+
+
+def test_parse_accepts_exponent_notation_and_several_engines() -> None:
+    text = exposition(1.0e3, 3.0e3, 1.5e3, [9.0e2, 6.0e2]) + exposition(
+        5.0, 10.0, 4.0, [3.0, 1.0], engine="1"
+    )
+    snapshot = parse_exposition(text)
+    assert snapshot.series[KEY0].drafts == 1000
+    assert snapshot.series[KEY1] == SeriesCounters(5, 10, 4, (3, 1), 1746100000.0)
+
+
+def test_label_order_does_not_matter() -> None:
+    text = (
+        f'vllm:spec_decode_num_drafts_total{{model_name="{MODEL}",engine="0"}} 1\n'
+        f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="{MODEL}"}} 2\n'
+        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{MODEL}",engine="0"}} 1\n'
+    )
+    assert list(parse_exposition(text).series) == [KEY0]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('vllm:spec_decode_num_drafts_total{engine="0"} 1\n', "missing"),
+        (exposition(1.5, 3.0, 1.0, [1.0]), "non-negative integer"),
+        (exposition(-1.0, 3.0, 1.0, [1.0]), "non-negative integer"),
+        (exposition(1.0, 3.0, 1.0, [1.0]).replace('position="0"', 'position="1"'), "0..k-1"),
+        (exposition(1.0, 3.0, 1.0, [1.0]).replace('position="0"', 'position="x"'), "position label"),
+        ('vllm:num_requests_running{engine="0"} 3\n', "no vllm:spec_decode"),
+        ("vllm:spec_decode_num_drafts_total{engine=0} 1\n", "malformed"),
+        (exposition(1.0, 3.0, 1.0, [1.0]) + exposition(2.0, 3.0, 1.0, [1.0]), "repeated"),
+    ],
+)
+def test_parse_problems(text: str, fragment: str) -> None:
+    with pytest.raises(BatchValidationError) as info:
+        parse_exposition(text)
+    assert any(fragment in p.message for p in info.value.problems), info.value.problems
+    assert isinstance(info.value, ValueError)  # what the service catches
+
+
+def test_snapshot_round_trips_through_json() -> None:
+    text = exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]) + exposition(
+        5.0, 10.0, 4.0, [3.0, 1.0], engine="1"
+    )
+    snapshot = parse_exposition(text)
+    stored = json.loads(json.dumps(snapshot.to_dict()))
+    assert CounterSnapshot.from_dict(stored) == snapshot
+    assert CounterSnapshot.from_dict(CounterSnapshot().to_dict()) == CounterSnapshot()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        None,
+        {"version": 2, "series": []},
+        {"version": 1, "series": {}},
+        {
+            "version": 1,
+            "series": [{"labels": {"engine": 0}, "drafts": 1, "draft_tokens": 1, "accepted_tokens": 0}],
+        },
+        {"version": 1, "series": [{"labels": {}, "drafts": -1, "draft_tokens": 1, "accepted_tokens": 0}]},
+        {
+            "version": 1,
+            "series": [
+                {"labels": {}, "drafts": 1, "draft_tokens": 1, "accepted_tokens": 0, "per_pos": [1.5]}
+            ],
+        },
+        {
+            "version": 1,
+            "series": [{"labels": {}, "drafts": 1, "draft_tokens": 1, "accepted_tokens": 0, "created": "x"}],
+        },
+        {"version": 1, "series": [{"labels": {}, "drafts": 1, "draft_tokens": 1, "accepted_tokens": 0}] * 2},
+    ],
+)
+def test_snapshot_from_dict_refuses_what_to_dict_never_writes(data: object) -> None:
+    with pytest.raises(ValueError):
+        CounterSnapshot.from_dict(data)
+
+
+def test_delta_becomes_one_aggregate_record() -> None:
+    before = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
+    after = parse_exposition(exposition(150.0, 450.0, 250.0, [118.0, 80.0, 52.0]))
+    when = datetime(2025, 5, 1, 12, 0, tzinfo=UTC)
+    (record,) = records_from_scrapes(
+        before, after, "scrape-2", arm="canary:4", drafter_version=4, category="code", scraped_at=when
+    )
+    assert (record.verify_steps, record.drafted_tokens, record.accepted_tokens) == (50, 150, 80)
+    assert record.accepted_per_position == [38, 25, 17]
+    assert record.generated_tokens == 80 + 50  # accepted plus one target token per verify step
+    assert record.k == 3
+    assert (record.arm, record.drafter_version, record.category, record.created_at) == (
+        "canary:4",
+        4,
+        "code",
+        when,
+    )
+    assert record.request_id == scrape_request_id(KEY0, "scrape-2")
+
+
+def test_request_ids_are_deterministic_and_distinct() -> None:
+    a = scrape_request_id(KEY0, "s1")
+    assert a == scrape_request_id(KEY0, "s1")
+    assert len({a, scrape_request_id(KEY0, "s2"), scrape_request_id(KEY1, "s1")}) == 3
+    assert len(a) <= 200
+    before = parse_exposition(exposition(1.0, 3.0, 1.0, [1.0, 0.0, 0.0]))
+    after = parse_exposition(exposition(11.0, 33.0, 6.0, [4.0, 2.0, 0.0]))
+    first = records_from_scrapes(before, after, "s9")
+    assert records_from_scrapes(before, after, "s9") == first  # re-push: same ids, the store dedupes
+
+
+def test_re_pushing_the_stored_scrape_yields_nothing() -> None:
+    snapshot = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
+    assert records_from_scrapes(snapshot, snapshot, "same") == []
+
+
+def test_first_push_counts_from_zero() -> None:
+    snapshot = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
+    (record,) = records_from_scrapes(None, snapshot, "first")
+    assert (record.verify_steps, record.drafted_tokens, record.accepted_per_position) == (
+        100,
+        300,
+        [80, 55, 35],
+    )
+
+
+def test_counter_reset_takes_current_values_as_the_increase() -> None:
+    before = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
+    restarted = parse_exposition(exposition(20.0, 60.0, 30.0, [15.0, 10.0, 5.0], created=1746200000.0))
+    (record,) = records_from_scrapes(before, restarted, "after-restart")
+    assert (record.verify_steps, record.drafted_tokens, record.accepted_tokens) == (20, 60, 30)
+    assert record.accepted_per_position == [15, 10, 5]
+
+
+def test_reset_seen_only_in_created_time() -> None:
+    # The server restarted and already counted past the old values: only _created tells.
+    before = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
+    after = parse_exposition(exposition(120.0, 360.0, 200.0, [90.0, 65.0, 45.0], created=1746200000.0))
+    (record,) = records_from_scrapes(before, after, "x")
+    assert (record.verify_steps, record.accepted_tokens) == (120, 200)
+
+
+def test_reset_of_one_position_counter_resets_the_series() -> None:
+    before = SeriesCounters(100, 300, 170, (80, 55, 35))
+    after = SeriesCounters(110, 330, 171, (82, 55, 34))
+    (record,) = records_from_scrapes(CounterSnapshot({KEY0: before}), CounterSnapshot({KEY0: after}), "x")
+    assert record.verify_steps == 110  # never a negative delta
+
+
+def test_new_label_set_counts_from_zero_and_vanished_ones_are_ignored() -> None:
+    before = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
+    after = parse_exposition(
+        exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0])
+        + exposition(5.0, 15.0, 4.0, [3.0, 1.0, 0.0], engine="1")
+    )
+    (record,) = records_from_scrapes(before, after, "y")
+    assert record.request_id == scrape_request_id(KEY1, "y")
+    assert (record.verify_steps, record.accepted_per_position) == (5, [3, 1, 0])
+    assert records_from_scrapes(after, before, "z") == []
+
+
+def test_positions_appearing_or_vanishing_without_reset() -> None:
+    no_positions = CounterSnapshot({KEY0: SeriesCounters(10, 30, 6, ())})
+    with_positions = CounterSnapshot({KEY0: SeriesCounters(20, 60, 12, (6, 4, 2))})
+    (grew,) = records_from_scrapes(no_positions, with_positions, "a")
+    assert grew.accepted_tokens == 6 and grew.accepted_per_position == []  # previous positions unknown
+    (shrank,) = records_from_scrapes(
+        with_positions, CounterSnapshot({KEY0: SeriesCounters(30, 90, 18, ())}), "b"
+    )
+    assert shrank.accepted_per_position == [] and shrank.k is None
+
+
+def test_torn_scrape_is_refused() -> None:
+    before = CounterSnapshot({KEY0: SeriesCounters(100, 300, 170, (80, 55, 35))})
+    torn = CounterSnapshot({KEY0: SeriesCounters(101, 303, 180, (82, 57, 41))})  # +10 accepted, +3 drafted
+    with pytest.raises(BatchValidationError) as info:
+        records_from_scrapes(before, torn, "t")
+    fields = {p.field for p in info.value.problems}
+    assert any(f.endswith(".accepted_tokens") for f in fields), fields
