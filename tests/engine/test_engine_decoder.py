@@ -1,0 +1,157 @@
+"""SpeculativeDecoder: greedy speculation is token-identical to plain greedy for every proposer;
+sampling is reproducible from an explicit generator; limits and end-of-text behave."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from workers.engine.decoder import ContextLengthError, SpeculativeDecoder, generate_batch, greedy_reference
+from workers.engine.model import Transformer
+from workers.engine.proposers import DraftModelProposer, NgramProposer, PredictedOutputProposer, Proposer
+from workers.engine.tokenizer import Tokenizer
+
+PromptFactory = Callable[..., list[list[int]]]
+N_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def references(target: Transformer, make_prompts: PromptFactory) -> list[tuple[list[int], list[int]]]:
+    return [(p, greedy_reference(target, p, N_NEW)) for p in make_prompts(16)]
+
+
+def _edit(ids: list[int]) -> list[int]:
+    """A prediction that is the true output with an insertion and a deletion (a code edit)."""
+    return ids[:8] + [7, 7, 7] + ids[8:18] + ids[21:]
+
+
+@pytest.mark.parametrize(
+    "kind,k",
+    [
+        ("none", 4),
+        ("draft", 1),
+        ("draft", 4),
+        ("draft", 6),
+        ("ngram1", 4),
+        ("ngram3", 3),
+        ("predicted", 4),
+        ("predicted+draft", 4),
+    ],
+)
+def test_greedy_speculation_is_token_identical(
+    kind: str,
+    k: int,
+    target: Transformer,
+    drafter: Transformer,
+    tokenizer: Tokenizer,
+    references: list[tuple[list[int], list[int]]],
+) -> None:
+    proposer: Proposer | None = {
+        "none": None,
+        "draft": DraftModelProposer(drafter),
+        "ngram1": NgramProposer(1),
+        "ngram3": NgramProposer(3),
+        "predicted": None,
+        "predicted+draft": DraftModelProposer(drafter),
+    }[kind]
+    dec = SpeculativeDecoder(target, tokenizer, proposer, k=k)
+    drafted = accepted = 0
+    for prompt, ref in references:
+        prediction = _edit(ref) if kind.startswith("predicted") else None
+        res = dec.generate(prompt, N_NEW, stop_at_eos=False, prediction=prediction)
+        assert res.token_ids == ref
+        assert res.finish_reason == "length"
+        drafted += res.metrics.drafted_tokens
+        accepted += res.metrics.accepted_tokens
+    if kind == "none":
+        assert drafted == 0
+    else:
+        # The check is only meaningful if drafts were both accepted and rejected along the way.
+        assert 0 < accepted < drafted
+
+
+def test_predicted_output_realigns_after_an_edit(
+    target: Transformer, tokenizer: Tokenizer, references: list[tuple[list[int], list[int]]]
+) -> None:
+    prompt, ref = references[0]
+    res = SpeculativeDecoder(target, tokenizer, None, k=4).generate(
+        prompt, N_NEW, stop_at_eos=False, prediction=_edit(ref)
+    )
+    m = res.metrics
+    assert m.prediction_tokens == len(_edit(ref))
+    # 8 tokens before the insertion and >= 8 of the 10 after it re-align (3 output tokens to re-anchor).
+    assert m.prediction_matched_tokens is not None and m.prediction_matched_tokens >= 15
+    assert m.prediction_matched_tokens == m.accepted_tokens  # no fallback: every draft came from it
+
+
+def test_proposer_without_match_proposes_nothing() -> None:
+    ngram = NgramProposer(2)
+    ngram.start_request([1, 2, 3])
+    assert len(ngram.propose([1, 2, 3, 4], 4)) == 0
+    assert ngram.propose([1, 2, 3, 4, 1, 2], 4).token_ids.tolist() == [3, 4, 1, 2]
+    # The most recent earlier occurrence wins.
+    assert ngram.propose([1, 2, 3, 4, 1, 2, 9, 1, 2], 2).token_ids.tolist() == [9, 1]
+    predicted = PredictedOutputProposer([5, 6, 7])
+    predicted.start_request([1])
+    assert predicted.propose([1], 2).token_ids.tolist() == [5, 6]
+    assert len(predicted.propose([1, 9], 2)) == 0  # diverged, no fallback
+
+
+def test_sampling_is_reproducible_with_a_generator(
+    target: Transformer, drafter: Transformer, tokenizer: Tokenizer, make_prompts: PromptFactory
+) -> None:
+    dec = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=4)
+    prompt = make_prompts(1, seed=5)[0]
+
+    def run(seed: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return dec.generate(prompt, 40, temperature=0.9, top_p=0.95, generator=g, stop_at_eos=False).token_ids
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+    plain = SpeculativeDecoder(target, tokenizer, None)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert (
+        plain.generate(prompt, 20, 1.0, generator=g1).token_ids
+        == plain.generate(prompt, 20, 1.0, generator=g2).token_ids
+    )
+
+
+def test_stops_at_eos_and_limits(
+    target: Transformer,
+    drafter: Transformer,
+    tokenizer: Tokenizer,
+    references: list[tuple[list[int], list[int]]],
+) -> None:
+    prompt, ref = references[1]
+    stop_tok = ref[10]
+    first = ref.index(stop_tok)
+    eos_tokenizer = Tokenizer(tokenizer.tok, eos_token=tokenizer.tok.id_to_token(stop_tok))
+    dec = SpeculativeDecoder(target, eos_tokenizer, DraftModelProposer(drafter), k=4)
+    res = dec.generate(prompt, N_NEW)
+    assert res.token_ids == ref[:first] and res.finish_reason == "stop"
+    assert res.metrics.generated_tokens == first + 1  # the end-of-text token counts as generated
+
+    one = dec.generate(prompt, 1, stop_at_eos=False)
+    assert one.token_ids == ref[:1] and one.metrics.verify_steps == 0
+    with pytest.raises(ContextLengthError, match="context window"):
+        dec.generate(prompt, target.config.max_seq_len)
+    with pytest.raises(ValueError, match="empty"):
+        dec.generate([], 4)
+
+
+def test_text_prompt_and_batch_helper(
+    target: Transformer, tokenizer: Tokenizer, make_prompts: PromptFactory
+) -> None:
+    dec = SpeculativeDecoder(target, tokenizer, NgramProposer(2), k=4)
+    res = dec.generate("def add(a, b):", 12, stop_at_eos=False)
+    assert res.prompt_ids == tokenizer.encode("def add(a, b):")
+    assert res.text == tokenizer.decode(res.token_ids)
+
+    batch = torch.tensor([p[:4] for p in make_prompts(5, seed=9)])
+    out = generate_batch(target, batch, 10)
+    assert out.shape == (5, 10)
+    for row, prompt in zip(out.tolist(), batch.tolist(), strict=True):
+        assert row == greedy_reference(target, prompt, 10)

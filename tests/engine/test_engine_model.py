@@ -1,0 +1,97 @@
+"""The decoder module: cached and uncached paths agree, rollback is exact, HF Llama gives equal logits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from workers.engine.model import ModelConfig, build_model
+
+ConfigFactory = Callable[..., ModelConfig]
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_cached_prefill_and_steps_match_full_forward(n_kv_heads: int, tiny_config: ConfigFactory) -> None:
+    model = build_model(tiny_config(n_kv_heads=n_kv_heads), seed=3).eval()
+    x = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full = model(x)  # [2,40,V]
+        cache = model.new_cache(batch_size=2)
+        parts = [model.forward_cached(x[:, :17], cache)]
+        for t in range(17, 40):
+            parts.append(model.forward_cached(x[:, t : t + 1], cache))
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_equals_recomputation(tiny_config: ConfigFactory) -> None:
+    model = build_model(tiny_config(), seed=4).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 320, (1, 60), generator=g)
+    junk = torch.randint(0, 320, (1, 7), generator=g)
+    with torch.inference_mode():
+        full = model(x)
+        cache = model.new_cache()
+        model.forward_cached(x[:, :30], cache)
+        # Write rejected "drafts" past position 30, then roll back to several points and continue.
+        for back in (30, 25, 12):
+            cache.rollback(min(cache.pos, back + 3))
+            model.forward_cached(junk, cache)
+            cache.rollback(back)
+            got = model.forward_cached(x[:, back : back + 5], cache)
+            torch.testing.assert_close(got, full[:, back : back + 5], atol=1e-5, rtol=1e-5)
+            assert cache.pos == back + 5
+        with pytest.raises(ValueError):
+            cache.rollback(cache.pos + 1)
+
+
+def test_last_only_and_cache_overflow(tiny_config: ConfigFactory) -> None:
+    model = build_model(tiny_config(max_seq_len=32), seed=5).eval()
+    x = torch.randint(0, 320, (1, 20))
+    with torch.inference_mode():
+        cache = model.new_cache()
+        last = model.forward_cached(x, cache, last_only=True)
+        assert last.shape == (1, 1, 320)
+        torch.testing.assert_close(last[0, 0], model(x)[0, -1], atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="KV cache full"):
+            model.forward_cached(torch.zeros(1, 13, dtype=torch.long), cache)
+
+
+def test_state_dict_uses_hf_llama_names(tiny_config: ConfigFactory) -> None:
+    model = build_model(tiny_config(n_layers=1, tie_embeddings=False), seed=0)
+    names = set(model.state_dict())
+    assert {
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    } == names
+
+
+@pytest.mark.parametrize("tie,n_kv", [(True, 4), (False, 2)])
+def test_logits_match_transformers_llama(tie: bool, n_kv: int, tiny_config: ConfigFactory) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_config(tie_embeddings=tie, n_kv_heads=n_kv, rope_theta=500.0)
+    model = build_model(cfg, seed=6).eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf_dict())).eval()
+    hf.load_state_dict(model.state_dict(), strict=not tie)
+    x = torch.randint(0, 320, (2, 50), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_config_hf_round_trip(tiny_config: ConfigFactory) -> None:
+    cfg = tiny_config(tie_embeddings=False)
+    back = ModelConfig.from_hf_dict(cfg.to_hf_dict())
+    assert back == cfg
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf_dict({**cfg.to_hf_dict(), "hidden_act": "gelu"})
