@@ -102,6 +102,7 @@ class _Missing:
 
 _MISSING: Final = _Missing()
 _INF: Final = math.inf
+_fromisoformat: Final = datetime.fromisoformat
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def parse_batch(payload: object) -> list[AcceptanceRecord]:
 
 
 def parse_record(record: object, fmt: str = "auto") -> AcceptanceRecord:
-    """Parse one record of the given format; problems carry ``index=None``."""
+    """Parse one record of the given format; its problems carry ``index=0``."""
     if fmt not in BATCH_FORMATS:
         raise BatchValidationError([Problem(None, "format", f"must be one of {', '.join(BATCH_FORMATS)}")])
     problems: list[Problem] = []
@@ -603,10 +604,34 @@ def _from_native(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
         category = _category(category, "category", errs)
     created_at = get("created_at")
     if created_at is not None:
-        created_at = _created_at(created_at, "created_at", errs)
+        if type(created_at) is str:
+            try:
+                created_at = _fromisoformat(created_at)
+            except ValueError:
+                created_at = _created_at(created_at, "created_at", errs)
+            else:
+                if created_at.tzinfo is None:
+                    created_at = created_at.replace(tzinfo=UTC)
+        else:
+            created_at = _created_at(created_at, "created_at", errs)
 
     if drafted is not None and accepted is not None and steps is not None and positions is not None:
-        _check_relations(drafted, accepted, steps, positions, k, arm or ARM_LIVE, _NATIVE_NAMES, errs)
+        # One short-circuit test of every identity; _check_relations then names what broke.
+        if (
+            accepted > drafted
+            or (drafted and not steps)
+            or (k is not None and drafted > steps * k)
+            or (
+                positions
+                and (
+                    positions[0] > steps
+                    or sum(positions) != accepted
+                    or (k is not None and len(positions) > k)
+                )
+            )
+            or (drafted and arm == ARM_BASELINE)
+        ):
+            _check_relations(drafted, accepted, steps, positions, k, arm or ARM_LIVE, _NATIVE_NAMES, errs)
     if arm_version is not None:
         if drafter_version is None:
             drafter_version = arm_version  # canary:<n> is served by drafter version n by definition
