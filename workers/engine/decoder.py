@@ -26,6 +26,7 @@ from workers.engine.tokenizer import Tokenizer
 from workers.engine.verifier import (
     SamplingParams,
     logits_to_probs,
+    sample_from,
     sample_token,
     score,
     verify_greedy,
@@ -211,7 +212,7 @@ def generate_batch(
             tok = logits.argmax(dim=-1, keepdim=True)  # [B,1]
         else:
             probs = logits_to_probs(logits, temperature, top_p)  # [B,V]
-            tok = torch.multinomial(probs, 1, generator=generator)  # [B,1]
+            tok = sample_from(probs, generator)  # [B,1]
         out.append(tok)
         if i < max_new_tokens - 1:
             logits = model.forward_cached(tok, cache)[:, -1]

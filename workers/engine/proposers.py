@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from workers.engine.model import Transformer
-from workers.engine.verifier import SamplingParams, logits_to_probs
+from workers.engine.verifier import SamplingParams, logits_to_probs, sample_from
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 
@@ -117,7 +117,7 @@ class DraftModelProposer:
             else:
                 assert sampling is not None
                 q = logits_to_probs(logits, sampling.temperature, sampling.top_p)  # [V]
-                tok = torch.multinomial(q, 1, generator=generator)  # [1]
+                tok = sample_from(q, generator)  # [1]
                 qs.append(q)
             toks.append(tok)
             if step < k - 1:
