@@ -1,0 +1,392 @@
+"""The reference OpenAI-compatible completions server on top of the engine.
+
+Owns `create_app(config)`: POST /v1/completions (prompt, max_tokens, temperature, top_p, seed,
+stream, Fireworks' `prediction` and `perf_metrics_in_response`) and GET /v1/models, with
+OpenAI-shaped 4xx errors. Which target, drafter and k serve a model name is read per request from a
+pluggable serving-config source (a static dict, or any callable such as `http_serving_config`,
+which reads the control plane's `GET .../serving-config`), so a promotion takes effect on the next
+request without a restart. Loaded models are cached by folder path; decoders by their full setup.
+
+Serving-config entry (one per model name):
+    {"target_path": str, "speculation": "draft_model" | "ngram" | "disabled",
+     "drafter_path": str | None, "k": int, "ngram_length": int,
+     optional: "target_sha256", "drafter_sha256", "drafter_version", "arm", "max_len"}
+
+Generation holds one lock: on a CPU box requests would only contend for the same cores, and a
+decoder's KV caches belong to one request at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from workers.engine.decoder import GenerationResult, SpeculativeDecoder
+from workers.engine.hf_io import load_hf_folder
+from workers.engine.model import Transformer
+from workers.engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer
+
+ServingConfigSource = Callable[[str], Mapping[str, Any] | None]
+RecordSink = Callable[[str, dict[str, Any]], None]
+SPECULATION_MODES = ("draft_model", "ngram", "disabled")
+
+
+@dataclass
+class ServerConfig:
+    # Static entries, or a callable model name -> entry (None: unknown model).
+    serving_config: Mapping[str, Mapping[str, Any]] | ServingConfigSource
+    # Names for GET /v1/models when `serving_config` is a callable that cannot enumerate.
+    model_names: list[str] = field(default_factory=list)
+    # Called with (model name, native acceptance record) after every request, e.g. to post it to
+    # the control plane's ingest API. Exceptions are swallowed: metrics must not fail a completion.
+    on_record: RecordSink | None = None
+    max_decoders: int = 8
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class Prediction(BaseModel):
+    type: Literal["content"] = "content"
+    content: str
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | list[str]
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    stream: bool = False
+    prediction: Prediction | None = None
+    perf_metrics_in_response: bool = False
+
+
+@dataclass(frozen=True)
+class Deployment:
+    target_path: str
+    speculation: str
+    drafter_path: str | None
+    k: int
+    ngram_length: int
+    target_sha256: str | None
+    drafter_sha256: str | None
+    drafter_version: int | None
+    arm: str
+    max_len: int | None
+
+    @classmethod
+    def parse(cls, name: str, raw: Mapping[str, Any]) -> Deployment:
+        speculation = str(raw.get("speculation", "disabled"))
+        if speculation == "default":  # the control plane's "use the deployment's drafter if any"
+            speculation = "draft_model" if raw.get("drafter_path") else "disabled"
+        if speculation not in SPECULATION_MODES:
+            raise ValueError(f"model {name!r}: unknown speculation mode {speculation!r}")
+        if not raw.get("target_path"):
+            raise ValueError(f"model {name!r}: serving config has no target_path")
+        if speculation == "draft_model" and not raw.get("drafter_path"):
+            raise ValueError(f"model {name!r}: draft_model speculation without a drafter_path")
+        version = raw.get("drafter_version")
+        return cls(
+            target_path=str(raw["target_path"]),
+            speculation=speculation,
+            drafter_path=str(raw["drafter_path"]) if raw.get("drafter_path") else None,
+            k=int(raw.get("k", raw.get("draft_token_count", 4)) or 4),
+            ngram_length=int(raw.get("ngram_length", raw.get("ngram_speculation_length", 3)) or 3),
+            target_sha256=raw.get("target_sha256"),
+            drafter_sha256=raw.get("drafter_sha256"),
+            drafter_version=int(version) if version is not None else None,
+            arm=str(raw.get("arm", "live")),
+            max_len=int(raw["max_len"]) if raw.get("max_len") else None,
+        )
+
+
+class ModelStore:
+    """Loaded models by folder path (a drafter shared by deployments is loaded once)."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, tuple[Transformer, Tokenizer]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str, sha256: str | None = None) -> tuple[Transformer, Tokenizer]:
+        with self._lock:
+            if path not in self._models:
+                self._models[path] = load_hf_folder(path, expected_sha256=sha256)
+            return self._models[path]
+
+
+class Engine:
+    """Resolves a model name to a ready `SpeculativeDecoder` and runs requests one at a time."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.models = ModelStore()
+        self._decoders: OrderedDict[Deployment, SpeculativeDecoder] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def resolve(self, name: str) -> Deployment:
+        source = self.config.serving_config
+        try:
+            raw = source(name) if callable(source) else source.get(name)
+        except Exception as exc:  # the control plane being down must not look like a 404
+            raise APIError(503, f"serving config unavailable: {exc}", "server_error") from exc
+        if raw is None:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        try:
+            return Deployment.parse(name, raw)
+        except ValueError as exc:
+            raise APIError(500, str(exc), "server_error") from exc
+
+    def model_names(self) -> list[str]:
+        source = self.config.serving_config
+        return list(self.config.model_names) or ([] if callable(source) else list(source))
+
+    def decoder(self, dep: Deployment) -> SpeculativeDecoder:
+        if dep in self._decoders:
+            self._decoders.move_to_end(dep)
+            return self._decoders[dep]
+        target, tok = self.models.get(dep.target_path, dep.target_sha256)
+        proposer: Proposer | None = None
+        if dep.speculation == "draft_model":
+            assert dep.drafter_path is not None
+            drafter, dtok = self.models.get(dep.drafter_path, dep.drafter_sha256)
+            ensure_same_tokenizer(tok, dtok, dep.target_path, dep.drafter_path)
+            proposer = DraftModelProposer(drafter, name=dep.drafter_path)
+        elif dep.speculation == "ngram":
+            proposer = NgramProposer(dep.ngram_length)
+        dec = SpeculativeDecoder(target, tok, proposer, k=dep.k, max_len=dep.max_len)
+        self._decoders[dep] = dec
+        while len(self._decoders) > self.config.max_decoders:
+            self._decoders.popitem(last=False)
+        return dec
+
+    def run(
+        self,
+        dep: Deployment,
+        req: CompletionRequest,
+        prompt: str,
+        on_tokens: Callable[[list[int]], None] | None,
+    ) -> GenerationResult:
+        with self.lock:
+            try:
+                dec = self.decoder(dep)
+            except (OSError, ValueError) as exc:
+                raise APIError(500, f"cannot load deployment models: {exc}", "server_error") from exc
+            prompt_ids = dec.tokenizer.encode(prompt)
+            if not prompt_ids:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            if len(prompt_ids) + req.max_tokens > dec.max_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {dec.max_len} tokens. However, you requested "
+                    f"{len(prompt_ids) + req.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                    f"{req.max_tokens} for the completion).",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+            if gen is None and req.temperature > 0:
+                gen = torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "little") >> 1)
+            return dec.generate(
+                prompt_ids,
+                req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                generator=gen,
+                prediction=req.prediction.content if req.prediction is not None else None,
+                on_tokens=on_tokens,
+            )
+
+
+def _validate(req: CompletionRequest) -> str:
+    if req.n != 1:
+        raise APIError(400, "only n = 1 is supported", param="n")
+    if isinstance(req.prompt, list):
+        if len(req.prompt) != 1:
+            raise APIError(400, "exactly one prompt per request is supported", param="prompt")
+        return req.prompt[0]
+    return req.prompt
+
+
+class _TextStream:
+    """Turns token chunks into text deltas, holding back bytes of a split UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+def _response_extras(
+    req: CompletionRequest, res: GenerationResult, dep: Deployment, request_id: str
+) -> dict[str, Any]:
+    m = res.metrics
+    out: dict[str, Any] = {
+        "usage": {
+            "prompt_tokens": m.prompt_tokens,
+            "completion_tokens": m.generated_tokens,
+            "total_tokens": m.prompt_tokens + m.generated_tokens,
+        }
+    }
+    if req.perf_metrics_in_response:
+        out["perf_metrics"] = m.to_fireworks()
+        out["speculation_record"] = m.to_native(request_id, dep.arm, dep.drafter_version)
+    return out
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    engine = Engine(config)
+    app = FastAPI(title="speculative-decoding reference server")
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers malformed parameters with 400 invalid_request_error, never FastAPI's 422.
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg"))
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    def emit(model: str, res: GenerationResult, dep: Deployment, request_id: str) -> None:
+        if config.on_record is None:
+            return
+        try:
+            config.on_record(model, res.metrics.to_native(request_id, dep.arm, dep.drafter_version))
+        except Exception:  # a metrics sink must never fail a completion
+            pass
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        now = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                {"id": n, "object": "model", "created": now, "owned_by": "local"}
+                for n in engine.model_names()
+            ],
+        }
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        prompt = _validate(req)
+        dep = engine.resolve(req.model)
+        request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": req.model}
+
+        if not req.stream:
+            res = await run_in_threadpool(engine.run, dep, req, prompt, None)
+            emit(req.model, res, dep, request_id)
+            choice = {"text": res.text, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}
+            return JSONResponse({**base, "choices": [choice], **_response_extras(req, res, dep, request_id)})
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
+
+        def on_tokens(ids: list[int]) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, list(ids))
+
+        # Start now, so that validation errors (too long, unknown drafter) still become 4xx replies.
+        task = asyncio.ensure_future(run_in_threadpool(engine.run, dep, req, prompt, on_tokens))
+        task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        first = await queue.get()
+        if first is None:
+            task.result()  # raises the APIError, turned into an error reply by the handler
+
+        async def events() -> AsyncIterator[str]:
+            stream = _TextStream(engine.models.get(dep.target_path, dep.target_sha256)[1])
+            chunk: list[int] | None = first
+            while chunk is not None:
+                delta = stream.push(chunk)
+                if delta:
+                    body = {
+                        **base,
+                        "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": None}],
+                    }
+                    yield f"data: {json.dumps(body)}\n\n"
+                chunk = await queue.get()
+            res = await task
+            emit(req.model, res, dep, request_id)
+            tail = res.text[stream.sent :]  # whatever was held back as an incomplete character
+            final = {
+                **base,
+                "choices": [{"text": tail, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}],
+                **_response_extras(req, res, dep, request_id),
+            }
+            yield f"data: {json.dumps(final)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def http_serving_config(
+    url_template: str, api_key: str | None = None, ttl_s: float = 5.0, timeout_s: float = 5.0
+) -> ServingConfigSource:
+    """A serving-config source that GETs `url_template.format(model=name)` (the control plane's
+    `/v1/accounts/{a}/deployments/{d}/serving-config`), cached for `ttl_s` seconds per model.
+    A 404 means an unknown model."""
+    import httpx
+
+    cache: dict[str, tuple[float, Mapping[str, Any] | None]] = {}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def source(name: str) -> Mapping[str, Any] | None:
+        hit = cache.get(name)
+        now = time.monotonic()
+        if hit is not None and now - hit[0] < ttl_s:
+            return hit[1]
+        resp = httpx.get(url_template.format(model=name), headers=headers, timeout=timeout_s)
+        value: Mapping[str, Any] | None = None if resp.status_code == 404 else resp.raise_for_status().json()
+        cache[name] = (now, value)
+        return value
+
+    return source
