@@ -95,3 +95,27 @@ def test_config_hf_round_trip(tiny_config: ConfigFactory) -> None:
     assert back == cfg
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf_dict({**cfg.to_hf_dict(), "hidden_act": "gelu"})
+
+
+def test_cached_path_follows_weight_updates(tiny_config: ConfigFactory) -> None:
+    """The decode path caches weight references; in-place training updates must still be seen."""
+    model = build_model(tiny_config(), seed=10).eval()
+    x = torch.randint(0, 320, (1, 12))
+
+    def cached_logits() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.forward_cached(x, model.new_cache())
+
+    cached_logits()  # builds the weight references
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(x).logsumexp(-1).mean().backward()
+    opt.step()
+    model.eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(cached_logits(), model(x), atol=1e-5, rtol=1e-5)
+    # Swapping a Parameter object needs an explicit invalidation.
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+    model.invalidate_fast_path()
+    with torch.inference_mode():
+        torch.testing.assert_close(cached_logits(), model(x), atol=1e-5, rtol=1e-5)

@@ -161,6 +161,7 @@ def load_hf_folder(
         )
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+        model.invalidate_fast_path()  # a Parameter object was swapped
     model.init_buffers(device)
     model = model.to(dtype).eval()
 

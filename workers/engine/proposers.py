@@ -160,10 +160,10 @@ class NgramProposer:
         for end in range(max(self._indexed, n - 1), length - 1):
             index[tuple(context[end - n + 1 : end + 1])] = end
         self._indexed = max(self._indexed, length - 1)
-        end = index.get(tuple(context[length - n :]))
-        if end is None:
+        found = index.get(tuple(context[length - n :]))
+        if found is None:
             return Proposals.empty()
-        follow = context[end + 1 : end + 1 + k]
+        follow = context[found + 1 : found + 1 + k]
         return Proposals(torch.tensor(follow, dtype=torch.long)) if follow else Proposals.empty()
 
 
