@@ -136,14 +136,21 @@ class SpeculativeDecoder:
                 proposer.start_request(prompt_ids)
             last = torch.tensor([first])
             empty = Proposals.empty()
+            clock = time.perf_counter
+            propose_s = score_s = 0.0
             while finish is None:
                 remaining = max_new_tokens - (len(ctx) - out_start)
                 # Never draft past max_new_tokens: a step emits at most k'+1 tokens.
                 kk = min(k, remaining - 1)
+                t_a = clock()
                 props = proposer.propose(ctx, kk, params, generator) if proposer and kk > 0 else empty
                 drafts = props.token_ids  # [k']
                 pos0 = cache.pos
+                t_b = clock()
                 target_logits = score(target, cache, last, drafts)  # [k'+1, V]
+                t_c = clock()
+                propose_s += t_b - t_a
+                score_s += t_c - t_b
                 if greedy:
                     n, emitted = verify_greedy(target_logits, drafts)
                 else:
@@ -167,6 +174,8 @@ class SpeculativeDecoder:
         if finish == "stop" and out and out[-1] == eos:
             out.pop()
         metrics.ttft_ms = (t_first - t0) * 1000.0
+        metrics.propose_ms = propose_s * 1000.0
+        metrics.score_ms = score_s * 1000.0
         metrics.total_ms = (t_end - t0) * 1000.0
         if metrics.generated_tokens > 1:
             metrics.inter_token_ms = (t_end - t_first) * 1000.0 / (metrics.generated_tokens - 1)

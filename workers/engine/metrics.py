@@ -23,7 +23,9 @@ Definitions (raw counts; every ratio is derived from them):
 - hit rate = accepted_tokens / drafted_tokens; mean accepted length = 1 + accepted / verify_steps.
 - ttft_ms: from the start of the request to the first generated token (prefill + first sample).
   inter_token_ms: mean gap per token after the first, (t_last - t_first) / (generated - 1).
-  total_ms: start of the request to the last token.
+  total_ms: start of the request to the last token. propose_ms / score_ms: time spent proposing
+  and in target verification forwards after the prefill; the rest of total_ms - ttft_ms is the
+  engine's own bookkeeping (`overhead_ms`).
 - Predicted outputs: prediction_tokens = tokens in the caller's prediction; prediction_matched_tokens
   = accepted drafts that came from the prediction (Fireworks `speculation-prompt-tokens` and
   `speculation-prompt-matched-tokens`).
@@ -69,6 +71,11 @@ class RequestMetrics:
     total_ms: float | None = None
     prediction_tokens: int | None = None
     prediction_matched_tokens: int | None = None
+    # Where the decode time went (not exported): proposing (drafter forwards), scoring (target
+    # verification forwards), and everything else. Costs measured in situ differ from isolated
+    # micro-benchmarks because target and drafter evict each other's weights from the CPU caches.
+    propose_ms: float = 0.0
+    score_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:
@@ -100,6 +107,12 @@ class RequestMetrics:
     @property
     def mean_accepted_length(self) -> float | None:
         return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else None
+
+    @property
+    def overhead_ms(self) -> float | None:
+        if self.total_ms is None or self.ttft_ms is None:
+            return None
+        return self.total_ms - self.ttft_ms - self.propose_ms - self.score_ms
 
     def per_position_acceptance(self) -> list[float]:
         pairs = zip(self.accepted_per_position, self.drafted_per_position, strict=True)
