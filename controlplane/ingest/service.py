@@ -106,7 +106,9 @@ def _existing_ids(session: Session, deployment_id: int, ids: list[str]) -> set[s
     if session.get_bind().dialect.name == "postgresql":
         # One array parameter instead of thousands of bound values.
         rows = session.execute(
-            text("SELECT request_id FROM acceptance_records WHERE deployment_id = :d AND request_id = ANY(:ids)"),
+            text(
+                "SELECT request_id FROM acceptance_records WHERE deployment_id = :d AND request_id = ANY(:ids)"
+            ),
             {"d": deployment_id, "ids": ids},
         )
         return {row[0] for row in rows}
@@ -137,7 +139,9 @@ def _copy_rows(
         raise IntegrityError(_COPY_SQL, None, exc) from exc
 
 
-def _copy_with(driver_conn: Any, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime) -> None:
+def _copy_with(
+    driver_conn: Any, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
+) -> None:
     with driver_conn.cursor() as cursor, cursor.copy(_COPY_SQL) as copy:
         copy.set_types(_COPY_TYPES)
         write = copy.write_row
@@ -193,7 +197,9 @@ def _insert_rows(
     )
 
 
-def store_records(*, session: Session, deployment_id: int, records: Sequence[AcceptanceRecord]) -> IngestResult:
+def store_records(
+    *, session: Session, deployment_id: int, records: Sequence[AcceptanceRecord]
+) -> IngestResult:
     """Store the batch's new records and update rollups, inside the caller's transaction.
 
     A request id already stored for the deployment is skipped (and reported), which makes a
@@ -232,7 +238,9 @@ def store_records(*, session: Session, deployment_id: int, records: Sequence[Acc
     )
 
 
-def _write_rows(session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime) -> None:
+def _write_rows(
+    session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
+) -> None:
     if session.get_bind().dialect.name == "postgresql":
         _copy_rows(session, deployment_id, records, now)
     else:
