@@ -107,7 +107,8 @@ def _existing_ids(session: Session, deployment_id: int, ids: list[str]) -> set[s
         # One array parameter instead of thousands of bound values.
         rows = session.execute(
             text(
-                "SELECT request_id FROM acceptance_records WHERE deployment_id = :d AND request_id = ANY(:ids)"
+                "SELECT request_id FROM acceptance_records"
+                " WHERE deployment_id = :d AND request_id = ANY(:ids)"
             ),
             {"d": deployment_id, "ids": ids},
         )
