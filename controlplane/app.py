@@ -11,9 +11,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from controlplane.api import acceptance, deployments, health, keys
+from controlplane.api.deps import PrincipalCache
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
+from controlplane.db.session import get_sessionmaker
 from controlplane.errors import DomainError
+from controlplane.ingest.batcher import IngestBatcher
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # The embedded default needs no operator: migrate and create the first account.
             prepare_embedded_database(settings)
         yield
+        await app.state.ingest_batcher.close()
 
     app = FastAPI(
         title="Speculative-decoding drafter control plane",
@@ -42,6 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         docs_url="/docs",
     )
     app.state.settings = settings
+    app.state.principal_cache = PrincipalCache(settings.auth_cache_ttl_s)
+    app.state.ingest_batcher = IngestBatcher(get_sessionmaker(settings.database_url))
 
     @app.exception_handler(DomainError)
     async def domain_error(_: Request, exc: DomainError) -> JSONResponse:

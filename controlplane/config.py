@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     api_url: str = "http://127.0.0.1:8600"
     api_key: str | None = None
 
+    # How long a verified API key is trusted without a lookup (revocation delay on other processes).
+    auth_cache_ttl_s: float = Field(default=5.0, ge=0)
     max_batch_records: int = Field(default=10_000, ge=1)
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     rollup_bucket_seconds: int = 60

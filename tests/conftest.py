@@ -19,12 +19,13 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.service import create_account, issue_key
-from controlplane.api.deps import get_session
+from controlplane.api.deps import get_ingest_batcher, get_session
 from controlplane.app import create_app
 from controlplane.config import Settings
 from controlplane.db.migrate import downgrade_to_base, upgrade_to_head
 from controlplane.db.models import Account, Role
 from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.ingest.batcher import IngestBatcher
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 PG_TEST_DB = "controlplane_test"
@@ -140,6 +141,9 @@ def client(db: Database, settings: Settings) -> Iterator[TestClient]:
             session.close()
 
     app.dependency_overrides[get_session] = session_override
+    # The shared ingest writer must write inside the test's transaction too.
+    test_batcher = IngestBatcher(db.new_session)
+    app.dependency_overrides[get_ingest_batcher] = lambda: test_batcher
     with TestClient(app) as test_client:
         yield test_client
 

@@ -9,16 +9,13 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy.exc import IntegrityError
 
-from controlplane.api.deps import DataWriter, Reader, SessionDep, SettingsDep
+from controlplane.api.deps import DataWriter, IngestBatcherDep, Reader, SessionDep, SettingsDep
 from controlplane.config import Settings
-from controlplane.deployments.service import get_deployment
+from controlplane.deployments.service import get_deployment, resolve_deployment_id
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
 from controlplane.ingest.formats import BatchTooLargeError, BatchValidationError, parse_batch
 from controlplane.ingest.prometheus_push import store_prometheus_push
-from controlplane.ingest.record import AcceptanceRecord
-from controlplane.ingest.service import IngestResult, is_unique_violation, store_records
 from controlplane.stats.service import acceptance_series
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["acceptance"])
@@ -40,23 +37,6 @@ async def _read_body(request: Request, settings: Settings) -> bytes:
     return b"".join(chunks)
 
 
-def _store_with_retry(
-    session: SessionDep, deployment_id: int, records: list[AcceptanceRecord]
-) -> IngestResult:
-    # A concurrent writer may store one of our request ids between our lookup and our COPY;
-    # the unique constraint catches it, and a second pass then reports it as a duplicate.
-    for attempt in range(2):
-        try:
-            result = store_records(session=session, deployment_id=deployment_id, records=records)
-            session.commit()
-            return result
-        except IntegrityError as exc:
-            session.rollback()
-            if attempt == 1 or not is_unique_violation(exc):
-                raise
-    raise AssertionError("unreachable")
-
-
 @router.post("/acceptance")
 async def ingest_batch(
     account: str,
@@ -65,6 +45,7 @@ async def ingest_batch(
     principal: DataWriter,
     session: SessionDep,
     settings: SettingsDep,
+    batcher: IngestBatcherDep,
 ) -> dict[str, Any]:
     """Store a batch of acceptance records (native, Fireworks, vLLM, SGLang or TensorRT-LLM shape).
 
@@ -81,15 +62,17 @@ async def ingest_batch(
         if count > limit:
             raise PayloadTooLargeError(f"batch of {count} records exceeds the limit of {limit}")
     try:
-        records = parse_batch(payload)
+        # Parsing a large batch takes tens of milliseconds: keep it off the event loop.
+        records = await run_in_threadpool(parse_batch, payload)
     except BatchTooLargeError as exc:
         raise PayloadTooLargeError(str(exc), details=exc.as_dicts()) from exc
     except BatchValidationError as exc:
         raise ValidationProblem(
             f"{len(exc.problems)} problem(s) in the batch; nothing was stored", details=exc.as_dicts()
         ) from exc
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    result = await run_in_threadpool(_store_with_retry, session, target.id, records)
+    deployment_id = resolve_deployment_id(session=session, account_id=principal.account_id, name=deployment)
+    session.close()  # the shared writer stores the records; this request's session is done
+    result = await batcher.submit(deployment_id, records)
     return result.as_dict()
 
 

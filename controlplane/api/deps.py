@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request, status
 from sqlalchemy.orm import Session
 
+from controlplane.accounts.keys import hash_key
 from controlplane.accounts.service import Principal, authenticate
 from controlplane.config import Settings
 from controlplane.db.models import Role
 from controlplane.db.session import get_sessionmaker
+from controlplane.ingest.batcher import IngestBatcher
 
 
 def get_app_settings(request: Request) -> Settings:
@@ -45,9 +48,41 @@ def _presented_key(authorization: str | None, x_api_key: str | None) -> str | No
     return None
 
 
+class PrincipalCache:
+    """Verified keys for a few seconds, so hot ingest paths skip a lookup per request.
+
+    Keyed by the key's HMAC (never the key itself). Revoking a key through this process clears
+    the cache at once; other API processes stop accepting it within ``ttl_s``.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, Principal]] = {}
+
+    def get(self, digest: str) -> Principal | None:
+        entry = self._entries.get(digest)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, digest: str, principal: Principal) -> None:
+        if len(self._entries) > 10_000:
+            self._entries.clear()
+        self._entries[digest] = (time.monotonic() + self.ttl_s, principal)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def get_principal_cache(request: Request) -> PrincipalCache:
+    cache: PrincipalCache = request.app.state.principal_cache
+    return cache
+
+
 def get_principal(
     session: SessionDep,
     settings: SettingsDep,
+    cache: Annotated[PrincipalCache, Depends(get_principal_cache)],
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
 ) -> Principal:
@@ -58,7 +93,12 @@ def get_principal(
             "missing API key: send 'Authorization: Bearer <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    principal = authenticate(session=session, presented=presented, secret=settings.secret_key)
+    digest = hash_key(presented, secret=settings.secret_key)
+    principal = cache.get(digest)
+    if principal is None:
+        principal = authenticate(session=session, presented=presented, secret=settings.secret_key)
+        if principal is not None:
+            cache.put(digest, principal)
     if principal is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"}
@@ -67,6 +107,15 @@ def get_principal(
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+PrincipalCacheDep = Annotated[PrincipalCache, Depends(get_principal_cache)]
+
+
+def get_ingest_batcher(request: Request) -> IngestBatcher:
+    batcher: IngestBatcher = request.app.state.ingest_batcher
+    return batcher
+
+
+IngestBatcherDep = Annotated[IngestBatcher, Depends(get_ingest_batcher)]
 
 READ_ROLES = frozenset({Role.admin, Role.viewer})
 WRITE_DATA_ROLES = frozenset({Role.admin, Role.ingest})

@@ -8,7 +8,7 @@ from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.accounts.service import issue_key, key_summary, list_keys, revoke_key
-from controlplane.api.deps import Admin, CurrentPrincipal, SessionDep, SettingsDep
+from controlplane.api.deps import Admin, CurrentPrincipal, PrincipalCacheDep, SessionDep, SettingsDep
 from controlplane.audit.service import record_change
 from controlplane.db.models import Account, Role
 
@@ -54,7 +54,9 @@ def create(
 
 
 @router.delete("/v1/accounts/{account}/api-keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT)
-def revoke(account: str, key_id: int, principal: Admin, session: SessionDep) -> None:
+def revoke(
+    account: str, key_id: int, principal: Admin, session: SessionDep, cache: PrincipalCacheDep
+) -> None:
     key = revoke_key(session=session, account_id=principal.account_id, key_id=key_id)
     record_change(
         session=session,
@@ -66,3 +68,4 @@ def revoke(account: str, key_id: int, principal: Admin, session: SessionDep) -> 
         after=key_summary(key),
     )
     session.commit()
+    cache.clear()

@@ -116,6 +116,18 @@ def get_deployment(*, session: Session, account_id: int, name: str) -> Deploymen
     return deployment
 
 
+def resolve_deployment_id(*, session: Session, account_id: int, name: str) -> int:
+    """The id of a live deployment of the account (a lean lookup for the ingest hot path)."""
+    deployment_id = session.scalar(
+        select(Deployment.id).where(
+            Deployment.account_id == account_id, Deployment.name == name, Deployment.deleted_at.is_(None)
+        )
+    )
+    if deployment_id is None:
+        raise NotFoundError(f"deployment {name!r} not found")
+    return deployment_id
+
+
 def list_deployments(*, session: Session, account_id: int) -> list[Deployment]:
     return list(
         session.scalars(

@@ -201,42 +201,73 @@ def _insert_rows(
 def store_records(
     *, session: Session, deployment_id: int, records: Sequence[AcceptanceRecord]
 ) -> IngestResult:
-    """Store the batch's new records and update rollups, inside the caller's transaction.
+    """Store one batch's new records and update rollups, inside the caller's transaction."""
+    return store_batches(session=session, batches=[(deployment_id, records)])[0]
 
-    A request id already stored for the deployment is skipped (and reported), which makes a
-    retried batch idempotent. The common case (no stored ids) goes straight to COPY inside a
-    savepoint; only when the unique constraint fires are stored ids looked up and skipped.
-    A concurrent writer storing the same ids between lookup and write makes the constraint fail
-    again; the caller then retries the batch once (see the ingest route).
+
+def store_batches(
+    *, session: Session, batches: Sequence[tuple[int, Sequence[AcceptanceRecord]]]
+) -> list[IngestResult]:
+    """Store several batches (possibly of several deployments) in the caller's transaction.
+
+    A request id already stored for the deployment, or already taken by an earlier batch of the
+    same call, is skipped and reported as a duplicate of that batch, which makes retries
+    idempotent. The common case (no stored ids) goes straight to COPY inside a savepoint; only
+    when the unique constraint fires are stored ids looked up and skipped. A concurrent writer
+    storing the same ids between lookup and write makes the constraint fail again; the caller
+    then retries once.
     """
-    _check_unique_within_batch(records)
+    for _, records in batches:
+        _check_unique_within_batch(records)
     now = utcnow()
-    for rec in records:
-        if rec.created_at is not None:
-            rec.created_at = _as_utc(rec.created_at)
-    if not records:
-        return IngestResult(received=0, inserted=0, duplicates=0)
-    existing: set[str] = set()
-    fresh: list[AcceptanceRecord] = list(records)
-    try:
-        with session.begin_nested():
-            _write_rows(session, deployment_id, fresh, now)
-    except IntegrityError as exc:
-        if not is_unique_violation(exc):
-            raise
-        existing = _existing_ids(session, deployment_id, [r.request_id for r in records])
-        fresh = [r for r in records if r.request_id not in existing]
+    # Per deployment: the records to write, in batch order, with in-call repeats set aside.
+    planned: dict[int, list[AcceptanceRecord]] = {}
+    repeated: list[set[str]] = []
+    claimed: dict[int, set[str]] = {}
+    for deployment_id, records in batches:
+        taken = claimed.setdefault(deployment_id, set())
+        repeats = set()
+        for rec in records:
+            if rec.created_at is not None:
+                rec.created_at = _as_utc(rec.created_at)
+            if rec.request_id in taken:
+                repeats.add(rec.request_id)
+            else:
+                taken.add(rec.request_id)
+                planned.setdefault(deployment_id, []).append(rec)
+        repeated.append(repeats)
+    stored_before: dict[int, set[str]] = {}
+    for deployment_id, candidates in planned.items():
+        existing: set[str] = set()
+        fresh = candidates
+        try:
+            with session.begin_nested():
+                _write_rows(session, deployment_id, fresh, now)
+        except IntegrityError as exc:
+            if not is_unique_violation(exc):
+                raise
+            existing = _existing_ids(session, deployment_id, [r.request_id for r in candidates])
+            fresh = [r for r in candidates if r.request_id not in existing]
+            if fresh:
+                _write_rows(session, deployment_id, fresh, now)
         if fresh:
-            _write_rows(session, deployment_id, fresh, now)
-    if fresh:
-        apply_deltas(session=session, deployment_id=deployment_id, deltas=aggregate(fresh, when_default=now))
-    duplicates = [r.request_id for r in records if r.request_id in existing]
-    return IngestResult(
-        received=len(records),
-        inserted=len(fresh),
-        duplicates=len(duplicates),
-        duplicate_request_ids=duplicates[:MAX_ECHOED_DUPLICATES],
-    )
+            apply_deltas(
+                session=session, deployment_id=deployment_id, deltas=aggregate(fresh, when_default=now)
+            )
+        stored_before[deployment_id] = existing
+    results = []
+    for (deployment_id, records), repeats in zip(batches, repeated, strict=True):
+        existing = stored_before.get(deployment_id, set())
+        duplicates = [r.request_id for r in records if r.request_id in existing or r.request_id in repeats]
+        results.append(
+            IngestResult(
+                received=len(records),
+                inserted=len(records) - len(duplicates),
+                duplicates=len(duplicates),
+                duplicate_request_ids=duplicates[:MAX_ECHOED_DUPLICATES],
+            )
+        )
+    return results
 
 
 def _write_rows(

@@ -1,0 +1,490 @@
+"""Ingestion and stats benchmark on the machine's PostgreSQL (issue #2's numbers).
+
+Measures, in one run so that the ratios are fair on a noisy shared machine:
+  1. batch ingestion through the HTTP API (a real uvicorn server process, a client process on
+     loopback sending 10,000-record native batches) vs a raw binary COPY of the same rows into a
+     table with the same schema and indexes;
+  2. single-record ingestion latency at a fixed 500 requests/s from a second process (open loop:
+     requests leave on schedule whether or not earlier ones returned);
+  3. the stats query (24 h, 5-minute buckets) over a deployment holding 10M records, served from
+     the per-minute rollups, timed in-process and through HTTP.
+Prints a table and writes bench/results/ingest.json.
+
+Usage: .venv/bin/python bench/ingest.py [--records 400000] [--stats-records 10000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import orjson
+import psycopg
+from sqlalchemy import create_engine, func, select, text
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from controlplane.accounts.service import Principal, create_account, get_account_by_name, issue_key  # noqa: E402
+from controlplane.db.migrate import upgrade_to_head  # noqa: E402
+from controlplane.db.models import AcceptanceRecordRow, Deployment, Role  # noqa: E402
+from controlplane.db.session import get_sessionmaker  # noqa: E402
+from controlplane.deployments.service import create_deployment  # noqa: E402
+from controlplane.deployments.spec import SpeculationRequest  # noqa: E402
+from controlplane.ingest.record import AcceptanceRecord  # noqa: E402
+from controlplane.ingest.service import store_records  # noqa: E402
+from controlplane.stats.service import acceptance_series  # noqa: E402
+
+PG_SERVER = os.environ.get("BENCH_PG_SERVER", "postgresql+psycopg://postgres@127.0.0.1:5432")
+BENCH_DB = "controlplane_bench"
+SECRET = "bench-secret"
+BATCH = 10_000
+STATS_DAY = datetime(2026, 11, 1, tzinfo=UTC)
+SERVER_LOG = ROOT / "bench" / "results" / "ingest-server.log"
+
+
+def native(i: int, rng: random.Random, prefix: str) -> dict[str, object]:
+    k = 4
+    steps = rng.randint(5, 30)
+    per_step = [min(k, int(rng.expovariate(0.5))) for _ in range(steps)]
+    return {
+        "request_id": f"{prefix}-{i}",
+        "drafted_tokens": steps * k,
+        "accepted_tokens": sum(per_step),
+        "verify_steps": steps,
+        "generated_tokens": sum(per_step) + steps,
+        "accepted_per_position": [sum(1 for a in per_step if a > p) for p in range(k)],
+        "k": k,
+        "prompt_tokens": rng.randint(20, 800),
+        "ttft_ms": round(rng.uniform(10, 80), 3),
+        "inter_token_ms": round(rng.uniform(3, 15), 3),
+        "total_ms": round(rng.uniform(100, 900), 3),
+        "arm": "live",
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def prepare_database(fresh: bool) -> str:
+    url = f"{PG_SERVER}/{BENCH_DB}"
+    admin = create_engine(f"{PG_SERVER}/test", isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        exists = conn.scalar(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": BENCH_DB})
+        if fresh and exists:
+            conn.execute(text(f"DROP DATABASE {BENCH_DB} WITH (FORCE)"))
+            exists = None
+        if not exists:
+            conn.execute(text(f"CREATE DATABASE {BENCH_DB}"))
+    admin.dispose()
+    upgrade_to_head(url)
+    return url
+
+
+def ensure_tenant(url: str) -> tuple[str, int, int]:
+    """The bench account (kept across runs with its 10M-record stats deployment), a new admin key,
+    and fresh "ingest" and "raw-copy" deployments."""
+    with get_sessionmaker(url)() as session:
+        account = get_account_by_name(session=session, name="bench")
+        if account is None:
+            account, issued = create_account(session=session, name="bench", secret=SECRET)
+        else:
+            issued = issue_key(session=session, account=account, name="bench", role=Role.admin, secret=SECRET)
+        principal = Principal(issued.key.id, "admin", Role.admin, account.id, "bench")
+        # Hard delete: the previous run's rows go with them (ON DELETE CASCADE).
+        session.execute(
+            text("DELETE FROM deployments WHERE account_id = :a AND name IN ('ingest', 'raw-copy')"),
+            {"a": account.id},
+        )
+        ids = [
+            create_deployment(
+                session=session,
+                principal=principal,
+                target_model="m",
+                speculation=SpeculationRequest(),
+                name=name,
+            ).id
+            for name in ("ingest", "raw-copy")
+        ]
+        session.commit()
+        return issued.secret, ids[0], ids[1]
+
+
+def start_server(url: str, port: int) -> subprocess.Popen[bytes]:
+    SERVER_LOG.parent.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "CONTROLPLANE_DATABASE_URL": url,
+        "CONTROLPLANE_ENVIRONMENT": "test",
+        "CONTROLPLANE_SECRET_KEY": SECRET,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=SERVER_LOG.open("w"),
+    )
+    for _ in range(300):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"server did not start: {SERVER_LOG.read_text()[-2000:]}")
+
+
+def batch_client(base: str, key: str, bodies: list[bytes], connections: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Send every batch body, ``connections`` at a time; report wall time and statuses."""
+
+    async def run() -> tuple[float, list[int]]:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as client:
+            queue = list(bodies)
+            statuses: list[int] = []
+
+            async def worker() -> None:
+                while queue:
+                    body = queue.pop()
+                    response = await client.post("/acceptance", content=body)
+                    statuses.append(response.status_code)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(connections)))
+            return time.perf_counter() - start, statuses
+
+    out.put(asyncio.run(run()))
+
+
+def single_client(base: str, key: str, rate: int, seconds: float, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Open-loop single-record POSTs at ``rate``/s; latency measured per request."""
+
+    async def run() -> tuple[list[float], list[int], float]:
+        rng = random.Random(99)
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=10, limits=limits) as client:
+            for i in range(50):  # warm the connection pool
+                await client.post("/acceptance", content=orjson.dumps({"records": [native(i, rng, "warm")]}))
+            latencies: list[float] = []
+            statuses: list[int] = []
+
+            async def one(i: int) -> None:
+                body = orjson.dumps({"records": [native(i, rng, f"single-{time.time_ns()}")]})
+                t0 = time.perf_counter()
+                response = await client.post("/acceptance", content=body)
+                latencies.append((time.perf_counter() - t0) * 1000)
+                statuses.append(response.status_code)
+
+            tasks = []
+            start = time.perf_counter()
+            total = int(rate * seconds)
+            for i in range(total):
+                delay = start + i / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+            return latencies, statuses, total / (time.perf_counter() - start)
+
+    out.put(asyncio.run(run()))
+
+
+def in_child(target, *args):  # type: ignore[no-untyped-def]
+    """Run a client in a second process (as a real client would be) and return its result."""
+    queue: mp.Queue = mp.Queue()  # type: ignore[type-arg]
+    process = mp.Process(target=target, args=(*args, queue))
+    process.start()
+    while True:
+        try:
+            result = queue.get(timeout=1)
+            break
+        except Exception:
+            if not process.is_alive():
+                raise RuntimeError(f"client process died with exit code {process.exitcode}") from None
+    process.join()
+    return result
+
+
+def raw_copy_rate(url: str, rows: list[dict[str, object]], deployment_id: int, tag: str) -> float:
+    """Rows/s of a plain binary COPY of the same rows into the same table (same indexes, same
+    size), under a deployment of its own; no parsing, validation, idempotency or rollups."""
+    dsn = url.replace("postgresql+psycopg", "postgresql")
+    columns = (
+        "deployment_id, request_id, created_at, arm, drafter_version, k, drafted_tokens, accepted_tokens, "
+        "verify_steps, generated_tokens, prompt_tokens, accepted_per_position, ttft_ms, inter_token_ms, "
+        "total_ms, category"
+    )
+    types = [
+        "int4",
+        "text",
+        "timestamptz",
+        "text",
+        "int4",
+        "int2",
+        "int4",
+        "int4",
+        "int4",
+        "int4",
+        "int4",
+        "json",
+        "float8",
+        "float8",
+        "float8",
+        "text",
+    ]
+    now = datetime.now(UTC)
+    with psycopg.connect(dsn) as conn:
+        start = time.perf_counter()
+        for offset in range(0, len(rows), BATCH):
+            with (
+                conn.cursor() as cursor,
+                cursor.copy(f"COPY acceptance_records ({columns}) FROM STDIN (FORMAT BINARY)") as copy,
+            ):
+                copy.set_types(types)
+                for r in rows[offset : offset + BATCH]:
+                    copy.write_row(
+                        (
+                            deployment_id,
+                            f"{tag}-{r['request_id']}",
+                            now,
+                            r["arm"],
+                            None,
+                            r["k"],
+                            r["drafted_tokens"],
+                            r["accepted_tokens"],
+                            r["verify_steps"],
+                            r["generated_tokens"],
+                            r["prompt_tokens"],
+                            r["accepted_per_position"],
+                            r["ttft_ms"],
+                            r["inter_token_ms"],
+                            r["total_ms"],
+                            None,
+                        )
+                    )
+            conn.commit()
+        elapsed = time.perf_counter() - start
+    return len(rows) / elapsed
+
+
+def ensure_stats_deployment(url: str, target: int) -> int:
+    """A deployment with ``target`` records spread over one day, built through the real write path."""
+    sessions = get_sessionmaker(url)
+    with sessions() as session:
+        deployment_id = session.scalar(select(Deployment.id).where(Deployment.name == "stats-10m"))
+        if deployment_id is not None:
+            have = session.scalar(
+                select(func.count())
+                .select_from(AcceptanceRecordRow)
+                .where(AcceptanceRecordRow.deployment_id == deployment_id)
+            )
+            if have == target:
+                return deployment_id
+            session.execute(text("DELETE FROM deployments WHERE id = :d"), {"d": deployment_id})
+            session.commit()
+        account_id = session.scalar(text("SELECT id FROM accounts WHERE name = 'bench'"))
+        deployment = Deployment(
+            account_id=account_id,
+            name="stats-10m",
+            target_model="m",
+            speculation_mode="default",
+            drift_policy={},
+            canary_policy={},
+        )
+        session.add(deployment)
+        session.commit()
+        deployment_id = deployment.id
+    rng = random.Random(5)
+    step = 86_400 / target
+    start = time.perf_counter()
+    chunk = 50_000
+    for offset in range(0, target, chunk):
+        records = []
+        for i in range(offset, min(target, offset + chunk)):
+            raw = native(i, rng, "s")
+            records.append(
+                AcceptanceRecord(
+                    request_id=str(raw["request_id"]),
+                    drafted_tokens=raw["drafted_tokens"],  # type: ignore[arg-type]
+                    accepted_tokens=raw["accepted_tokens"],
+                    verify_steps=raw["verify_steps"],  # type: ignore[arg-type]
+                    generated_tokens=raw["generated_tokens"],
+                    accepted_per_position=raw["accepted_per_position"],  # type: ignore[arg-type]
+                    k=4,
+                    prompt_tokens=raw["prompt_tokens"],
+                    ttft_ms=raw["ttft_ms"],  # type: ignore[arg-type]
+                    inter_token_ms=raw["inter_token_ms"],
+                    total_ms=raw["total_ms"],  # type: ignore[arg-type]
+                    created_at=STATS_DAY + timedelta(seconds=i * step),
+                )
+            )
+        with sessions() as session:
+            store_records(session=session, deployment_id=deployment_id, records=records)
+            session.commit()
+        done = offset + len(records)
+        if done % 1_000_000 == 0:
+            print(
+                f"  built {done:,} / {target:,} records ({done / (time.perf_counter() - start):,.0f}/s)",
+                flush=True,
+            )
+    with psycopg.connect(url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE acceptance_rollups")
+    return deployment_id
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--records", type=int, default=400_000, help="records sent through the batch API")
+    parser.add_argument("--connections", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stats-records", type=int, default=10_000_000)
+    parser.add_argument("--single-rate", type=int, default=500)
+    parser.add_argument("--single-seconds", type=float, default=20.0)
+    parser.add_argument("--fresh", action="store_true", help="drop and rebuild the bench database")
+    args = parser.parse_args()
+
+    url = prepare_database(args.fresh)
+    key, _, raw_copy_id = ensure_tenant(url)
+    print(
+        f"building the stats deployment ({args.stats_records:,} records through the write path; reused if present)"
+    )
+    stats_id = ensure_stats_deployment(url, args.stats_records)
+
+    rng = random.Random(1)
+    rows = [native(i, rng, f"batch-{time.time_ns()}") for i in range(args.records)]
+    bodies = [
+        orjson.dumps({"format": "native", "records": rows[o : o + BATCH]}) for o in range(0, len(rows), BATCH)
+    ]
+    port = free_port()
+    server = start_server(url, port)
+    base = f"http://127.0.0.1:{port}/v1/accounts/bench/deployments/ingest"
+    try:
+        # Warm-up batch (connection pool, JIT-free but caches), then the measured run.
+        warm_rng = random.Random(2)
+        in_child(
+            batch_client,
+            base,
+            key,
+            [
+                orjson.dumps(
+                    {"records": [native(i, warm_rng, f"warm-{time.time_ns()}") for i in range(BATCH)]}
+                )
+            ],
+            1,
+        )
+        # Interleave the two arms over several rounds and take medians: this machine is shared
+        # and its speed drifts, so only ratios measured side by side are trustworthy.
+        batch_rates, copy_rates = [], []
+        for round_no in range(args.rounds):
+            round_bodies = (
+                bodies
+                if round_no == 0
+                else [
+                    body.replace(b'"request_id":"batch-', f'"request_id":"r{round_no}-batch-'.encode())
+                    for body in bodies
+                ]
+            )
+            elapsed, statuses = in_child(batch_client, base, key, round_bodies, args.connections)
+            assert set(statuses) == {200}, f"batch statuses {set(statuses)}"
+            batch_rates.append(args.records / elapsed)
+            copy_rates.append(raw_copy_rate(url, rows, raw_copy_id, f"r{round_no}"))
+            print(
+                f"  round {round_no + 1}: API {batch_rates[-1]:,.0f} records/s, raw COPY {copy_rates[-1]:,.0f} rows/s"
+            )
+        batch_rate = statistics.median(batch_rates)
+        copy_rate = statistics.median(copy_rates)
+        latencies, single_statuses, achieved_rate = in_child(
+            single_client, base, key, args.single_rate, args.single_seconds
+        )
+        assert set(single_statuses) == {200}, f"single statuses {set(single_statuses)}"
+        latencies.sort()
+        p50 = latencies[len(latencies) // 2]
+        p99 = latencies[int(0.99 * len(latencies)) - 1]
+        stats_kwargs = dict(start=STATS_DAY, end=STATS_DAY + timedelta(days=1), bucket_seconds=300)
+        with get_sessionmaker(url)() as session:
+            acceptance_series(session=session, deployment_id=stats_id, **stats_kwargs)  # type: ignore[arg-type]
+            in_process = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                result = acceptance_series(session=session, deployment_id=stats_id, **stats_kwargs)  # type: ignore[arg-type]
+                in_process.append((time.perf_counter() - t0) * 1000)
+        assert result["total"]["requests"] == args.stats_records
+        stats_url = f"http://127.0.0.1:{port}/v1/accounts/bench/deployments/stats-10m/stats"
+        params = {
+            "start": STATS_DAY.isoformat(),
+            "end": (STATS_DAY + timedelta(days=1)).isoformat(),
+            "bucket_seconds": 300,
+        }
+        http_times = []
+        with httpx.Client(headers={"Authorization": f"Bearer {key}"}) as client:
+            for _ in range(21):
+                t0 = time.perf_counter()
+                response = client.get(stats_url, params=params)
+                http_times.append((time.perf_counter() - t0) * 1000)
+                assert response.status_code == 200, response.text
+        http_times = http_times[1:]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    results = {
+        "batch_records_per_s": round(batch_rate),
+        "copy_records_per_s": round(copy_rate),
+        "ratio_vs_copy": round(batch_rate / copy_rate, 3),
+        "single_rate_target_per_s": args.single_rate,
+        "single_rate_achieved_per_s": round(achieved_rate, 1),
+        "single_p50_ms": round(p50, 2),
+        "single_p99_ms": round(p99, 2),
+        "stats_records": args.stats_records,
+        "stats_query_ms": round(statistics.median(in_process), 2),
+        "stats_query_http_ms": round(statistics.median(http_times), 2),
+        "batch_records": args.records,
+        "batch_rounds": args.rounds,
+        "batch_records_per_s_rounds": [round(r) for r in batch_rates],
+        "copy_records_per_s_rounds": [round(r) for r in copy_rates],
+        "batch_connections": args.connections,
+        "cpu_count": os.cpu_count(),
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    print()
+    print("| figure | measured | target |")
+    print("|---|---|---|")
+    print(
+        f"| batch ingest via HTTP API (records/s, {args.records:,} records, {args.connections} connections) | {batch_rate:,.0f} | >= 50,000 |"
+    )
+    print(f"| raw binary COPY of the same rows (rows/s) | {copy_rate:,.0f} | - |")
+    print(f"| API / raw COPY | {batch_rate / copy_rate:.2f} | >= 0.50 |")
+    print(
+        f"| single-record p50 / p99 at {achieved_rate:.0f} req/s (ms) | {p50:.2f} / {p99:.2f} | p99 <= 10 |"
+    )
+    print(
+        f"| stats query over {args.stats_records:,} records, 24 h in 5-min buckets (ms, median of 20, in-process) | {statistics.median(in_process):.2f} | <= 20 |"
+    )
+    print(f"| same query through HTTP (ms, median of 20) | {statistics.median(http_times):.2f} | - |")
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ingest.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {out / 'ingest.json'}")
+
+
+if __name__ == "__main__":
+    main()
