@@ -21,6 +21,8 @@ deployment_app = typer.Typer(no_args_is_help=True, help="Create, update, get, li
 key_app = typer.Typer(no_args_is_help=True, help="Manage API keys of your account.")
 app.add_typer(deployment_app, name="deployment")
 app.add_typer(key_app, name="key")
+models_app = typer.Typer(no_args_is_help=True, help="Build the reference target and generic drafter.")
+app.add_typer(models_app, name="models")
 
 
 class ApiClient:
@@ -248,6 +250,18 @@ def key_revoke(key_id: Annotated[int, typer.Argument()]) -> None:
     client = ApiClient(get_settings())
     client.request("DELETE", f"/v1/accounts/{client.account}/api-keys/{key_id}")
     typer.echo(f"revoked key {key_id}")
+
+
+@models_app.command("build", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def models_build(ctx: typer.Context) -> None:
+    """Train the reference models from the built-in corpora (resumable; see --help of the builder).
+
+    Runs in its own process: training needs torch, which the control plane never imports.
+    """
+    import subprocess
+
+    command = [sys.executable, "-m", "workers.training.build_reference", *ctx.args]
+    raise typer.Exit(subprocess.call(command))
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -1,0 +1,25 @@
+"""`make bench`: every benchmark in turn; each prints its table and writes bench/results/*.json."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+SCRIPTS = ["ingest.py", "engine.py"]
+
+
+def main() -> int:
+    failed = []
+    for script in SCRIPTS:
+        print(f"\n=== bench/{script} ===", flush=True)
+        if subprocess.call([sys.executable, "-u", str(BENCH / script)]) != 0:
+            failed.append(script)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
