@@ -234,15 +234,12 @@ class AcceptanceRecordRow(Base):
     category: Mapped[str | None] = mapped_column(String(100))
 
 
-class AcceptanceRollup(Base):
-    """Per-minute sums of acceptance records so dashboards never scan the raw table."""
+class _RollupColumns:
+    """Sums of acceptance records over one time bucket, shared by every rollup resolution.
 
-    __tablename__ = "acceptance_rollups"
-    __table_args__ = (
-        UniqueConstraint(
-            "deployment_id", "bucket_start", "arm", "drafter_version", name="uq_acceptance_rollups_key"
-        ),
-    )
+    Every figure the stats API reports is derived from these raw counts, never from stored
+    ratios, so rows of any resolution combine exactly.
+    """
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
@@ -259,10 +256,56 @@ class AcceptanceRollup(Base):
     total_ms_sum: Mapped[float] = mapped_column(Float, default=0.0)
     timed_requests: Mapped[int] = mapped_column(BigInteger, default=0)
     accepted_per_position: Mapped[list[Any]] = mapped_column(JSON, default=list)
-    # Sparse log-bucket histograms {bucket index: count}; see controlplane.ingest.rollups.
-    inter_token_hist: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    total_ms_hist: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    ttft_hist: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Dense log-bucket histograms [first bucket index, count, count, ...] (empty: []); see
+    # controlplane.ingest.rollups. Needed only to merge rows into a wider bucket.
+    inter_token_hist: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    total_ms_hist: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    ttft_hist: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    # Percentiles of this row's own histograms, refreshed on every update, so that a query whose
+    # bucket is exactly one row reads them instead of decoding and walking histograms.
+    inter_token_ms_p50: Mapped[float | None] = mapped_column(Float)
+    inter_token_ms_p95: Mapped[float | None] = mapped_column(Float)
+    total_ms_p50: Mapped[float | None] = mapped_column(Float)
+    total_ms_p95: Mapped[float | None] = mapped_column(Float)
+    ttft_ms_p50: Mapped[float | None] = mapped_column(Float)
+    ttft_ms_p95: Mapped[float | None] = mapped_column(Float)
+
+
+class AcceptanceRollup(_RollupColumns, Base):
+    """Per-minute sums of acceptance records so dashboards never scan the raw table.
+
+    Exactly one row per (deployment, minute, arm, drafter version): summing this table counts
+    every record once. Coarser resolutions live in AcceptanceRollupTier.
+    """
+
+    __tablename__ = "acceptance_rollups"
+    __table_args__ = (
+        UniqueConstraint(
+            "deployment_id", "bucket_start", "arm", "drafter_version", name="uq_acceptance_rollups_key"
+        ),
+    )
+
+
+class AcceptanceRollupTier(_RollupColumns, Base):
+    """The same sums at coarser resolutions (5 min, 1 h, 1 day), written with the minute rows.
+
+    A long range in wide buckets then reads a few hundred rows instead of one per minute.
+    """
+
+    __tablename__ = "acceptance_rollup_tiers"
+    __table_args__ = (
+        UniqueConstraint(
+            "deployment_id",
+            "resolution_s",
+            "bucket_start",
+            "arm",
+            "drafter_version",
+            name="uq_acceptance_rollup_tiers_key",
+        ),
+    )
+
+    # Bucket length in seconds; bucket_start is a multiple of it since the Unix epoch (UTC).
+    resolution_s: Mapped[int] = mapped_column(Integer)
 
 
 class CounterSnapshotRow(Base):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
+import orjson
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,16 +24,29 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def json_loads(text: str | bytes) -> Any:
+    """Decode a JSON column: orjson (several times faster than the stdlib on rollup histograms),
+    falling back to the stdlib for what orjson refuses (NaN, integers beyond 64 bits) so that
+    any value the stdlib encoder once wrote still reads back."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
     """One pooled engine per database URL for the whole process."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30}, json_deserializer=json_loads
+        )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    # On psycopg the dialect registers json_deserializer as the connection's JSON loader.
+    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, json_deserializer=json_loads)
 
 
 @lru_cache(maxsize=8)

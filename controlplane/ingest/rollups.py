@@ -1,28 +1,58 @@
-"""Per-minute rollups of acceptance records: pure aggregation plus the database upsert.
+"""Rollups of acceptance records: pure aggregation, log histograms, and the database upsert.
 
-Latency percentiles come from sparse log-spaced histograms (bucket edges grow by 5%), so a
-percentile read from a rollup is within about 2.5% of the exact value whatever the range.
+Records are summed per (minute, arm, drafter version) into ``acceptance_rollups`` and, in the
+same transaction, into coarser tiers (5 min, 1 h, 1 day) in ``acceptance_rollup_tiers``, so
+a stats query reads at most a few hundred rows whatever the range. Every tier's bucket starts
+at a multiple of its resolution since the Unix epoch, and each resolution divides the next.
+
+Latency percentiles come from log-spaced histograms (bucket edges grow by 5%), so a percentile
+read from a rollup is within about 2.5% of the exact value whatever the range. Histograms are
+stored dense, ``[first bucket index, count, count, ...]`` (``[]`` when empty): latencies of
+one deployment span a narrow band of buckets, and adding aligned lists is several times cheaper
+than merging dicts. Each row also stores the p50/p95 of its own histograms, refreshed on every
+update, so a query bucket that is exactly one row needs no histogram work.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
+from itertools import accumulate, islice
+from operator import add
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import insert, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import AcceptanceRollup
+from controlplane.db.models import AcceptanceRollup, AcceptanceRollupTier
 from controlplane.ingest.record import AcceptanceRecord
 
 HIST_RATIO = 1.05
 HIST_MIN_MS = 0.01
 _LOG_RATIO = math.log(HIST_RATIO)
+
+# Rollup resolutions in seconds, finest first. Each divides the next (and a UTC day), so a row
+# of one tier is the exact sum of the rows of any finer tier inside it.
+MINUTE = 60
+RESOLUTIONS = (MINUTE, 300, 3600, 86400)
+TIER_RESOLUTIONS = RESOLUTIONS[1:]
+
+# The latency figures every rollup row precomputes, as (histogram column, percentile columns).
+HISTOGRAMS = ("inter_token_hist", "total_ms_hist", "ttft_hist")
+QUANTILES = (0.5, 0.95)
+PERCENTILE_COLUMNS = (
+    "inter_token_ms_p50",
+    "inter_token_ms_p95",
+    "total_ms_p50",
+    "total_ms_p95",
+    "ttft_ms_p50",
+    "ttft_ms_p95",
+)
 
 
 def hist_index(value_ms: float) -> int:
@@ -39,24 +69,63 @@ def hist_value(index: int) -> float:
     return float(HIST_MIN_MS * HIST_RATIO ** (index - 0.5))
 
 
-def hist_percentile(hist: Mapping[str, int] | Mapping[int, int], q: float) -> float | None:
-    """The q-quantile (0..1) of a sparse histogram, or None when it is empty."""
-    items = sorted((int(k), int(v)) for k, v in hist.items())
-    total = sum(v for _, v in items)
-    if total == 0:
-        return None
-    rank = q * total
-    seen = 0
-    for index, count in items:
-        seen += count
-        if seen >= rank:
-            return hist_value(index)
-    return hist_value(items[-1][0])
+def hist_from_counts(counts: Mapping[int, int]) -> list[int]:
+    """The dense form ``[first index, counts...]`` of a sparse {bucket index: count} mapping."""
+    present = [index for index, count in counts.items() if count]
+    if not present:
+        return []
+    lo, hi = min(present), max(present)
+    dense = [0] * (hi - lo + 1)
+    for index, count in counts.items():
+        if count:
+            dense[index - lo] += count
+    return [lo, *dense]
 
 
-def merge_hist(into: dict[str, int], other: Mapping[str, int]) -> None:
-    for key, count in other.items():
-        into[key] = into.get(key, 0) + int(count)
+def hist_merge(hists: Iterable[Sequence[int]]) -> list[int]:
+    """The sum of dense histograms, as a new dense histogram."""
+    present = [h for h in hists if len(h) > 1]
+    if not present:
+        return []
+    if len(present) == 1:
+        return list(present[0])
+    lo = min(h[0] for h in present)
+    hi = max(h[0] + len(h) - 1 for h in present)
+    acc = [0] * (hi - lo)
+    for h in present:
+        i = h[0] - lo
+        j = i + len(h) - 1
+        # map(add) over slices runs in C: no per-bucket Python bytecode.
+        acc[i:j] = map(add, acc[i:j], islice(h, 1, None))
+    return [lo, *acc]
+
+
+def hist_quantiles(hist: Sequence[int], qs: Sequence[float]) -> list[float | None]:
+    """The q-quantiles (0..1) of a dense histogram in one pass; None each when it is empty.
+
+    The q-quantile is the first bucket whose cumulative count reaches q * total.
+    """
+    if len(hist) < 2:
+        return [None] * len(qs)
+    cumulative = list(accumulate(islice(hist, 1, None)))
+    total = cumulative[-1]
+    if total <= 0:
+        return [None] * len(qs)
+    last = len(cumulative) - 1
+    return [hist_value(hist[0] + min(bisect_left(cumulative, q * total), last)) for q in qs]
+
+
+def hist_percentile(hist: Sequence[int], q: float) -> float | None:
+    """The q-quantile (0..1) of a dense histogram, or None when it is empty."""
+    return hist_quantiles(hist, (q,))[0]
+
+
+def row_percentiles(hists: Sequence[Sequence[int]]) -> list[float | None]:
+    """p50 and p95 of each of the three latency histograms, in PERCENTILE_COLUMNS order."""
+    values: list[float | None] = []
+    for hist in hists:
+        values.extend(hist_quantiles(hist, QUANTILES))
+    return values
 
 
 def merge_positions(into: list[int], other: Sequence[int]) -> None:
@@ -67,11 +136,12 @@ def merge_positions(into: list[int], other: Sequence[int]) -> None:
 
 
 RollupKey = tuple[datetime, str, int]
+TierKey = tuple[int, datetime, str, int]
 
 
 @dataclass(slots=True)
 class RollupDelta:
-    """Sums to add to one rollup row."""
+    """Sums to add to one rollup row (histograms sparse, {bucket index: count}, while summing)."""
 
     requests: int = 0
     drafted_tokens: int = 0
@@ -82,15 +152,24 @@ class RollupDelta:
     total_ms_sum: float = 0.0
     timed_requests: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    inter_token_hist: dict[str, int] = field(default_factory=dict)
-    total_ms_hist: dict[str, int] = field(default_factory=dict)
-    ttft_hist: dict[str, int] = field(default_factory=dict)
+    inter_token_hist: dict[int, int] = field(default_factory=dict)
+    total_ms_hist: dict[int, int] = field(default_factory=dict)
+    ttft_hist: dict[int, int] = field(default_factory=dict)
+
+    def add(self, other: RollupDelta) -> None:
+        for name in _SUM_COLUMNS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        merge_positions(self.accepted_per_position, other.accepted_per_position)
+        for name in HISTOGRAMS:
+            mine: dict[int, int] = getattr(self, name)
+            for index, count in getattr(other, name).items():
+                mine[index] = mine.get(index, 0) + count
 
 
-def _bump(hist: dict[str, int], value: float | None) -> None:
+def _bump(hist: dict[int, int], value: float | None) -> None:
     if value is not None:
-        key = str(hist_index(value))
-        hist[key] = hist.get(key, 0) + 1
+        index = hist_index(value)
+        hist[index] = hist.get(index, 0) + 1
 
 
 def aggregate(records: Iterable[AcceptanceRecord], *, when_default: datetime) -> dict[RollupKey, RollupDelta]:
@@ -124,6 +203,27 @@ def aggregate(records: Iterable[AcceptanceRecord], *, when_default: datetime) ->
     return deltas
 
 
+def floor_to(when: datetime, resolution_s: int) -> datetime:
+    """The start of the ``resolution_s`` bucket holding ``when`` (naive values are taken as UTC)."""
+    aware = when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
+    seconds = int(aware.timestamp())
+    floored = datetime.fromtimestamp(seconds - seconds % resolution_s, tz=UTC)
+    return floored if when.tzinfo is not None else floored.replace(tzinfo=None)
+
+
+def tier_deltas(deltas: Mapping[RollupKey, RollupDelta]) -> dict[TierKey, RollupDelta]:
+    """The minute deltas summed into every coarser tier's buckets."""
+    tiers: dict[TierKey, RollupDelta] = {}
+    for (minute, arm, version), delta in deltas.items():
+        for resolution in TIER_RESOLUTIONS:
+            key = (resolution, floor_to(minute, resolution), arm, version)
+            into = tiers.get(key)
+            if into is None:
+                into = tiers[key] = RollupDelta()
+            into.add(delta)
+    return tiers
+
+
 _SUM_COLUMNS = (
     "requests",
     "drafted_tokens",
@@ -137,68 +237,139 @@ _SUM_COLUMNS = (
 
 
 def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[RollupKey, RollupDelta]) -> None:
-    """Add deltas to the rollup rows in the caller's transaction.
+    """Add per-minute deltas to the minute rows and every tier's rows, in the caller's transaction.
 
-    Rows are first created empty (insert-or-ignore), then locked in key order and updated, so
-    concurrent batches for the same minute serialise instead of losing counts or deadlocking.
+    Rows are first created empty (insert-or-ignore), then locked and updated, minute table first
+    and each table in key order, so concurrent batches touching the same buckets serialise
+    instead of losing counts or deadlocking: every writer takes its locks in one global order.
     """
     if not deltas:
         return
-    keys = sorted(deltas)
+    minutes: dict[RollupKey, RollupDelta] = {}
+    for (minute, arm, version), delta in deltas.items():
+        # Tier buckets are UTC-aligned; normalising here also merges keys that named the same
+        # minute in different time zones.
+        key = (minute.astimezone(UTC) if minute.tzinfo is not None else minute, arm, version)
+        into = minutes.get(key)
+        if into is None:
+            minutes[key] = delta
+        else:
+            merged = RollupDelta()
+            merged.add(into)
+            merged.add(delta)
+            minutes[key] = merged
+    tiers = tier_deltas(minutes)
+    minute_keys = sorted(minutes)
+    tier_keys = sorted(tiers)
+    like = minute_keys[0][0]
     dialect = session.get_bind().dialect.name
-    empty_rows = [
-        {
-            "deployment_id": deployment_id,
-            "bucket_start": minute,
-            "arm": arm,
-            "drafter_version": version,
-            **dict.fromkeys(_SUM_COLUMNS, 0),
-            "accepted_per_position": [],
-            "inter_token_hist": {},
-            "total_ms_hist": {},
-            "ttft_hist": {},
-        }
-        for minute, arm, version in keys
-    ]
+
+    _insert_empty(
+        session,
+        dialect,
+        AcceptanceRollup,
+        "uq_acceptance_rollups_key",
+        [{"bucket_start": m, "arm": a, "drafter_version": v} for m, a, v in minute_keys],
+        deployment_id,
+    )
+    _insert_empty(
+        session,
+        dialect,
+        AcceptanceRollupTier,
+        "uq_acceptance_rollup_tiers_key",
+        [{"resolution_s": r, "bucket_start": m, "arm": a, "drafter_version": v} for r, m, a, v in tier_keys],
+        deployment_id,
+    )
+
+    minute_rows = _lock_rows(session, AcceptanceRollup, deployment_id, minute_keys)
+    tier_rows = _lock_rows(session, AcceptanceRollupTier, deployment_id, tier_keys)
+    by_minute = {(_aware(row.bucket_start, like), row.arm, row.drafter_version): row for row in minute_rows}
+    by_tier = {
+        (row.resolution_s, _aware(row.bucket_start, like), row.arm, row.drafter_version): row
+        for row in tier_rows
+    }
+    session.execute(update(AcceptanceRollup), [_updated(by_minute[key], minutes[key]) for key in minute_keys])
+    session.execute(update(AcceptanceRollupTier), [_updated(by_tier[key], tiers[key]) for key in tier_keys])
+    session.expire_all()
+
+
+def _insert_empty(
+    session: Session,
+    dialect: str,
+    model: type[AcceptanceRollup] | type[AcceptanceRollupTier],
+    constraint: str,
+    keys: list[dict[str, Any]],
+    deployment_id: int,
+) -> None:
+    empty = {
+        "deployment_id": deployment_id,
+        **dict.fromkeys(_SUM_COLUMNS, 0),
+        "accepted_per_position": [],
+        **{name: [] for name in HISTOGRAMS},
+    }
     stmt: Any
     if dialect == "postgresql":
-        stmt = pg_insert(AcceptanceRollup).on_conflict_do_nothing(constraint="uq_acceptance_rollups_key")
+        stmt = pg_insert(model).on_conflict_do_nothing(constraint=constraint)
     elif dialect == "sqlite":
-        stmt = sqlite_insert(AcceptanceRollup).on_conflict_do_nothing()
+        stmt = sqlite_insert(model).on_conflict_do_nothing()
     else:  # pragma: no cover - only the two supported dialects reach here
-        stmt = insert(AcceptanceRollup)
-    session.execute(stmt, empty_rows)
-    conditions = [
-        and_(
-            AcceptanceRollup.bucket_start == minute,
-            AcceptanceRollup.arm == arm,
-            AcceptanceRollup.drafter_version == version,
+        stmt = insert(model)
+    session.execute(stmt, [{**empty, **key} for key in keys])
+
+
+# Keys locked per SELECT, to keep the bound parameters well under SQLite's limit.
+LOCK_CHUNK = 1000
+
+
+def _lock_rows(
+    session: Session,
+    model: type[AcceptanceRollup] | type[AcceptanceRollupTier],
+    deployment_id: int,
+    keys: Sequence[tuple[Any, ...]],
+) -> list[Any]:
+    """Lock and read the rows of sorted ``keys`` ((resolution,) bucket start, arm, version).
+
+    Locks are taken in the database's order of the key columns. Chunks split only between bucket
+    starts, whose order is the same in Python and SQL, so the order is global across chunks
+    (arm names might collate differently in the database than in Python).
+    """
+    tiered = model is AcceptanceRollupTier
+    key_columns = [getattr(model, name) for name in ("bucket_start", "arm", "drafter_version")]
+    if tiered:
+        key_columns.insert(0, AcceptanceRollupTier.resolution_s)
+    columns = [model.id, *key_columns]
+    columns += [getattr(model, name) for name in (*_SUM_COLUMNS, "accepted_per_position", *HISTOGRAMS)]
+    rows: list[Any] = []
+    chunk: list[tuple[Any, ...]] = []
+    for position, key in enumerate(keys):
+        chunk.append(key)
+        following = keys[position + 1] if position + 1 < len(keys) else None
+        if following is not None and (len(chunk) < LOCK_CHUNK or following[:-2] == key[:-2]):
+            continue
+        query = (
+            select(*columns)
+            .where(model.deployment_id == deployment_id, tuple_(*key_columns).in_(chunk))
+            .order_by(*key_columns)
+            .with_for_update()
         )
-        for minute, arm, version in keys
+        rows.extend(session.execute(query))
+        chunk = []
+    return rows
+
+
+def _updated(row: Any, delta: RollupDelta) -> dict[str, Any]:
+    positions = list(row.accepted_per_position or [])
+    merge_positions(positions, delta.accepted_per_position)
+    hists = [
+        hist_merge((getattr(row, name) or [], hist_from_counts(getattr(delta, name)))) for name in HISTOGRAMS
     ]
-    query = (
-        select(AcceptanceRollup)
-        .where(AcceptanceRollup.deployment_id == deployment_id, or_(*conditions))
-        .order_by(AcceptanceRollup.bucket_start, AcceptanceRollup.arm, AcceptanceRollup.drafter_version)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    )
-    rows = {(_aware(r.bucket_start, keys[0][0]), r.arm, r.drafter_version): r for r in session.scalars(query)}
-    updates: list[dict[str, Any]] = []
-    for key in keys:
-        row = rows[key]
-        delta = deltas[key]
-        positions = list(row.accepted_per_position or [])
-        merge_positions(positions, delta.accepted_per_position)
-        hists = {}
-        for name in ("inter_token_hist", "total_ms_hist", "ttft_hist"):
-            merged = dict(getattr(row, name) or {})
-            merge_hist(merged, getattr(delta, name))
-            hists[name] = merged
-        values = {col: getattr(row, col) + getattr(delta, col) for col in _SUM_COLUMNS}
-        updates.append({"id": row.id, **values, "accepted_per_position": positions, **hists})
-    session.execute(update(AcceptanceRollup), updates)
-    session.expire_all()
+    return {
+        "id": row.id,
+        **{col: getattr(row, col) + getattr(delta, col) for col in _SUM_COLUMNS},
+        "accepted_per_position": positions,
+        **dict(zip(HISTOGRAMS, hists, strict=True)),
+        **dict(zip(PERCENTILE_COLUMNS, row_percentiles(hists), strict=True)),
+    }
 
 
 def _aware(value: datetime, like: datetime) -> datetime:

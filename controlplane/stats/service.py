@@ -1,23 +1,55 @@
 """Time series of hit rate, accepted length, per-position acceptance, latency and throughput.
 
-Every figure is derived from summed raw counts in the per-minute rollups, never from averaged
-ratios, so buckets of any size (a multiple of one minute) combine exactly.
+Every figure is derived from summed raw counts in the rollups, never from averaged ratios, so
+buckets of any size (a multiple of one minute) combine exactly. Each bucket is read as the
+fewest rollup rows that tile it exactly (see controlplane.ingest.rollups for the tiers): for a
+start on a tier's grid and a bucket that is a multiple of that tier, that is one row per bucket
+(per arm and drafter version). A bucket that is one row takes its latency percentiles from the
+row; only buckets made of several rows decode and merge histograms.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, and_, or_, select, union_all
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import AcceptanceRollup
+from controlplane.db.models import AcceptanceRollup, AcceptanceRollupTier
 from controlplane.errors import ValidationProblem
-from controlplane.ingest.rollups import hist_percentile, merge_hist, merge_positions
+from controlplane.ingest.rollups import (
+    HISTOGRAMS,
+    MINUTE,
+    PERCENTILE_COLUMNS,
+    RESOLUTIONS,
+    hist_merge,
+    merge_positions,
+    row_percentiles,
+)
 
 MAX_BUCKETS = 10_000
+
+_COARSEST_FIRST = tuple(sorted(RESOLUTIONS, reverse=True))
+_SCALARS = (
+    "requests",
+    "drafted_tokens",
+    "accepted_tokens",
+    "verify_steps",
+    "generated_tokens",
+    "total_ms_sum",
+    "timed_requests",
+)
+# Positions of the selected columns in a result row (see _select).
+_POSITIONS = 1 + len(_SCALARS)
+_PERCENTILES = slice(_POSITIONS + 1, _POSITIONS + 1 + len(PERCENTILE_COLUMNS))
+_HISTS = slice(_PERCENTILES.stop, _PERCENTILES.stop + len(HISTOGRAMS))
+
+# A run of rollup rows of one resolution: (resolution, first bucket start, end), epoch seconds.
+Block = tuple[int, int, int]
 
 
 @dataclass(slots=True)
@@ -30,9 +62,8 @@ class BucketSums:
     total_ms_sum: float = 0.0
     timed_requests: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    inter_token_hist: dict[str, int] = field(default_factory=dict)
-    total_ms_hist: dict[str, int] = field(default_factory=dict)
-    ttft_hist: dict[str, int] = field(default_factory=dict)
+    # p50/p95 of inter-token, total and TTFT latency, in PERCENTILE_COLUMNS order.
+    percentiles: Sequence[float | None] = (None,) * len(PERCENTILE_COLUMNS)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -52,6 +83,7 @@ def summarise(sums: BucketSums, *, bucket_seconds: int) -> dict[str, Any]:
     for count in positions:
         conditional.append(_ratio(count, previous))
         previous = count
+    it50, it95, total50, total95, ttft50, ttft95 = sums.percentiles
     return {
         "requests": sums.requests,
         "drafted_tokens": sums.drafted_tokens,
@@ -62,12 +94,12 @@ def summarise(sums: BucketSums, *, bucket_seconds: int) -> dict[str, Any]:
         "mean_accepted_length": (1 + sums.accepted_tokens / sums.verify_steps) if sums.verify_steps else None,
         "per_position_acceptance": [_ratio(c, sums.verify_steps) for c in positions],
         "per_position_conditional_acceptance": conditional,
-        "inter_token_latency_ms_p50": hist_percentile(sums.inter_token_hist, 0.5),
-        "inter_token_latency_ms_p95": hist_percentile(sums.inter_token_hist, 0.95),
-        "total_latency_ms_p50": hist_percentile(sums.total_ms_hist, 0.5),
-        "total_latency_ms_p95": hist_percentile(sums.total_ms_hist, 0.95),
-        "ttft_ms_p50": hist_percentile(sums.ttft_hist, 0.5),
-        "ttft_ms_p95": hist_percentile(sums.ttft_hist, 0.95),
+        "inter_token_latency_ms_p50": it50,
+        "inter_token_latency_ms_p95": it95,
+        "total_latency_ms_p50": total50,
+        "total_latency_ms_p95": total95,
+        "ttft_ms_p50": ttft50,
+        "ttft_ms_p95": ttft95,
         "throughput_tokens_per_s": sums.generated_tokens / bucket_seconds,
         "decode_tokens_per_s": _ratio(sums.generated_tokens * 1000.0, sums.total_ms_sum),
     }
@@ -75,6 +107,190 @@ def summarise(sums: BucketSums, *, bucket_seconds: int) -> dict[str, Any]:
 
 def _utc(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _minute_ceil(value: datetime) -> int:
+    """Epoch seconds of the first minute starting at or after ``value``."""
+    seconds = math.ceil(value.timestamp())
+    return -(-seconds // MINUTE) * MINUTE
+
+
+def cover(lo: int, hi: int) -> list[Block]:
+    """[lo, hi) (minute-aligned epoch seconds) as the fewest whole rollup rows, in time order.
+
+    The coarsest tier takes the whole buckets it has inside the range; what is left at either
+    edge goes to the next finer tier, down to minutes.
+    """
+    out: list[Block] = []
+    _cover_into(lo, hi, 0, out)
+    return out
+
+
+def _cover_into(lo: int, hi: int, level: int, out: list[Block]) -> None:
+    while level < len(_COARSEST_FIRST) and lo < hi:
+        resolution = _COARSEST_FIRST[level]
+        first = -(-lo // resolution) * resolution
+        last = hi // resolution * resolution
+        level += 1
+        if first < last:
+            _cover_into(lo, first, level, out)
+            out.append((resolution, first, last))
+            lo = last
+
+
+# Past this many runs of rows the per-bucket tiling falls back to the grid tier's rows: the
+# statement would grow with the bucket count (and SQLite caps expression depth at 1000).
+MAX_RUNS = 64
+
+
+def plan_buckets(lo: int, hi: int, bucket_seconds: int) -> tuple[list[Block], bool]:
+    """The rollup rows tiling each bucket of [lo, hi), merged into runs per resolution.
+
+    Also says whether some bucket is made of several rows (then percentiles need histograms).
+    """
+    # The grid tier: the coarsest whose rows never straddle a bucket edge.
+    grid = max(r for r in RESOLUTIONS if bucket_seconds % r == 0 and lo % r == 0)
+    end = max(lo, hi // grid * grid)
+    tail = cover(end, hi)  # inside the last bucket, which is partial
+    grid_plan = ([(grid, lo, end)] if end > lo else []) + tail
+    grid_several = bucket_seconds > grid or _rows(tail) > 1
+    if bucket_seconds < min((r for r in RESOLUTIONS if r > grid), default=bucket_seconds + 1):
+        # No bucket can hold a whole row of a coarser tier: the grid plan is the fewest rows.
+        return grid_plan, grid_several
+    # A bucket (e.g. one day from 06:00) may hold whole rows of a coarser tier: tile each bucket.
+    runs: dict[int, list[list[int]]] = {}
+    count = 0
+    several = False
+    for a in range(lo, hi, bucket_seconds):
+        pieces = cover(a, min(a + bucket_seconds, hi))
+        several = several or _rows(pieces) > 1
+        for resolution, first, last in pieces:
+            spans = runs.setdefault(resolution, [])
+            if spans and spans[-1][1] == first:
+                spans[-1][1] = last
+            else:
+                spans.append([first, last])
+                count += 1
+        if count > MAX_RUNS:
+            return grid_plan, grid_several
+    return [(r, first, last) for r, spans in runs.items() for first, last in spans], several
+
+
+def _rows(blocks: Sequence[Block]) -> int:
+    return sum((last - first) // resolution for resolution, first, last in blocks)
+
+
+def _at(seconds: int) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+def _select(
+    blocks: Sequence[Block],
+    *,
+    deployment_id: int,
+    arm: str | None,
+    drafter_version: int | None,
+    hists: bool,
+) -> Select[Any]:
+    """One statement reading every row of ``blocks`` from the minute table and the tier table."""
+    minute, tier = AcceptanceRollup, AcceptanceRollupTier
+    parts: list[Select[Any]] = []
+    minute_runs = [
+        and_(minute.bucket_start >= _at(first), minute.bucket_start < _at(last))
+        for r, first, last in blocks
+        if r == MINUTE
+    ]
+    tier_runs = [
+        and_(tier.resolution_s == r, tier.bucket_start >= _at(first), tier.bucket_start < _at(last))
+        for r, first, last in blocks
+        if r != MINUTE
+    ]
+    for model, runs in ((minute, minute_runs), (tier, tier_runs)):
+        if not runs:
+            continue
+        columns = [
+            model.bucket_start,
+            *(getattr(model, name) for name in _SCALARS),
+            model.accepted_per_position,
+            *(getattr(model, name) for name in PERCENTILE_COLUMNS),
+        ]
+        if hists:
+            columns += [getattr(model, name) for name in HISTOGRAMS]
+        part = select(*columns).where(model.deployment_id == deployment_id, or_(*runs))
+        if arm is not None:
+            part = part.where(model.arm == arm)
+        if drafter_version is not None:
+            part = part.where(model.drafter_version == drafter_version)
+        parts.append(part)
+    if len(parts) == 1:
+        return parts[0]
+    return select(union_all(*parts).subquery())
+
+
+def _fetch(session: Session, blocks: Sequence[Block], hists: bool, **filters: Any) -> list[Any]:
+    if not blocks:
+        return []
+    return list(session.execute(_select(blocks, hists=hists, **filters)))
+
+
+def _epoch(value: datetime) -> int:
+    # SQLite hands back naive datetimes; the rollups store UTC.
+    return int((value if value.tzinfo is not None else value.replace(tzinfo=UTC)).timestamp())
+
+
+def _group(rows: Sequence[Any], lo: int, bucket_seconds: int) -> dict[int, list[Any]]:
+    groups: dict[int, list[Any]] = {}
+    for row in rows:
+        index = (_epoch(row[0]) - lo) // bucket_seconds
+        group = groups.get(index)
+        if group is None:
+            groups[index] = [row]
+        else:
+            group.append(row)
+    return groups
+
+
+def _sum_rows(rows: Sequence[Any]) -> BucketSums:
+    """The sums of rows holding histograms (or of exactly one row, whose percentiles it takes)."""
+    first = rows[0]
+    sums = BucketSums(
+        requests=first[1],
+        drafted_tokens=first[2],
+        accepted_tokens=first[3],
+        verify_steps=first[4],
+        generated_tokens=first[5],
+        total_ms_sum=first[6],
+        timed_requests=first[7],
+        accepted_per_position=list(first[_POSITIONS] or []),
+    )
+    if len(rows) == 1:
+        sums.percentiles = first[_PERCENTILES]
+        return sums
+    for row in rows[1:]:
+        sums.requests += row[1]
+        sums.drafted_tokens += row[2]
+        sums.accepted_tokens += row[3]
+        sums.verify_steps += row[4]
+        sums.generated_tokens += row[5]
+        sums.total_ms_sum += row[6]
+        sums.timed_requests += row[7]
+        merge_positions(sums.accepted_per_position, row[_POSITIONS] or [])
+    hists = [hist_merge(row[_HISTS][i] for row in rows) for i in range(len(HISTOGRAMS))]
+    sums.percentiles = row_percentiles(hists)
+    return sums
+
+
+def _percentiles(session: Session, blocks: Sequence[Block], **filters: Any) -> Sequence[float | None]:
+    """Latency percentiles over every row of ``blocks``: read from the row when there is one."""
+    if not blocks:
+        return BucketSums().percentiles
+    several = len(blocks) > 1 or _rows(blocks) > 1
+    rows = _fetch(session, blocks, several, **filters)
+    if not rows:
+        return BucketSums().percentiles
+    if len(rows) > 1 and not several:
+        rows = _fetch(session, blocks, True, **filters)
+    return _sum_rows(rows).percentiles
 
 
 def acceptance_series(
@@ -87,7 +303,11 @@ def acceptance_series(
     arm: str | None = None,
     drafter_version: int | None = None,
 ) -> dict[str, Any]:
-    """Buckets of ``bucket_seconds`` between start (inclusive) and end (exclusive), plus a total."""
+    """Buckets of ``bucket_seconds`` between start (inclusive) and end (exclusive), plus a total.
+
+    A record belongs to the range when its minute starts in [start, end); buckets start at
+    ``start``, and the last one may be partial.
+    """
     if bucket_seconds < 60 or bucket_seconds % 60:
         raise ValidationProblem("bucket_seconds must be a positive multiple of 60 (rollups are per minute)")
     start, end = _utc(start), _utc(end)
@@ -95,45 +315,36 @@ def acceptance_series(
         raise ValidationProblem("end must be after start")
     if (end - start).total_seconds() / bucket_seconds > MAX_BUCKETS:
         raise ValidationProblem(f"at most {MAX_BUCKETS} buckets per query; widen bucket_seconds")
-    r = AcceptanceRollup
-    query = select(
-        r.bucket_start,
-        r.requests,
-        r.drafted_tokens,
-        r.accepted_tokens,
-        r.verify_steps,
-        r.generated_tokens,
-        r.total_ms_sum,
-        r.timed_requests,
-        r.accepted_per_position,
-        r.inter_token_hist,
-        r.total_ms_hist,
-        r.ttft_hist,
-    ).where(r.deployment_id == deployment_id, r.bucket_start >= start, r.bucket_start < end)
-    if arm is not None:
-        query = query.where(r.arm == arm)
-    if drafter_version is not None:
-        query = query.where(r.drafter_version == drafter_version)
-    origin = start.timestamp()
+    filters = {"deployment_id": deployment_id, "arm": arm, "drafter_version": drafter_version}
+    # The minutes counted are those starting in [start, end), i.e. in [lo, hi). Bucket edges at
+    # start + j * bucket_seconds group minutes exactly as edges at lo + j * bucket_seconds do
+    # (lo - start < 60 and every edge distance is a multiple of 60), so the grid starts at lo.
+    lo, hi = _minute_ceil(start), _minute_ceil(end)
     buckets: dict[int, BucketSums] = {}
     total = BucketSums()
-    for row in session.execute(query):
-        index = int((_utc(row[0]).timestamp() - origin) // bucket_seconds)
-        sums = buckets.get(index)
-        if sums is None:
-            sums = buckets[index] = BucketSums()
-        for target in (sums, total):
-            target.requests += row[1]
-            target.drafted_tokens += row[2]
-            target.accepted_tokens += row[3]
-            target.verify_steps += row[4]
-            target.generated_tokens += row[5]
-            target.total_ms_sum += row[6]
-            target.timed_requests += row[7]
-            merge_positions(target.accepted_per_position, row[8] or [])
-            merge_hist(target.inter_token_hist, row[9] or {})
-            merge_hist(target.total_ms_hist, row[10] or {})
-            merge_hist(target.ttft_hist, row[11] or {})
+    if lo < hi:
+        blocks, several = plan_buckets(lo, hi, bucket_seconds)
+        rows = _fetch(session, blocks, several, **filters)
+        groups = _group(rows, lo, bucket_seconds)
+        if not several and any(len(group) > 1 for group in groups.values()):
+            # Several arms or drafter versions share a bucket: their percentiles need histograms.
+            groups = _group(_fetch(session, blocks, True, **filters), lo, bucket_seconds)
+        for index, group in groups.items():
+            buckets[index] = sums = _sum_rows(group)
+            total.requests += sums.requests
+            total.drafted_tokens += sums.drafted_tokens
+            total.accepted_tokens += sums.accepted_tokens
+            total.verify_steps += sums.verify_steps
+            total.generated_tokens += sums.generated_tokens
+            total.total_ms_sum += sums.total_ms_sum
+            total.timed_requests += sums.timed_requests
+            merge_positions(total.accepted_per_position, sums.accepted_per_position)
+        if len(buckets) == 1:
+            # One bucket holds every row of the range: its percentiles are the total's.
+            total.percentiles = next(iter(buckets.values())).percentiles
+        elif buckets:
+            total.percentiles = _percentiles(session, cover(lo, hi), **filters)
+    origin = start.timestamp()
     series = [
         {
             "start": datetime.fromtimestamp(origin + index * bucket_seconds, tz=UTC).isoformat(),

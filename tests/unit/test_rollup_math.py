@@ -3,27 +3,41 @@
 from __future__ import annotations
 
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
 
 from controlplane.ingest.record import AcceptanceRecord
-from controlplane.ingest.rollups import aggregate, hist_index, hist_percentile, hist_value
-from controlplane.stats.service import BucketSums, summarise
+from controlplane.ingest.rollups import (
+    aggregate,
+    floor_to,
+    hist_from_counts,
+    hist_index,
+    hist_merge,
+    hist_percentile,
+    hist_quantiles,
+    hist_value,
+    tier_deltas,
+)
+from controlplane.stats.service import BucketSums, cover, plan_buckets, summarise
 
 
 def test_histogram_percentiles_are_within_the_bucket_resolution() -> None:
     rng = random.Random(7)
     values = [rng.lognormvariate(2.0, 0.8) for _ in range(20_000)]
-    hist: dict[str, int] = {}
+    counts: dict[int, int] = {}
     for value in values:
-        key = str(hist_index(value))
-        hist[key] = hist.get(key, 0) + 1
+        index = hist_index(value)
+        counts[index] = counts.get(index, 0) + 1
+    hist = hist_from_counts(counts)
     ordered = sorted(values)
     for q in (0.5, 0.95, 0.99):
         exact = ordered[int(q * len(ordered)) - 1]
         approx = hist_percentile(hist, q)
         assert approx is not None
         assert abs(approx - exact) / exact < 0.03, (q, approx, exact)
-    assert hist_percentile({}, 0.5) is None
+    assert hist_percentile([], 0.5) is None
+    assert hist_quantiles(hist, (0.5, 0.95, 0.99)) == [hist_percentile(hist, q) for q in (0.5, 0.95, 0.99)]
     assert hist_value(hist_index(12.3)) == hist_value(hist_index(12.3 * 1.0001))
 
 
@@ -78,3 +92,120 @@ def test_summary_ratios_come_from_counts() -> None:
     assert summary["decode_tokens_per_s"] == 8.0
     empty = summarise(BucketSums(), bucket_seconds=60)
     assert empty["hit_rate"] is None and empty["mean_accepted_length"] is None
+
+
+def _sparse_percentile(counts: dict[int, int], q: float) -> float | None:
+    """The reference walk over a sparse histogram: first bucket whose running count reaches q * total."""
+    total = sum(counts.values())
+    if not total:
+        return None
+    seen = 0
+    for index in sorted(counts):
+        seen += counts[index]
+        if seen >= q * total:
+            return hist_value(index)
+    return hist_value(max(counts))
+
+
+def test_dense_histograms_merge_and_read_like_sparse_counts() -> None:
+    rng = random.Random(11)
+    for _ in range(200):
+        parts = [
+            {
+                hist_index(rng.lognormvariate(rng.uniform(0, 5), 0.5)): rng.randint(1, 9)
+                for _ in range(rng.randint(0, 30))
+            }
+            for _ in range(rng.randint(1, 5))
+        ]
+        summed: dict[int, int] = {}
+        for part in parts:
+            for index, count in part.items():
+                summed[index] = summed.get(index, 0) + count
+        merged = hist_merge(hist_from_counts(part) for part in parts)
+        assert merged == hist_from_counts(summed)
+        qs = (0.0, 0.01, 0.5, 0.95, 1.0)
+        assert hist_quantiles(merged, qs) == [_sparse_percentile(summed, q) for q in qs]
+    assert hist_merge([[], []]) == []
+    assert hist_quantiles([], (0.5, 0.95)) == [None, None]
+
+
+def test_floor_to_uses_the_utc_epoch_grid() -> None:
+    when = datetime(2026, 11, 1, 13, 47, 12, tzinfo=UTC)
+    assert floor_to(when, 300) == datetime(2026, 11, 1, 13, 45, tzinfo=UTC)
+    assert floor_to(when, 86400) == datetime(2026, 11, 1, tzinfo=UTC)
+    assert floor_to(when.replace(tzinfo=None), 3600) == datetime(2026, 11, 1, 13)
+    # An offset time zone floors to the UTC day, not the local one.
+    local = when.astimezone(timezone(timedelta(hours=5, minutes=30)))
+    assert floor_to(local, 86400) == datetime(2026, 11, 1, tzinfo=UTC)
+
+
+def test_tier_deltas_sum_the_minutes_of_each_coarser_bucket() -> None:
+    t0 = datetime(2026, 1, 1, 23, 50, tzinfo=UTC)
+    records = [_record(i, t0 + timedelta(seconds=37 * i), arm="ab"[i % 2]) for i in range(60)]
+    minutes = aggregate(records, when_default=t0)
+    tiers = tier_deltas(minutes)
+    for resolution in (300, 3600, 86400):
+        keys = [key for key in tiers if key[0] == resolution]
+        assert sum(tiers[key].requests for key in keys) == 60
+        for _, start, arm, version in keys:
+            inside = [
+                d
+                for (minute, a, v), d in minutes.items()
+                if (a, v) == (arm, version) and start <= minute < start + timedelta(seconds=resolution)
+            ]
+            tier = tiers[(resolution, start, arm, version)]
+            assert tier.requests == sum(d.requests for d in inside)
+            assert tier.total_ms_sum == pytest.approx(sum(d.total_ms_sum for d in inside))
+            assert hist_from_counts(tier.total_ms_hist) == hist_merge(
+                hist_from_counts(d.total_ms_hist) for d in inside
+            )
+    # The day boundary splits the day tier.
+    assert {key[1].day for key in tiers if key[0] == 86400} == {1, 2}
+
+
+def _rows_of(blocks: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    return sorted((first, r) for r, lo, hi in blocks for first in range(lo, hi, r))
+
+
+def test_cover_tiles_a_range_with_the_fewest_aligned_rows() -> None:
+    day = 20_000 * 86400
+    assert cover(day, day + 86400) == [(86400, day, day + 86400)]
+    blocks = cover(day - 120, day + 86400 + 3900)
+    assert blocks == [
+        (60, day - 120, day),
+        (86400, day, day + 86400),
+        (3600, day + 86400, day + 86400 + 3600),
+        (300, day + 86400 + 3600, day + 86400 + 3900),
+    ]
+    rng = random.Random(3)
+    for _ in range(500):
+        lo = day + 60 * rng.randint(-3000, 3000)
+        hi = lo + 60 * rng.randint(1, 5000)
+        rows = _rows_of(cover(lo, hi))
+        assert all(first % r == 0 for first, r in rows)
+        assert rows[0][0] == lo and all(a + r == b for (a, r), (b, _) in zip(rows, rows[1:], strict=False))
+        assert rows[-1][0] + rows[-1][1] == hi
+
+
+def test_bucket_plans_tile_every_bucket_without_straddling_an_edge() -> None:
+    day = 20_000 * 86400
+    assert plan_buckets(day, day + 86400, 300) == ([(300, day, day + 86400)], False)
+    assert plan_buckets(day, day + 86400, 3600) == ([(3600, day, day + 86400)], False)
+    assert plan_buckets(day, day + 86400, 600) == ([(300, day, day + 86400)], True)
+    rng = random.Random(5)
+    for _ in range(400):
+        bucket = 60 * rng.choice((1, 2, 5, 7, 10, 60, 90, 120, 1440, 2880))
+        lo = day + 60 * rng.choice((0, 5, 60, 61, 300, 1441, rng.randint(-2000, 2000)))
+        hi = lo + 60 * rng.randint(1, 4000)
+        if (hi - lo) / bucket > 500:
+            continue
+        blocks, several = plan_buckets(lo, hi, bucket)
+        rows = _rows_of(blocks)
+        assert rows[0][0] == lo and rows[-1][0] + rows[-1][1] == hi
+        assert all(a + r == b for (a, r), (b, _) in zip(rows, rows[1:], strict=False))
+        per_bucket: dict[int, int] = {}
+        for first, r in rows:
+            index = (first - lo) // bucket
+            assert (first + r - 1 - lo) // bucket == index, "a row straddles a bucket edge"
+            per_bucket[index] = per_bucket.get(index, 0) + 1
+        assert several or max(per_bucket.values()) == 1
