@@ -1,0 +1,441 @@
+"""The main hit-rate drift detector: a mixture Shiryaev-Roberts over drop sizes and draft positions.
+
+One observation is one request (its per-position conditional counts), never one token, so the
+dependence of tokens within a request cannot make it over-confident. Lifecycle:
+
+1. **Reference.** The first ``reference_size`` requests estimate the per-position baseline
+   acceptance (per traffic category too when ``risk_adjust``), and the overdispersion of requests.
+2. **Monitoring.** Each component ``g`` of the mixture is a drop hypothesis: a relative drop ``r``
+   of every position (the "all" set) or of one position; its per-request log-likelihood ratio is
+   linear in the counts, ``l_g = W_g . (successes, trials)``, with ``W_g`` built from the
+   request's own category baseline (the risk adjustment of Steiner et al. 2000, so a pure change
+   of workload mix does not look like a drop). ``R_g <- (1 + R_g) exp(l_g)`` and the alarm is
+   ``sum_g w_g R_g >= ARL0``. Overdispersion and baseline uncertainty are handled by tempering
+   each ``l_g`` (see :mod:`controlplane.drift.calibration`), so the requested ARL0 holds without
+   simulation. Drops smaller than ``min_drop`` (absolute points of acceptance) have no component.
+3. **Alarm.** The alarm latches (``drift_detected`` stays True, the statistic freezes) until
+   :meth:`MixtureSR.reset`, which starts a ``cooldown`` of ignored requests (realignment and
+   canary run meanwhile); :meth:`MixtureSR.rebaseline` starts a new reference window after a
+   promotion. A companion CUSUM per component estimates the change point, which gives the
+   evidence (current estimate, drop, position most affected, detection delay).
+
+>>> import random
+>>> from controlplane.drift import MixtureSR, RequestObservation
+>>> def request(rng, p, k=4, steps=20):
+...     accepted, tried = [], steps
+...     for _ in range(k):
+...         tried = sum(rng.random() < p for _ in range(tried))
+...         accepted.append(tried)
+...     return RequestObservation.from_counts(
+...         k=k, verify_steps=steps, accepted_per_position=accepted,
+...         drafted_tokens=k * steps, accepted_tokens=sum(accepted))
+>>> rng = random.Random(7)
+>>> detector = MixtureSR(arl0=10_000, reference_size=300)
+>>> for i in range(2_000):
+...     _ = detector.update(request(rng, 0.8 if i < 1_000 else 0.7))
+...     if detector.drift_detected:
+...         break
+>>> i
+1004
+>>> e = detector.evidence()
+>>> round(e.baseline_rate, 2), round(e.current_estimate, 2), e.records_examined
+(0.8, 0.67, 705)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from controlplane.drift.calibration import (
+    dispersion_relative_var,
+    estimation_tempering,
+    sr_log_threshold,
+)
+from controlplane.drift.evidence import DriftEvidence
+from controlplane.drift.observation import RequestObservation
+from controlplane.drift.reference import POOLED, FloatArray, ReferenceWindow
+
+STATE_VERSION = 1
+_MAX_LOG_LR = 700.0  # exp() overflows past ~709; any such request alarms anyway
+
+
+@dataclass(frozen=True)
+class SRKernel:
+    """The frozen arithmetic of a monitoring detector, for vectorised simulation (bench) and inspection.
+
+    ``W[c, g]`` maps a request of group ``c`` (``x = successes[K] ++ trials[K]``) to component
+    ``g``'s tempered log-likelihood ratio; ``weights[g]`` are the mixture weights;
+    ``p0[c]`` the group's baseline rates; ``groups`` maps a category to its row (0 = pooled).
+    """
+
+    W: FloatArray
+    weights: FloatArray
+    p0: FloatArray
+    log_threshold: float
+    groups: dict[str, int]
+    labels: list[str]
+    dispersion: list[float]
+
+
+class MixtureSR:
+    """Mixture Shiryaev-Roberts detector of a drop in per-position acceptance (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        arl0: float = 10_000.0,
+        min_drop: float = 0.05,
+        max_rel_drop: float = 0.5,
+        n_grid: int = 6,
+        n_positions: int = 4,
+        reference_size: int = 1_000,
+        cooldown: int = 0,
+        single_positions: bool = True,
+        risk_adjust: bool = True,
+        min_category_requests: int = 200,
+        min_trials: int = 50,
+        dispersion: bool = True,
+    ) -> None:
+        if not arl0 > 1.0:
+            raise ValueError("arl0 must be > 1")
+        if not 0.0 < min_drop < 1.0 or not 0.0 < max_rel_drop < 1.0:
+            raise ValueError("min_drop and max_rel_drop must lie in (0, 1)")
+        if n_grid < 1 or n_positions < 1 or reference_size < 1 or cooldown < 0:
+            raise ValueError("n_grid, n_positions, reference_size must be >= 1 and cooldown >= 0")
+        self.arl0 = float(arl0)
+        self.min_drop = float(min_drop)
+        self.max_rel_drop = float(max_rel_drop)
+        self.n_grid = int(n_grid)
+        self.n_positions = int(n_positions)
+        self.reference_size = int(reference_size)
+        self.cooldown = int(cooldown)
+        self.single_positions = bool(single_positions)
+        self.risk_adjust = bool(risk_adjust)
+        self.min_category_requests = int(min_category_requests)
+        self.min_trials = int(min_trials)
+        self.dispersion = bool(dispersion)
+        self.rebaseline()
+
+    # ----------------------------------------------------------------------------------- lifecycle
+
+    def rebaseline(self) -> None:
+        """Forget the baseline and start a new reference window (after a drafter promotion)."""
+        self._reference = ReferenceWindow(self.n_positions)
+        self._kernel: SRKernel | None = None
+        self._cooldown_left = 0
+        self._alarms = 0
+        self._clear_statistic()
+
+    def reset(self) -> None:
+        """Clear the alarm and the statistic, keep the baseline, and ignore the next ``cooldown`` requests."""
+        self._clear_statistic()
+        self._cooldown_left = self.cooldown if self._kernel is not None else 0
+
+    def _clear_statistic(self) -> None:
+        g = 0 if self._kernel is None else self._kernel.W.shape[1]
+        k = self.n_positions
+        self._rw = np.zeros(g)  # weight times Shiryaev-Roberts statistic, per component
+        self._cusum = np.zeros(g)
+        self._cum = np.zeros(3 * k)  # running successes, trials, baseline-expected successes
+        self._snapshot = np.zeros((g, 3 * k))  # _cum at each component's last CUSUM zero
+        self._start = np.zeros(g, dtype=np.int64)
+        self._examined = 0
+        self._stat = 0.0
+        self._alarm: DriftEvidence | None = None
+
+    # -------------------------------------------------------------------------------------- update
+
+    def update(self, x: RequestObservation) -> MixtureSR:
+        """Advance by one request; returns self (river's interface)."""
+        k = self.n_positions
+        if self._kernel is None:
+            vec = np.array(x.successes(k) + x.trials(k), dtype=np.float64)
+            self._reference.add(vec, x.category if self.risk_adjust else None)
+            if self._reference.count >= self.reference_size:
+                self._freeze()
+            return self
+        if self._alarm is not None:
+            return self  # latched: the evidence stays as it was at the alarm
+        if self._cooldown_left > 0:
+            self._cooldown_left -= 1
+            return self
+        kernel = self._kernel
+        self._examined += 1
+        if kernel.W.shape[1] == 0:
+            return self
+        vec = np.array(x.successes(k) + x.trials(k), dtype=np.float64)
+        c = kernel.groups.get(x.category, 0) if x.category is not None else 0
+        # One product gives the running-sum increments (successes, trials, baseline-expected
+        # successes) and every component's log-likelihood ratio: fewer numpy calls per request.
+        y = self._M[c] @ vec
+        cum = self._cum
+        cum += y[: 3 * k]
+        llr = y[3 * k :]
+        np.minimum(llr, _MAX_LOG_LR, out=llr)
+        rw = self._rw  # w_g * R_g
+        rw += kernel.weights
+        rw *= np.exp(llr)
+        self._stat = float(rw.sum())
+        # Companion CUSUM: its last zero is the change-point estimate behind the evidence.
+        w = self._cusum
+        w += llr
+        reset = w <= 0.0
+        np.maximum(w, 0.0, out=w)
+        self._snapshot[reset] = cum
+        self._start[reset] = self._examined
+        if self._stat >= self.arl0:
+            self._alarms += 1
+            self._alarm = self.evidence()
+        return self
+
+    @property
+    def drift_detected(self) -> bool:
+        """True from the alarm until :meth:`reset` (the latch)."""
+        return self._alarm is not None
+
+    @property
+    def in_reference(self) -> bool:
+        """True while the baseline is still being estimated."""
+        return self._kernel is None
+
+    @property
+    def records_examined(self) -> int:
+        """Requests monitored since the last reset (reference window and cooldown excluded)."""
+        return self._examined
+
+    @property
+    def statistic(self) -> float:
+        """Log of the mixture Shiryaev-Roberts statistic (``-inf`` before any monitored request)."""
+        return math.log(self._stat) if self._stat > 0.0 else float("-inf")
+
+    @property
+    def threshold(self) -> float:
+        """Log alarm level."""
+        return sr_log_threshold(self.arl0)
+
+    @property
+    def kernel(self) -> SRKernel | None:
+        """The frozen arithmetic (None during the reference window)."""
+        return self._kernel
+
+    # ------------------------------------------------------------------------------------ evidence
+
+    def evidence(self) -> DriftEvidence:
+        """The alarm's evidence when latched, else the current figures (for a status page)."""
+        if self._alarm is not None:
+            return self._alarm
+        k = self.n_positions
+        kernel = self._kernel
+        if kernel is None or kernel.W.shape[1] == 0:
+            return DriftEvidence(
+                baseline_rate=float("nan"),
+                current_estimate=float("nan"),
+                drop=0.0,
+                position_most_affected=None,
+                baseline_per_position=[],
+                estimate_per_position=[],
+                statistic=self.statistic,
+                threshold=self.threshold,
+                records_examined=self._examined,
+                detection_delay_estimate=0,
+                component="",
+            )
+        g = int(np.argmax(self._rw))
+        since = self._cum - self._snapshot[g]
+        s, n, e = since[:k], since[k : 2 * k], since[2 * k :]
+        total_n = float(n.sum())
+        if total_n > 0.0:
+            base = float(e.sum()) / total_n
+            est = float(s.sum()) / total_n
+            with np.errstate(invalid="ignore", divide="ignore"):
+                base_i = np.where(n > 0, e / n, np.nan)
+                est_i = np.where(n > 0, s / n, np.nan)
+                # Most affected = most significant shortfall, not the largest raw drop, so that
+                # a rarely tried position with three trials cannot win on noise.
+                z = np.where(n > 0, (e - s) / np.sqrt(np.maximum(e * (1.0 - base_i), 1e-12)), -np.inf)
+            position: int | None = int(np.argmax(z))
+        else:
+            base_i = est_i = np.full(k, np.nan)
+            p = kernel.p0[0]
+            base = est = float(np.nanmean(p))
+            position = None
+        return DriftEvidence(
+            baseline_rate=base,
+            current_estimate=est,
+            drop=base - est,
+            position_most_affected=position,
+            baseline_per_position=[float(v) for v in base_i],
+            estimate_per_position=[float(v) for v in est_i],
+            statistic=self.statistic,
+            threshold=self.threshold,
+            records_examined=self._examined,
+            detection_delay_estimate=int(self._examined - self._start[g]),
+            component=kernel.labels[g],
+        )
+
+    # ------------------------------------------------------------------------------------- freezing
+
+    def _freeze(self) -> None:
+        """Turn the reference window into the monitoring kernel (deterministic: from_state re-runs it)."""
+        ref = self._reference
+        k = self.n_positions
+        groups = ref.groups(self.min_category_requests if self.risk_adjust else 1 << 62)
+        p_pool = groups[0].rates(self.min_trials)
+        rates = [p_pool] + [
+            np.where(np.isnan(r), p_pool, r) for r in (g.rates(self.min_trials) for g in groups[1:])
+        ]
+        own = [g.name for g in groups[1:]]
+        # Dispersion and baseline error are measured on disjoint request sets, each with the
+        # baseline its requests are scored against ("rest" = requests on the pooled baseline).
+        stat_groups = [ref.rest(own), *groups[1:]]
+        p0 = np.vstack(rates)  # (C, K)
+        monitored = ~np.isnan(p_pool)
+        p0 = np.where(monitored, p0, np.nan)
+        trials = np.vstack([g.trials for g in stat_groups])  # (C, K)
+        counts = np.array([g.count for g in stat_groups], dtype=np.float64)
+        resid = [g.residual_cov(p) for g, p in zip(stat_groups, rates, strict=True)]
+        total = float(counts.sum())
+        pooled_trials = groups[0].trials
+
+        sets: list[tuple[str, FloatArray]] = []
+        if monitored.any():
+            sets.append(("all", monitored.astype(np.float64)))
+            if self.single_positions and monitored.sum() > 1:
+                for i in np.flatnonzero(monitored):
+                    sets.append((f"position {i}", (np.arange(k) == i).astype(np.float64)))
+
+        rows: list[FloatArray] = []
+        labels: list[str] = []
+        set_of: list[int] = []
+        phis: list[float] = []
+        var_phi = dispersion_relative_var(int(total)) if self.dispersion else 0.0
+        q0 = 1.0 - p0
+        for si, (name, mask) in enumerate(sets):
+            on = mask > 0
+            pbar = float((pooled_trials[on] * p_pool[on]).sum() / pooled_trials[on].sum())
+            r_lo = min(self.min_drop / pbar, self.max_rel_drop)
+            for r in (
+                np.geomspace(r_lo, self.max_rel_drop, self.n_grid) if r_lo < self.max_rel_drop else [r_lo]
+            ):
+                p1 = p0 * (1.0 - r)
+                q1 = 1.0 - p1
+                with np.errstate(invalid="ignore"):
+                    b = np.where(on, np.log(q1 / q0), 0.0)  # (C, K), coefficient on trials
+                    a = np.where(on, np.log(p1 / p0), 0.0) - b  # coefficient on successes
+                a = np.nan_to_num(a)
+                b = np.nan_to_num(b)
+                pq = np.nan_to_num(p0 * q0)
+                model_var = float((a * a * pq * trials).sum())  # binomial variance of sum l over the window
+                if model_var <= 0.0:
+                    continue
+                phi = 1.0
+                if self.dispersion:
+                    observed = sum(float(a[c] @ resid[c] @ a[c]) for c in range(len(stat_groups)))
+                    phi = max(1.0, observed / model_var)
+                temper = 1.0 / phi
+                sigma2 = temper * temper * phi * model_var / total  # tempered per-request variance
+                tau2 = 4.0 / (total * sigma2) + var_phi
+                kappa = estimation_tempering(self.arl0, tau2)
+                if kappa is None:
+                    continue  # its expected delay is too long for this reference window to resolve
+                scale = temper * kappa
+                rows.append(np.concatenate([scale * a, scale * b], axis=1))  # (C, 2K)
+                labels.append(f"{name} -{r:.3f}")
+                set_of.append(si)
+                phis.append(phi)
+
+        g_count = len(rows)
+        W = np.stack(rows, axis=1) if rows else np.zeros((p0.shape[0], 0, 2 * k))
+        weights = np.zeros(g_count)
+        kept_sets = sorted(set(set_of))
+        if kept_sets:
+            has_all = 0 in kept_sets and sets[0][0] == "all"
+            singles = [s for s in kept_sets if sets[s][0] != "all"]
+            share_all = (0.5 if singles else 1.0) if has_all else 0.0
+            share_single = (1.0 - share_all) / len(singles) if singles else 0.0
+            for g, si in enumerate(set_of):
+                n_in_set = set_of.count(si)
+                weights[g] = (share_all if sets[si][0] == "all" else share_single) / n_in_set
+        self._kernel = SRKernel(
+            W=W,
+            weights=weights,
+            p0=np.nan_to_num(p0),
+            log_threshold=sr_log_threshold(self.arl0),
+            groups={name: i for i, name in enumerate([POOLED, *own])},
+            labels=labels,
+            dispersion=phis,
+        )
+        # Per group: identity rows (running counts), baseline-expected successes, then W.
+        n_groups = p0.shape[0]
+        M = np.zeros((n_groups, 3 * k + g_count, 2 * k))
+        M[:, : 2 * k, :] = np.eye(2 * k)
+        for c in range(n_groups):
+            M[c, 2 * k : 3 * k, k:] = np.diag(self._kernel.p0[c])
+        M[:, 3 * k :, :] = W
+        self._M = M
+        self._clear_statistic()
+
+    # ---------------------------------------------------------------------------------------- state
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "arl0": self.arl0,
+            "min_drop": self.min_drop,
+            "max_rel_drop": self.max_rel_drop,
+            "n_grid": self.n_grid,
+            "n_positions": self.n_positions,
+            "reference_size": self.reference_size,
+            "cooldown": self.cooldown,
+            "single_positions": self.single_positions,
+            "risk_adjust": self.risk_adjust,
+            "min_category_requests": self.min_category_requests,
+            "min_trials": self.min_trials,
+            "dispersion": self.dispersion,
+        }
+
+    def to_state(self) -> dict[str, Any]:
+        """Full state as a JSON-able dict; :meth:`from_state` continues bit-identically."""
+        return {
+            "type": "MixtureSR",
+            "version": STATE_VERSION,
+            "config": self.config(),
+            "reference": self._reference.to_state(),
+            "frozen": self._kernel is not None,
+            "rw": self._rw.tolist(),
+            "cusum": self._cusum.tolist(),
+            "cum": self._cum.tolist(),
+            "snapshot": self._snapshot.tolist(),
+            "start": self._start.tolist(),
+            "examined": self._examined,
+            "stat": self._stat,
+            "cooldown_left": self._cooldown_left,
+            "alarms": self._alarms,
+            "alarm": None if self._alarm is None else self._alarm.to_dict(),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> MixtureSR:
+        if state.get("type") != "MixtureSR" or state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"not a MixtureSR state v{STATE_VERSION}: {state.get('type')} v{state.get('version')}"
+            )
+        out = cls(**state["config"])
+        out._reference = ReferenceWindow.from_state(state["reference"])
+        if state["frozen"]:
+            out._freeze()
+        g = 0 if out._kernel is None else out._kernel.W.shape[1]
+        out._rw = np.asarray(state["rw"], dtype=np.float64).reshape(g)
+        out._cusum = np.asarray(state["cusum"], dtype=np.float64).reshape(g)
+        out._cum = np.asarray(state["cum"], dtype=np.float64).reshape(3 * out.n_positions)
+        out._snapshot = np.asarray(state["snapshot"], dtype=np.float64).reshape(g, 3 * out.n_positions)
+        out._start = np.asarray(state["start"], dtype=np.int64).reshape(g)
+        out._examined = int(state["examined"])
+        out._stat = float(state["stat"])
+        out._cooldown_left = int(state["cooldown_left"])
+        out._alarms = int(state["alarms"])
+        out._alarm = None if state["alarm"] is None else DriftEvidence.from_dict(state["alarm"])
+        return out
