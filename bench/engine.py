@@ -1,0 +1,368 @@
+"""Speculative-decoding engine benchmark on the committed reference pair (issue #3's numbers).
+
+Batch size 1, greedy, on CPU, every ratio measured in one run. Per domain (prose, code, structured)
+and k in {2, 4, 6}: hit rate (accepted / drafted), mean accepted length per verify step, tokens/s of
+plain greedy decoding, of draft-model speculation with the generic drafter and of n-gram prompt
+lookup, and the speed-ups over plain decoding. Beside them: the measured cost ratio c (drafter step /
+target step), the measured cost of verifying k+1 tokens vs one, the Leviathan et al. prediction
+from the measured α and those costs, and our engine against Hugging Face
+`generate(assistant_model=...)` on the same pair, prompts and k.
+
+Timing on a shared machine drifts, so arms are interleaved (every arm runs on a prompt before the
+next prompt; arm order shuffled per prompt with a fixed seed), repeated, and summarised by medians
+over repetitions of paired ratios. Hit rates and tokens per verify step are exact counts (greedy
+decoding is deterministic), so they do not need repetitions.
+
+Prints a table and writes bench/results/engine.json.
+
+Usage: .venv/bin/python bench/engine.py [--prompts 8] [--new-tokens 128] [--reps 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from workers import corpora  # noqa: E402
+from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
+from workers.engine.hf_io import load_hf_folder  # noqa: E402
+from workers.engine.model import Transformer  # noqa: E402
+from workers.engine.proposers import DraftModelProposer, NgramProposer  # noqa: E402
+from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer  # noqa: E402
+
+REFERENCE = ROOT / "workers" / "models" / "reference"
+RESULTS = ROOT / "bench" / "results" / "engine.json"
+KS = (2, 4, 6)
+NGRAM_N = 3
+# Prompts stay short enough that prompt + new tokens fit the 512-token window with room to spare,
+# and inside the positions the drafter was distilled on (<= 448).
+MAX_PROMPT_CHARS = 700
+MAX_PROMPT_TOKENS = 256
+
+
+@dataclass
+class Cell:
+    """Counts and timings of one (domain, arm) over all prompts; timings kept per repetition."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    rejections: int = 0  # verify steps that ended on a rejected draft (for the MLE of α)
+    generated: int = 0
+    seconds: list[float] = field(default_factory=list)  # per repetition, summed over prompts
+    tokens: list[int] = field(default_factory=list)
+    propose_ms: float = 0.0
+    score_ms: float = 0.0
+
+    def tps(self) -> list[float]:
+        return [t / s for t, s in zip(self.tokens, self.seconds, strict=True)]
+
+
+def load_pair(folder: Path) -> tuple[Transformer, Transformer, Tokenizer]:
+    target, tok_t = load_hf_folder(folder / "target")
+    drafter, tok_d = load_hf_folder(folder / "generic-drafter")
+    ensure_same_tokenizer(tok_t, tok_d, "reference target", "generic drafter")
+    return target, drafter, tok_t
+
+
+def make_prompts(tokenizer: Tokenizer, n: int) -> dict[str, list[list[int]]]:
+    out = {}
+    for domain in corpora.DOMAINS:
+        prompts = corpora.prompts(domain, "test", n, seed=1, max_prompt_chars=MAX_PROMPT_CHARS)
+        out[domain] = [tokenizer.encode(p.text)[-MAX_PROMPT_TOKENS:] for p in prompts]
+    return out
+
+
+def arms(target: Transformer, drafter: Transformer, tokenizer: Tokenizer) -> dict[str, SpeculativeDecoder]:
+    decoders = {"plain": SpeculativeDecoder(target, tokenizer, None, k=0)}
+    for k in KS:
+        decoders[f"draft_k{k}"] = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=k)
+        decoders[f"ngram_k{k}"] = SpeculativeDecoder(target, tokenizer, NgramProposer(NGRAM_N), k=k)
+    return decoders
+
+
+def run_speculation(
+    decoders: dict[str, SpeculativeDecoder],
+    prompts: dict[str, list[list[int]]],
+    new_tokens: int,
+    reps: int,
+    seed: int,
+) -> dict[str, dict[str, Cell]]:
+    cells = {d: {a: Cell() for a in decoders} for d in prompts}
+    rng = random.Random(seed)
+    reference: dict[tuple[str, int], list[int]] = {}
+    for rep in range(reps):
+        t_rep = time.perf_counter()
+        for domain, plist in prompts.items():
+            for cell in cells[domain].values():
+                cell.seconds.append(0.0)
+                cell.tokens.append(0)
+            for i, ids in enumerate(plist):
+                order = list(decoders)
+                rng.shuffle(order)
+                for name in order:
+                    res = decoders[name].generate(ids, new_tokens, stop_at_eos=False)
+                    m = res.metrics
+                    cell = cells[domain][name]
+                    cell.seconds[-1] += m.total_ms / 1000.0
+                    cell.tokens[-1] += m.generated_tokens
+                    # Every arm must emit exactly plain greedy's tokens: a wrong speed-up is no speed-up.
+                    key = (domain, i)
+                    if key not in reference:
+                        reference[key] = res.token_ids
+                    elif res.token_ids != reference[key]:
+                        raise AssertionError(f"{name} diverged from greedy on {domain} prompt {i}")
+                    if rep == 0:
+                        cell.drafted += m.drafted_tokens
+                        cell.accepted += m.accepted_tokens
+                        cell.steps += m.verify_steps
+                        cell.generated += m.generated_tokens
+                        cell.propose_ms += m.propose_ms
+                        cell.score_ms += m.score_ms
+                        cell.rejections += sum(
+                            1 for d, a in zip(m.per_step_drafted, m.per_step_accepted, strict=True) if a < d
+                        )
+        print(f"  repetition {rep + 1}/{reps} took {time.perf_counter() - t_rep:.0f}s", flush=True)
+    return cells
+
+
+@torch.inference_mode()
+def measure_costs(
+    target: Transformer, drafter: Transformer, position: int, repeats: int = 200
+) -> dict[str, Any]:
+    """Median wall time of one target step, a (k+1)-token target verify and one drafter step.
+
+    Measured at a typical cache position, on the same threads the decoder uses.
+    """
+
+    def timed(model: Transformer, n_tokens: int) -> float:
+        cache = model.new_cache(1)
+        model.forward_cached(torch.randint(0, model.config.vocab_size, (1, position)), cache)
+        toks = torch.randint(0, model.config.vocab_size, (1, n_tokens))
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.forward_cached(toks, cache)
+            samples.append(time.perf_counter() - t0)
+            cache.rollback(position)
+        return statistics.median(samples)
+
+    t1 = timed(target, 1)
+    out: dict[str, Any] = {"position": position, "target_step_ms": t1 * 1e3}
+    d1 = timed(drafter, 1)
+    out["drafter_step_ms"] = d1 * 1e3
+    out["c"] = d1 / t1
+    out["verify_cost"] = {str(k): timed(target, k + 1) / t1 for k in KS}
+    return out
+
+
+def leviathan(alpha: float, k: int, c: float, verify_cost: float) -> tuple[float, float]:
+    """(expected tokens per verify step, predicted speed-up) for i.i.d. acceptance α."""
+    e = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
+    return e, e / (verify_cost + k * c)
+
+
+def hf_assisted(
+    folder: Path,
+    prompts: dict[str, list[list[int]]],
+    new_tokens: int,
+    k: int,
+    reps: int,
+    ours: dict[str, Any],
+) -> dict[str, Any]:
+    """tokens/s of transformers' assisted generation on the same pair, prompts and k."""
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    target = AutoModelForCausalLM.from_pretrained(folder / "target", dtype=torch.float32).eval()
+    drafter = AutoModelForCausalLM.from_pretrained(folder / "generic-drafter", dtype=torch.float32).eval()
+    gen_kwargs: dict[str, Any] = {
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,  # the same number of tokens as our runs (which ignore end-of-text)
+        "do_sample": False,
+        "assistant_model": drafter,
+        "num_assistant_tokens": k,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,  # draft exactly k, like our engine
+        "pad_token_id": 0,
+    }
+    drafter.generation_config.num_assistant_tokens = k
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
+    drafter.generation_config.assistant_confidence_threshold = 0.0
+    out: dict[str, Any] = {"transformers": transformers.__version__, "k": k, "per_domain": {}}
+    with torch.inference_mode():
+        target.generate(
+            torch.tensor([prompts["prose"][0]]), **{**gen_kwargs, "max_new_tokens": 8, "min_new_tokens": 8}
+        )
+        for domain, plist in prompts.items():
+            tps = []
+            for _ in range(reps):
+                tokens, seconds = 0, 0.0
+                for ids in plist:
+                    x = torch.tensor([ids])
+                    t0 = time.perf_counter()
+                    y = target.generate(x, attention_mask=torch.ones_like(x), **gen_kwargs)
+                    seconds += time.perf_counter() - t0
+                    tokens += y.shape[1] - x.shape[1]
+                tps.append(tokens / seconds)
+            hf = statistics.median(tps)
+            out["per_domain"][domain] = {
+                "hf_tokens_per_s": hf,
+                "ours_tokens_per_s": ours[domain],
+                "ratio": ours[domain] / hf,
+            }
+    out["ratio_min"] = min(v["ratio"] for v in out["per_domain"].values())
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reference", type=Path, default=REFERENCE)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per domain")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--hf-reps", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    target, drafter, tokenizer = load_pair(args.reference)
+    prompts = make_prompts(tokenizer, args.prompts)
+    n_prompt = {d: statistics.mean(len(x) for x in v) for d, v in prompts.items()}
+    print(
+        f"target {target.num_params():,} params, generic drafter {drafter.num_params():,}; "
+        f"{args.prompts} prompts/domain (mean prompt tokens {n_prompt}), {args.new_tokens} new tokens, "
+        f"{args.reps} repetitions, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+
+    mean_len = int(statistics.mean(len(x) for v in prompts.values() for x in v)) + args.new_tokens // 2
+    costs = measure_costs(target, drafter, mean_len)
+    print(
+        f"costs at position {mean_len}: target step {costs['target_step_ms']:.2f} ms, drafter step "
+        f"{costs['drafter_step_ms']:.3f} ms, c = {costs['c']:.3f}, verify k+1 vs 1: "
+        + ", ".join(f"k={k}: {v:.2f}x" for k, v in costs["verify_cost"].items()),
+        flush=True,
+    )
+
+    decoders = arms(target, drafter, tokenizer)
+    for dec in decoders.values():  # warm up every path once
+        dec.generate(prompts["prose"][0], 16, stop_at_eos=False)
+    cells = run_speculation(decoders, prompts, args.new_tokens, args.reps, args.seed)
+
+    rows: list[dict[str, Any]] = []
+    efficiency: list[float] = []
+    for domain, by_arm in cells.items():
+        plain = by_arm["plain"].tps()
+        for k in KS:
+            row: dict[str, Any] = {"domain": domain, "k": k, "plain_tokens_per_s": statistics.median(plain)}
+            for kind in ("draft", "ngram"):
+                cell = by_arm[f"{kind}_k{k}"]
+                tps = cell.tps()
+                ratios = [a / b for a, b in zip(tps, plain, strict=True)]
+                row[f"{kind}_hit_rate"] = cell.accepted / cell.drafted if cell.drafted else 0.0
+                row[f"{kind}_tokens_per_step"] = cell.generated / cell.steps if cell.steps else 1.0
+                row[f"{kind}_tokens_per_s"] = statistics.median(tps)
+                row[f"{kind}_speedup"] = statistics.median(ratios)
+            cell = by_arm[f"draft_k{k}"]
+            # MLE of a per-token acceptance probability from truncated geometric runs.
+            alpha = (
+                cell.accepted / (cell.accepted + cell.rejections) if cell.accepted + cell.rejections else 0.0
+            )
+            e, pred = leviathan(alpha, k, costs["c"], costs["verify_cost"][str(k)])
+            row.update(
+                alpha=alpha,
+                leviathan_tokens_per_step=e,
+                leviathan_speedup=pred,
+                efficiency_vs_leviathan=row["draft_speedup"] / pred,
+            )
+            efficiency.append(row["efficiency_vs_leviathan"])
+            rows.append(row)
+
+    header = (
+        f"{'domain':<11}{'k':>2} {'plain t/s':>9} | {'draft hit':>9} {'tok/step':>8} {'t/s':>6} "
+        f"{'speedup':>7} {'Leviathan':>9} {'eff':>5} | {'ngram hit':>9} {'tok/step':>8} {'t/s':>6} "
+        f"{'speedup':>7}"
+    )
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in rows:
+        print(
+            f"{r['domain']:<11}{r['k']:>2} {r['plain_tokens_per_s']:>9.0f} | {r['draft_hit_rate']:>9.1%} "
+            f"{r['draft_tokens_per_step']:>8.2f} {r['draft_tokens_per_s']:>6.0f} {r['draft_speedup']:>6.2f}x "
+            f"{r['leviathan_speedup']:>8.2f}x {r['efficiency_vs_leviathan']:>5.2f} | "
+            f"{r['ngram_hit_rate']:>9.1%} "
+            f"{r['ngram_tokens_per_step']:>8.2f} {r['ngram_tokens_per_s']:>6.0f} {r['ngram_speedup']:>6.2f}x"
+        )
+
+    by = {(r["domain"], r["k"]): r for r in rows}
+    hf: dict[str, Any] = {"skipped": "--no-hf"}
+    if not args.no_hf:
+        ours = {d: by[(d, 4)]["draft_tokens_per_s"] for d in cells}
+        hf = hf_assisted(args.reference, prompts, args.new_tokens, 4, args.hf_reps, ours)
+        if "per_domain" in hf:
+            print("\nHF generate(assistant_model=generic drafter), k=4 vs our engine (tokens/s):")
+            for d, v in hf["per_domain"].items():
+                print(
+                    f"  {d:<11} HF {v['hf_tokens_per_s']:6.0f}   ours {v['ours_tokens_per_s']:6.0f}   "
+                    f"{v['ratio']:.2f}x"
+                )
+
+    result = {
+        "generic_code_hit_rate": by[("code", 4)]["draft_hit_rate"],
+        "generic_code_speedup": by[("code", 4)]["draft_speedup"],
+        "generic_prose_hit_rate": by[("prose", 4)]["draft_hit_rate"],
+        "generic_prose_speedup": by[("prose", 4)]["draft_speedup"],
+        "generic_structured_hit_rate": by[("structured", 4)]["draft_hit_rate"],
+        "generic_structured_speedup": by[("structured", 4)]["draft_speedup"],
+        "efficiency_vs_leviathan": min(efficiency),
+        "speedup_vs_hf_assisted": hf.get("ratio_min"),
+        "costs": costs,
+        "hf_assisted": hf,
+        "cells": rows,
+        "settings": {
+            "prompts_per_domain": args.prompts,
+            "new_tokens": args.new_tokens,
+            "reps": args.reps,
+            "threads": torch.get_num_threads(),
+            "ngram_n": NGRAM_N,
+            "greedy": True,
+            "batch_size": 1,
+            "mean_prompt_tokens": n_prompt,
+            "reference": str(args.reference),
+        },
+        "wall_s": time.perf_counter() - t_start,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"\ngeneric drafter, k=4: prose hit {result['generic_prose_hit_rate']:.1%} "
+        f"{result['generic_prose_speedup']:.2f}x; code hit {result['generic_code_hit_rate']:.1%} "
+        f"{result['generic_code_speedup']:.2f}x; structured hit {result['generic_structured_hit_rate']:.1%} "
+        f"{result['generic_structured_speedup']:.2f}x; lowest efficiency vs Leviathan "
+        f"{result['efficiency_vs_leviathan']:.2f}; vs HF assisted {result['speedup_vs_hf_assisted']}"
+    )
+    print(f"wrote {args.out} in {result['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
