@@ -419,3 +419,27 @@ class AuditEntry(Base):
     before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class DriftMonitorState(Base):
+    """Per deployment: the drift detector's persisted state and how far it has read.
+
+    ``watermark_record_id`` is the last acceptance record consumed; ``pending_horizon_record_id``
+    the newest id seen on the previous run (only ids up to it are settled, see drift.service);
+    ``version`` is the compare-and-set guard that makes concurrent monitor runs safe.
+    """
+
+    __tablename__ = "drift_monitor_states"
+
+    deployment_id: Mapped[int] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True
+    )
+    detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    watermark_record_id: Mapped[int] = mapped_column(BigInteger, default=0)
+    pending_horizon_record_id: Mapped[int] = mapped_column(BigInteger, default=0)
+    active_drafter_version: Mapped[int | None] = mapped_column(Integer)
+    policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    records_examined: Mapped[int] = mapped_column(BigInteger, default=0)
+    last_alarm_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    version: Mapped[int] = mapped_column(Integer, default=0)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
-from controlplane.db.models import Role
-from tests.conftest import Tenant
+from controlplane.db.models import Deployment, DriftEvent, DriftState, Role
+from tests.conftest import Database, Tenant
 
 ADMIN = {Role.admin}
 READ = {Role.admin, Role.viewer}
@@ -40,6 +41,11 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/acceptance", WRITE_DATA, {"records": [RECORD]}),
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/acceptance/prometheus", WRITE_DATA, PROM),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/stats", READ, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/drift-events", READ, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/drift-events/{event_id}", READ, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/drift-events/{event_id}:dismiss", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/drift-status", READ, None),
+    ("PATCH", "/v1/accounts/{account}/deployments/{deployment}/drift-policy", ADMIN, {"min_drop": 0.1}),
     ("GET", "/v1/accounts/{account}/api-keys", ADMIN, None),
     ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
@@ -52,7 +58,27 @@ def _call(client: TestClient, method: str, path: str, headers: dict[str, str], b
     return client.request(method, path, json=body, headers=headers).status_code
 
 
-def _setup(client: TestClient, tenant: Tenant) -> dict[str, str]:
+def _open_drift_event(db: Database, tenant: Tenant) -> int:
+    session = db.new_session()
+    deployment_id = session.scalar(
+        select(Deployment.id).where(
+            Deployment.account_id == tenant.account_id,
+            Deployment.name == "svc",
+            Deployment.deleted_at.is_(None),
+            Deployment.name == "svc",
+            Deployment.deleted_at.is_(None),
+        )
+    )
+    assert deployment_id is not None
+    event = DriftEvent(deployment_id=deployment_id, detector="test", state=DriftState.open)
+    session.add(event)
+    session.commit()
+    event_id = event.id
+    session.close()
+    return event_id
+
+
+def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
     admin = tenant.headers(Role.admin)
     response = client.post(
         f"/v1/accounts/{tenant.name}/deployments",
@@ -63,7 +89,8 @@ def _setup(client: TestClient, tenant: Tenant) -> dict[str, str]:
     key = client.post(
         f"/v1/accounts/{tenant.name}/api-keys", json={"name": "spare", "role": "viewer"}, headers=admin
     ).json()
-    return {"account": tenant.name, "deployment": "svc", "key_id": str(key["id"])}
+    event_id = _open_drift_event(db, tenant)
+    return {"account": tenant.name, "deployment": "svc", "key_id": str(key["id"]), "event_id": str(event_id)}
 
 
 def test_matrix_covers_every_account_route(client: TestClient) -> None:
@@ -78,11 +105,11 @@ def test_matrix_covers_every_account_route(client: TestClient) -> None:
 
 
 def test_other_accounts_and_weak_roles_are_refused(
-    client: TestClient, tenants: tuple[Tenant, Tenant]
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
 ) -> None:
     acme, globex = tenants
-    acme_ids = _setup(client, acme)
-    _setup(client, globex)
+    acme_ids = _setup(client, acme, db)
+    _setup(client, globex, db)
     for method, template, allowed, body in MATRIX:
         path = template.format(**acme_ids)
         for role in Role:
@@ -95,11 +122,11 @@ def test_other_accounts_and_weak_roles_are_refused(
         assert _call(client, method, path, {}, body) == 401
 
 
-def test_allowed_roles_get_through(client: TestClient, tenants: tuple[Tenant, Tenant]) -> None:
+def test_allowed_roles_get_through(client: TestClient, tenants: tuple[Tenant, Tenant], db: Database) -> None:
     acme, _ = tenants
     for method, template, allowed, body in MATRIX:
         for role in sorted(allowed):
-            ids = _setup(client, acme)
+            ids = _setup(client, acme, db)
             path = template.format(**ids)
             status = _call(client, method, path, acme.headers(role), body)
             assert status < 400, (method, template, role, status)

@@ -1,0 +1,65 @@
+"""A deployment's drift policy: validated values with defaults from Settings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from controlplane.config import Settings
+from controlplane.errors import ValidationProblem
+
+MIN_ARL0 = 100
+MAX_ARL0 = 10**9
+
+
+@dataclass(frozen=True, slots=True)
+class DriftPolicy:
+    """ARL0: mean requests between false alarms; min_drop: smallest hit-rate drop worth an alarm
+    (absolute, 0.05 = 5 points); cooldown_s: no new alarm this long after one."""
+
+    arl0_requests: int
+    min_drop: float
+    cooldown_s: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def defaults(settings: Settings) -> DriftPolicy:
+    return DriftPolicy(settings.drift_arl0_requests, settings.drift_min_drop, settings.drift_cooldown_s)
+
+
+def resolve(stored: dict[str, Any], settings: Settings) -> DriftPolicy:
+    """The effective policy: stored overrides on top of the defaults."""
+    base = defaults(settings).as_dict()
+    base.update({k: v for k, v in stored.items() if k in base})
+    return DriftPolicy(int(base["arl0_requests"]), float(base["min_drop"]), int(base["cooldown_s"]))
+
+
+def validate_changes(changes: dict[str, Any]) -> dict[str, Any]:
+    """Check policy changes; every problem is reported at once."""
+    problems = []
+    allowed = {"arl0_requests", "min_drop", "cooldown_s"}
+    for key in changes:
+        if key not in allowed:
+            problems.append({"field": key, "message": f"unknown policy field (allowed: {sorted(allowed)})"})
+    arl0 = changes.get("arl0_requests")
+    if arl0 is not None and (
+        isinstance(arl0, bool) or not isinstance(arl0, int) or not MIN_ARL0 <= arl0 <= MAX_ARL0
+    ):
+        problems.append(
+            {"field": "arl0_requests", "message": f"must be an integer in [{MIN_ARL0}, {MAX_ARL0}]"}
+        )
+    drop = changes.get("min_drop")
+    if drop is not None and (isinstance(drop, bool) or not isinstance(drop, int | float) or not 0 < drop < 1):
+        problems.append({"field": "min_drop", "message": "must be a number strictly between 0 and 1"})
+    cooldown = changes.get("cooldown_s")
+    if cooldown is not None and (
+        isinstance(cooldown, bool) or not isinstance(cooldown, int) or not 0 <= cooldown <= 7 * 86400
+    ):
+        problems.append(
+            {"field": "cooldown_s", "message": "must be an integer number of seconds in [0, 604800]"}
+        )
+    if problems:
+        raise ValidationProblem("invalid drift policy", details=problems)
+    return {k: v for k, v in changes.items() if v is not None}

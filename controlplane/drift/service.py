@@ -1,0 +1,364 @@
+"""The drift monitor and drift-event services.
+
+Each deployment's detector state lives in ``drift_monitor_states`` and is advanced over new
+live acceptance records exactly once and in record-id order:
+
+- a watermark (last record id consumed) moves in the same transaction as the detector state and
+  any event it raised, guarded by a compare-and-set on a version number, so two monitor tasks
+  running at once cannot both consume the same records (the loser rolls back and does nothing);
+- ids are assigned when a row is inserted but become visible when its transaction commits, so a
+  run only consumes ids up to the horizon the *previous* run saw (one beat interval earlier):
+  by then every transaction that had taken such an id has committed or rolled back.
+
+A new active drafter version (a promotion) or a new policy restarts the detector, which then
+re-estimates its baseline on a fresh reference window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from controlplane.accounts.service import Principal
+from controlplane.audit.service import record_change
+from controlplane.config import Settings
+from controlplane.db.models import (
+    AcceptanceRecordRow,
+    Deployment,
+    DriftEvent,
+    DriftMonitorState,
+    DriftState,
+    utcnow,
+)
+from controlplane.deployments.service import active_drafter, resource_name
+from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS
+from controlplane.drift import policy as drift_policy
+from controlplane.drift.mixture_sr import MixtureSR
+from controlplane.drift.observation import RequestObservation
+from controlplane.errors import ConflictError, NotFoundError
+
+MONITORED_ARM = "live"
+DEFAULT_BATCH_LIMIT = 20_000
+
+
+DETECTOR_NAME = "mixture_sr"
+
+
+def new_detector(policy: drift_policy.DriftPolicy, *, n_positions: int) -> MixtureSR:
+    """The main detector for a policy: threshold derived from ARL0, drops below min_drop ignored.
+
+    The latch and cooldown are kept by the monitor (in wall time), not by the detector.
+    """
+    return MixtureSR(arl0=float(policy.arl0_requests), min_drop=policy.min_drop, n_positions=n_positions)
+
+
+def evidence_of(detector: MixtureSR) -> dict[str, Any]:
+    return {"detector": DETECTOR_NAME, **detector.evidence().to_dict()}
+
+
+@dataclass(slots=True)
+class MonitorOutcome:
+    deployment_id: int
+    records_consumed: int
+    events_raised: list[int]
+    skipped: str | None = None
+
+
+def _observation(row: Any) -> RequestObservation | None:
+    k = row.k or len(row.accepted_per_position or [])
+    if not k or not row.accepted_per_position or row.verify_steps == 0:
+        return None  # pooled counts or no speculation: nothing a per-position detector can use
+    try:
+        return RequestObservation.from_counts(
+            k=k,
+            verify_steps=row.verify_steps,
+            accepted_per_position=row.accepted_per_position,
+            drafted_tokens=row.drafted_tokens,
+            accepted_tokens=row.accepted_tokens,
+            category=row.category,
+            prompt_tokens=row.prompt_tokens,
+        )
+    except ValueError:
+        return None
+
+
+def _latest_record_id(session: Session, deployment_id: int) -> int:
+    latest = session.scalar(
+        select(func.max(AcceptanceRecordRow.id)).where(AcceptanceRecordRow.deployment_id == deployment_id)
+    )
+    return int(latest or 0)
+
+
+def advance_monitor(
+    *, session: Session, deployment_id: int, settings: Settings, batch_limit: int = DEFAULT_BATCH_LIMIT
+) -> MonitorOutcome:
+    """Feed new settled records to the deployment's detector; record an event on alarm.
+
+    Runs in the caller's transaction; raises ``ConflictError`` if another monitor advanced the
+    same deployment meanwhile (the caller rolls back: that run's work is simply not needed).
+    """
+    deployment = session.get(Deployment, deployment_id)
+    if deployment is None or deployment.deleted_at is not None:
+        return MonitorOutcome(deployment_id, 0, [], skipped="deployment gone")
+    policy = drift_policy.resolve(deployment.drift_policy, settings)
+    active = active_drafter(session=session, deployment_id=deployment_id)
+    active_version = active.version if active else None
+    horizon_now = _latest_record_id(session, deployment_id)
+    state = session.get(DriftMonitorState, deployment_id)
+    if state is None:
+        # History counts: the first records seen become the detector's reference window.
+        state = DriftMonitorState(
+            deployment_id=deployment_id,
+            detector_state=None,
+            watermark_record_id=0,
+            pending_horizon_record_id=horizon_now,
+            active_drafter_version=active_version,
+            policy=policy.as_dict(),
+            records_examined=0,
+            version=0,
+        )
+        session.add(state)
+        session.flush()
+        return MonitorOutcome(deployment_id, 0, [], skipped="horizon recorded; records are consumed next run")
+
+    restart = (
+        state.detector_state is None
+        or state.active_drafter_version != active_version
+        or (state.policy != policy.as_dict())
+    )
+    n_positions = max(1, min(deployment.draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS))
+    detector = (
+        new_detector(policy, n_positions=n_positions)
+        if restart
+        else MixtureSR.from_state(state.detector_state or {})
+    )
+    settled = state.pending_horizon_record_id
+    rows = session.execute(
+        select(
+            AcceptanceRecordRow.id,
+            AcceptanceRecordRow.arm,
+            AcceptanceRecordRow.k,
+            AcceptanceRecordRow.verify_steps,
+            AcceptanceRecordRow.accepted_per_position,
+            AcceptanceRecordRow.drafted_tokens,
+            AcceptanceRecordRow.accepted_tokens,
+            AcceptanceRecordRow.category,
+            AcceptanceRecordRow.prompt_tokens,
+        )
+        .where(
+            AcceptanceRecordRow.deployment_id == deployment_id,
+            AcceptanceRecordRow.id > state.watermark_record_id,
+            AcceptanceRecordRow.id <= settled,
+        )
+        .order_by(AcceptanceRecordRow.id)
+        .limit(batch_limit)
+    ).all()
+    now = utcnow()
+    events: list[int] = []
+    examined = state.records_examined if not restart else 0
+    open_event = session.scalar(
+        select(DriftEvent.id).where(
+            DriftEvent.deployment_id == deployment_id,
+            DriftEvent.state.in_([DriftState.open, DriftState.realigning]),
+        )
+    )
+    last_alarm = state.last_alarm_at
+    for row in rows:
+        if row.arm != MONITORED_ARM:
+            continue
+        observation = _observation(row)
+        if observation is None:
+            continue
+        if detector.drift_detected and open_event is None:
+            # The last alarm's event was dismissed or resolved: re-arm on the same baseline.
+            detector.reset()
+        detector.update(observation)
+        examined += 1
+        if not detector.drift_detected:
+            continue
+        cooling = last_alarm is not None and _aware(last_alarm) + timedelta(seconds=policy.cooldown_s) > now
+        if open_event is not None or cooling:
+            continue  # latched: one open event per deployment, and a quiet period after each
+        evidence = evidence_of(detector)
+        event = DriftEvent(
+            deployment_id=deployment_id,
+            detected_at=now,
+            state=DriftState.open,
+            detector=DETECTOR_NAME,
+            baseline_rate=evidence.get("baseline_rate"),
+            current_rate=evidence.get("current_estimate"),
+            drop=evidence.get("drop"),
+            position_most_affected=evidence.get("position_most_affected"),
+            statistic=evidence.get("statistic"),
+            threshold=evidence.get("threshold"),
+            records_examined=examined,
+            last_record_id=row.id,
+            detection_delay_estimate=evidence.get("detection_delay_estimate"),
+            evidence={**evidence, "policy": policy.as_dict(), "drafter_version": active_version},
+        )
+        session.add(event)
+        session.flush()
+        events.append(event.id)
+        open_event = event.id
+        last_alarm = now
+    new_watermark = rows[-1].id if len(rows) == batch_limit else settled
+    result = session.execute(
+        update(DriftMonitorState)
+        .where(DriftMonitorState.deployment_id == deployment_id, DriftMonitorState.version == state.version)
+        .values(
+            detector_state=detector.to_state(),
+            watermark_record_id=new_watermark,
+            pending_horizon_record_id=horizon_now if new_watermark == settled else settled,
+            active_drafter_version=active_version,
+            policy=policy.as_dict(),
+            records_examined=examined,
+            last_alarm_at=last_alarm,
+            updated_at=now,
+            version=state.version + 1,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        raise ConflictError(f"deployment {deployment_id}: another monitor advanced it concurrently")
+    return MonitorOutcome(deployment_id, len(rows), events)
+
+
+def _aware(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
+def deployments_with_new_records(*, session: Session) -> list[int]:
+    """Live deployments whose records moved past their monitor's watermark (or never monitored)."""
+    latest = (
+        select(AcceptanceRecordRow.deployment_id, func.max(AcceptanceRecordRow.id).label("latest"))
+        .group_by(AcceptanceRecordRow.deployment_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(Deployment.id)
+        .join(latest, latest.c.deployment_id == Deployment.id)
+        .outerjoin(DriftMonitorState, DriftMonitorState.deployment_id == Deployment.id)
+        .where(
+            Deployment.deleted_at.is_(None),
+            (DriftMonitorState.deployment_id.is_(None))
+            | (DriftMonitorState.watermark_record_id < latest.c.latest),
+        )
+    )
+    return [int(r[0]) for r in rows]
+
+
+def list_events(*, session: Session, deployment_id: int, state: str | None, limit: int) -> list[DriftEvent]:
+    query = select(DriftEvent).where(DriftEvent.deployment_id == deployment_id)
+    if state is not None:
+        query = query.where(DriftEvent.state == DriftState(state))
+    return list(session.scalars(query.order_by(DriftEvent.id.desc()).limit(limit)))
+
+
+def get_event(*, session: Session, deployment_id: int, event_id: int) -> DriftEvent:
+    event = session.scalar(
+        select(DriftEvent).where(DriftEvent.id == event_id, DriftEvent.deployment_id == deployment_id)
+    )
+    if event is None:
+        raise NotFoundError(f"drift event {event_id} not found")
+    return event
+
+
+def dismiss_event(
+    *, session: Session, principal: Principal, deployment: Deployment, event_id: int
+) -> DriftEvent:
+    """Mark an open event as a false alarm; the monitor may alarm again after the cooldown."""
+    event = get_event(session=session, deployment_id=deployment.id, event_id=event_id)
+    if event.state not in (DriftState.open,):
+        raise ConflictError(
+            f"drift event {event_id} is {event.state.value}; only open events can be dismissed"
+        )
+    before = {"state": event.state.value}
+    event.state = DriftState.dismissed
+    event.resolved_at = utcnow()
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action="drift_event.dismiss",
+        resource=f"{resource_name(principal.account_name, deployment.name)}/drift-events/{event_id}",
+        before=before,
+        after={"state": event.state.value},
+    )
+    return event
+
+
+def update_policy(
+    *,
+    session: Session,
+    principal: Principal,
+    deployment: Deployment,
+    changes: dict[str, Any],
+    settings: Settings,
+) -> dict[str, Any]:
+    """Change the deployment's drift policy (audited); the detector restarts with it."""
+    valid = drift_policy.validate_changes(changes)
+    before = drift_policy.resolve(deployment.drift_policy, settings).as_dict()
+    deployment.drift_policy = {**deployment.drift_policy, **valid}
+    after = drift_policy.resolve(deployment.drift_policy, settings).as_dict()
+    session.flush()
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action="deployment.drift_policy",
+        resource=resource_name(principal.account_name, deployment.name),
+        before=before,
+        after=after,
+    )
+    return after
+
+
+def monitor_status(*, session: Session, deployment: Deployment, settings: Settings) -> dict[str, Any]:
+    """The detector's current statistic vs threshold, watermark and open events."""
+    state = session.get(DriftMonitorState, deployment.id)
+    policy = drift_policy.resolve(deployment.drift_policy, settings)
+    open_events = session.scalar(
+        select(func.count()).where(
+            DriftEvent.deployment_id == deployment.id, DriftEvent.state == DriftState.open
+        )
+    )
+    status: dict[str, Any] = {
+        "policy": policy.as_dict(),
+        "open_events": int(open_events or 0),
+        "records_examined": state.records_examined if state else 0,
+        "watermark_record_id": state.watermark_record_id if state else 0,
+        "updated_at": state.updated_at.isoformat() if state and state.updated_at else None,
+        "detector": None,
+    }
+    if state is not None and state.detector_state:
+        detector = MixtureSR.from_state(state.detector_state)
+        status["detector"] = {
+            **evidence_of(detector),
+            "in_reference_window": detector.in_reference,
+            "drift_detected": detector.drift_detected,
+        }
+    return status
+
+
+def event_summary(event: DriftEvent) -> dict[str, Any]:
+    return {
+        "id": event.id,
+        "state": event.state.value,
+        "detected_at": event.detected_at.isoformat(),
+        "detector": event.detector,
+        "baseline_rate": event.baseline_rate,
+        "current_rate": event.current_rate,
+        "drop": event.drop,
+        "position_most_affected": event.position_most_affected,
+        "statistic": event.statistic,
+        "threshold": event.threshold,
+        "records_examined": event.records_examined,
+        "detection_delay_estimate": event.detection_delay_estimate,
+        "last_record_id": event.last_record_id,
+        "evidence": event.evidence,
+        "resolved_at": event.resolved_at.isoformat() if event.resolved_at else None,
+    }

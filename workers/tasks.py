@@ -1,0 +1,55 @@
+"""Thin Celery tasks: open a unit of work, call a control-plane service, map errors to retries.
+
+No statistics or training logic lives here (see controlplane.drift and workers.training).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sqlalchemy.exc import OperationalError
+
+from controlplane.config import get_settings
+from controlplane.db.session import unit_of_work
+from controlplane.drift.service import advance_monitor, deployments_with_new_records
+from controlplane.errors import ConflictError
+from workers.celery_app import InstrumentedTask, TransientError, celery_app
+
+log = logging.getLogger(__name__)
+
+
+@celery_app.task(name="drift.monitor_all", base=InstrumentedTask, ignore_result=True)
+def monitor_all() -> list[int]:
+    """Beat entry point: fan out one monitor task per deployment that has new records."""
+    settings = get_settings()
+    try:
+        with unit_of_work(settings.database_url) as session:
+            deployment_ids = deployments_with_new_records(session=session)
+    except OperationalError as exc:
+        raise TransientError(str(exc)) from exc
+    for deployment_id in deployment_ids:
+        monitor_deployment.delay(deployment_id)
+    return deployment_ids
+
+
+@celery_app.task(name="drift.monitor_deployment", base=InstrumentedTask)
+def monitor_deployment(deployment_id: int) -> dict[str, Any]:
+    """Advance one deployment's detector over its new records (exactly once, see the service)."""
+    settings = get_settings()
+    try:
+        with unit_of_work(settings.database_url) as session:
+            outcome = advance_monitor(session=session, deployment_id=deployment_id, settings=settings)
+    except ConflictError:
+        # Another monitor run advanced this deployment at the same time; its work stands.
+        return {"deployment_id": deployment_id, "skipped": "concurrent run"}
+    except OperationalError as exc:
+        raise TransientError(str(exc)) from exc
+    if outcome.events_raised:
+        log.warning("drift detected on deployment %s: events %s", deployment_id, outcome.events_raised)
+    return {
+        "deployment_id": deployment_id,
+        "records_consumed": outcome.records_consumed,
+        "events_raised": outcome.events_raised,
+        "skipped": outcome.skipped,
+    }
