@@ -31,7 +31,12 @@ DRIFT_MONITOR_INTERVAL_S = 5.0
 def make_celery() -> Celery:
     settings = get_settings()
     settings.ensure_local_dirs()
-    app = Celery("controlplane", broker=settings.broker_url, backend=settings.result_backend_url)
+    app = Celery(
+        "controlplane",
+        broker=settings.broker_url,
+        backend=settings.result_backend_url,
+        include=["workers.tasks"],
+    )
     app.conf.update(
         task_default_queue=QUEUE_DEFAULT,
         task_queues=(Queue(QUEUE_DEFAULT), Queue(QUEUE_GPU)),
