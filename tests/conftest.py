@@ -28,7 +28,10 @@ from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.ingest.batcher import IngestBatcher
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+# Per test session, so two test runs on one machine never drop each other's databases.
+SESSION_SUFFIX = f"_{os.getpid()}"
 PG_TEST_DB = "controlplane_test"
+_created_databases: list[str] = []
 TEST_SECRET = "test-secret-not-for-production"
 
 
@@ -37,12 +40,28 @@ def pg_url(database: str = PG_TEST_DB) -> str:
 
 
 def recreate_pg_database(name: str) -> str:
+    """A fresh, empty database named ``name`` plus this session's suffix; dropped at session end."""
+    name += SESSION_SUFFIX
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     admin.dispose()
+    if name not in _created_databases:
+        _created_databases.append(name)
     return pg_url(name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drop_session_databases() -> Iterator[None]:
+    yield
+    for url_name in _created_databases:
+        get_engine(pg_url(url_name)).dispose()
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        for name in _created_databases:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
 
 
 @pytest.fixture(scope="session")
