@@ -10,13 +10,14 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from controlplane.api import acceptance, deployments, drift, health, keys
+from controlplane.api import acceptance, deployments, drift, health, keys, traces
 from controlplane.api.deps import PrincipalCache
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
 from controlplane.db.session import get_sessionmaker
 from controlplane.errors import DomainError
 from controlplane.ingest.batcher import IngestBatcher
+from controlplane.task_queue import TaskSender
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             prepare_embedded_database(settings)
         yield
         await app.state.ingest_batcher.close()
+        if app.state.task_sender is not None:
+            app.state.task_sender.close()
 
     app = FastAPI(
         title="Speculative-decoding drafter control plane",
@@ -48,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.principal_cache = PrincipalCache(settings.auth_cache_ttl_s)
     app.state.ingest_batcher = IngestBatcher(get_sessionmaker(settings.database_url))
+    app.state.task_sender = TaskSender(settings.broker_url) if settings.drift_enqueue_on_ingest else None
 
     @app.exception_handler(DomainError)
     async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
@@ -65,6 +69,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         details = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
         return _error(422, "ValidationProblem", "request is invalid", details)
 
-    for module in (health, keys, deployments, acceptance, drift):
+    for module in (health, keys, deployments, acceptance, drift, traces):
         app.include_router(module.router)
     return app

@@ -42,6 +42,8 @@ class Settings(BaseSettings):
 
     # How long a verified API key is trusted without a lookup (revocation delay on other processes).
     auth_cache_ttl_s: float = Field(default=5.0, ge=0)
+    # Ingestion nudges the drift monitor right away (beat also runs it every few seconds).
+    drift_enqueue_on_ingest: bool = True
     max_batch_records: int = Field(default=10_000, ge=1)
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     rollup_bucket_seconds: int = 60

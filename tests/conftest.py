@@ -144,7 +144,9 @@ def tenants(db: Database) -> tuple[Tenant, Tenant]:
 
 @pytest.fixture
 def settings(db: Database) -> Settings:
-    return Settings(database_url=db.url, environment="test", secret_key=TEST_SECRET)
+    return Settings(
+        database_url=db.url, environment="test", secret_key=TEST_SECRET, drift_enqueue_on_ingest=False
+    )
 
 
 @pytest.fixture

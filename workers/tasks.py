@@ -18,6 +18,8 @@ from workers.celery_app import InstrumentedTask, TransientError, celery_app
 
 log = logging.getLogger(__name__)
 
+SETTLE_INTERVAL_S = 2.0
+
 
 @celery_app.task(name="drift.monitor_all", base=InstrumentedTask, ignore_result=True)
 def monitor_all() -> list[int]:
@@ -45,6 +47,9 @@ def monitor_deployment(deployment_id: int) -> dict[str, Any]:
         return {"deployment_id": deployment_id, "skipped": "concurrent run"}
     except OperationalError as exc:
         raise TransientError(str(exc)) from exc
+    if outcome.pending:
+        # Newer records settle within one interval; come back for them rather than wait for beat.
+        monitor_deployment.apply_async((deployment_id,), countdown=SETTLE_INTERVAL_S)
     if outcome.events_raised:
         log.warning("drift detected on deployment %s: events %s", deployment_id, outcome.events_raised)
     return {

@@ -73,6 +73,9 @@ async def ingest_batch(
     deployment_id = resolve_deployment_id(session=session, account_id=principal.account_id, name=deployment)
     session.close()  # the shared writer stores the records; this request's session is done
     result = await batcher.submit(deployment_id, records)
+    sender = request.app.state.task_sender
+    if result.inserted and sender is not None:
+        sender.send_throttled(f"drift:{deployment_id}", "drift.monitor_deployment", [deployment_id])
     return result.as_dict()
 
 

@@ -66,6 +66,8 @@ class MonitorOutcome:
     records_consumed: int
     events_raised: list[int]
     skipped: str | None = None
+    # Records exist past the watermark that a later run (once they settle) will consume.
+    pending: bool = False
 
 
 def _observation(row: Any) -> RequestObservation | None:
@@ -123,7 +125,13 @@ def advance_monitor(
         )
         session.add(state)
         session.flush()
-        return MonitorOutcome(deployment_id, 0, [], skipped="horizon recorded; records are consumed next run")
+        return MonitorOutcome(
+            deployment_id,
+            0,
+            [],
+            skipped="horizon recorded; records are consumed next run",
+            pending=horizon_now > 0,
+        )
 
     restart = (
         state.detector_state is None
@@ -224,7 +232,7 @@ def advance_monitor(
     )
     if result.rowcount != 1:  # type: ignore[attr-defined]
         raise ConflictError(f"deployment {deployment_id}: another monitor advanced it concurrently")
-    return MonitorOutcome(deployment_id, len(rows), events)
+    return MonitorOutcome(deployment_id, len(rows), events, pending=horizon_now > new_watermark)
 
 
 def _aware(value: datetime) -> datetime:

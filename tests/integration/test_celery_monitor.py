@@ -106,3 +106,61 @@ def test_a_worker_process_detects_the_drop(worker_env: dict[str, str], tmp_path:
         worker.terminate()
         worker.wait(timeout=30)
         log.close()
+
+
+def test_ingestion_alone_drives_the_monitor(worker_env: dict[str, str], tmp_path: Path) -> None:
+    """No beat: the API's ingest nudges the worker, which comes back until the records settle."""
+    from fastapi.testclient import TestClient
+
+    from controlplane.app import create_app
+    from controlplane.config import Settings
+    from controlplane.db.models import Role
+
+    url = worker_env["CONTROLPLANE_DATABASE_URL"]
+    settings = Settings(database_url=url, broker_url=BROKER, environment="test", secret_key=TEST_SECRET)
+    with get_sessionmaker(url)() as session:
+        tenant = make_tenant(session, "acme")
+        session.commit()
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "default", "-P", "solo"],
+        cwd=ROOT,
+        env=worker_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        with TestClient(create_app(settings)) as client:
+            headers = tenant.headers(Role.admin)
+            client.post(
+                "/v1/accounts/acme/deployments",
+                json={
+                    "target_model": "m",
+                    "deployment_id": "svc",
+                    "draft_model": "d",
+                    "draft_token_count": 4,
+                },
+                headers=headers,
+            )
+            rng = random.Random(5)
+            records = [request_record(i, rng, 0.8) for i in range(1500)]
+            records += [request_record(5000 + i, rng, 0.5) for i in range(400)]
+            for start in range(0, len(records), 500):
+                response = client.post(
+                    "/v1/accounts/acme/deployments/svc/acceptance",
+                    json={"records": records[start : start + 500]},
+                    headers=tenant.headers(Role.ingest),
+                )
+                assert response.status_code == 200
+            deadline = time.monotonic() + 60
+            events: list[dict[str, object]] = []
+            while time.monotonic() < deadline and not events:
+                time.sleep(0.5)
+                events = client.get("/v1/accounts/acme/deployments/svc/drift-events", headers=headers).json()[
+                    "drift_events"
+                ]
+        assert len(events) == 1, (tmp_path / "worker.log").read_text()[-3000:]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+        log.close()
