@@ -96,7 +96,7 @@ class MixtureSR:
         cooldown: int = 0,
         single_positions: bool = True,
         risk_adjust: bool = True,
-        min_category_requests: int = 200,
+        min_category_requests: int = 50,
         min_trials: int = 50,
         dispersion: bool = True,
     ) -> None:
@@ -190,6 +190,26 @@ class MixtureSR:
         if self._stat >= self.arl0:
             self._alarms += 1
             self._alarm = self.evidence()
+        return self
+
+    def fit_reference(
+        self,
+        successes: FloatArray,
+        trials: FloatArray,
+        categories: list[str | None] | None = None,
+    ) -> MixtureSR:
+        """Estimate the baseline from a whole reference window at once and start monitoring.
+
+        ``successes`` and ``trials`` are ``(n_requests, n_positions)`` conditional counts (e.g.
+        replayed records after a promotion); the result equals feeding them through :meth:`update`.
+        """
+        s = np.asarray(successes, dtype=np.float64)
+        t = np.asarray(trials, dtype=np.float64)
+        if s.shape != t.shape or s.ndim != 2 or s.shape[1] != self.n_positions:
+            raise ValueError(f"successes and trials must both be (n, {self.n_positions})")
+        self.rebaseline()
+        self._reference.add_many(np.concatenate([s, t], axis=1), categories if self.risk_adjust else None)
+        self._freeze()
         return self
 
     @property

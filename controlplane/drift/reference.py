@@ -51,6 +51,30 @@ class ReferenceWindow:
             self._sx[key] += x
             self._sxx[key] += outer
 
+    def add_many(self, x: FloatArray, categories: list[str | None] | None) -> None:
+        """Add many requests at once (rows of ``x``); same sums as repeated :meth:`add` (integer counts)."""
+        cats: list[str | None] = list(categories) if categories is not None else [None] * len(x)
+        dim = 2 * self.n_positions
+        by_key: dict[str, list[int]] = {POOLED: list(range(len(x)))}
+        n_known = len(self._count) - 1
+        for i, c in enumerate(cats):
+            if c is None or c == POOLED:
+                continue
+            if c not in self._count and c not in by_key:
+                if n_known >= self.max_categories:
+                    continue  # same cap as add(): later categories only join the pooled group
+                n_known += 1
+            by_key.setdefault(c, []).append(i)
+        for key, rows in by_key.items():
+            sub = x[rows]
+            if key not in self._count:
+                self._count[key] = 0
+                self._sx[key] = np.zeros(dim)
+                self._sxx[key] = np.zeros((dim, dim))
+            self._count[key] += len(rows)
+            self._sx[key] += sub.sum(axis=0)
+            self._sxx[key] += sub.T @ sub
+
     def groups(self, min_requests: int) -> list[GroupStats]:
         """Pooled group first, then every category with at least ``min_requests`` requests."""
         out = [self._stats(POOLED)]

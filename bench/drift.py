@@ -1,0 +1,776 @@
+"""Drift-detector benchmark: our mixture Shiryaev-Roberts vs the oracle CUSUM and river's detectors.
+
+Every detector is calibrated to the same ARL0 (mean requests between false alarms) by bisecting
+its own knob on null runs of each stream family, then measured on changes. Simulated requests:
+k = 4 draft positions, 1 + Poisson(20) verify steps (~84 drafted tokens), sequential binomial
+per-position conditional acceptance. Our detector and the oracle run vectorised across runs
+(numpy) with exactly the detector's own arithmetic (its frozen kernel; cross-checked against the
+class on a few runs); river detectors run through river itself, which is far slower, so they get
+fewer calibration runs (printed). Writes bench/results/drift.{json,csv,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from controlplane.drift import MixtureSR, OracleCUSUM, RequestObservation  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+K = 4
+MEAN_STEPS = 20
+REF = 1_000  # reference window of our detector (river detectors see the same requests as warm-up)
+CHANGE_AT = 500  # monitored requests before the change
+ARL0 = 10_000.0
+OURS_CFG: dict[str, Any] = {"arl0": ARL0, "min_drop": 0.02, "reference_size": REF, "n_positions": K}
+CATS = ("prose", "code")
+
+
+# --------------------------------------------------------------------------------------- streams
+
+
+@dataclass(frozen=True)
+class Family:
+    """A null traffic model; cells add a change to it."""
+
+    name: str
+    kind: str  # iid | od | mix
+    p0: float
+    kappa: float = 0.0  # Beta concentration of the per-request rate (od)
+    decay: float = 1.0  # per-position multiplicative decay (od)
+    code_share: float = 0.2  # mix: share of "code" requests before the shift
+    rates: tuple[float, float] = (0.8, 0.55)  # mix: prose, code acceptance
+
+
+@dataclass(frozen=True)
+class Cell:
+    family: Family
+    name: str
+    rel_drop: float = 0.0
+    ramp: int = 0  # requests over which the drop ramps in linearly (0 = step)
+    position: int | None = None  # only this position drops
+    code_share_after: float | None = None  # mix shift
+    horizon: int = 6_000
+
+
+def _ramp(t_mon: np.ndarray, ramp: int) -> np.ndarray:
+    after = np.clip(t_mon - CHANGE_AT + 1, 0, None).astype(np.float64)
+    return np.minimum(after / ramp, 1.0) if ramp else (after > 0).astype(np.float64)
+
+
+def generate(
+    cell: Cell | Family, rng: np.random.Generator, runs: int, t0: int, t1: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Requests t0..t1 (absolute index; monitoring starts at REF) of ``runs`` runs.
+
+    Returns successes (R, T, K), trials (R, T, K) and category (R, T) (0 prose, 1 code).
+    """
+    fam = cell.family if isinstance(cell, Cell) else cell
+    T = t1 - t0
+    t_mon = np.arange(t0, t1) - REF
+    frac = _ramp(t_mon, cell.ramp) if isinstance(cell, Cell) else np.zeros(T)
+    steps = 1 + rng.poisson(MEAN_STEPS, size=(runs, T))
+    cat = np.zeros((runs, T), dtype=np.int8)
+    if fam.kind == "iid":
+        base = np.full((runs, T, K), fam.p0)
+    elif fam.kind == "od":
+        m = fam.p0 * (
+            1.0 - (cell.rel_drop if isinstance(cell, Cell) and cell.position is None else 0.0) * frac
+        )
+        p_req = rng.beta(m * fam.kappa, (1.0 - m) * fam.kappa, size=(runs, T))
+        base = p_req[:, :, None] * fam.decay ** np.arange(K)
+    else:
+        share = np.full(T, fam.code_share)
+        if isinstance(cell, Cell) and cell.code_share_after is not None:
+            share = fam.code_share + (cell.code_share_after - fam.code_share) * frac
+        cat = (rng.random((runs, T)) < share).astype(np.int8)
+        base = np.where(cat[:, :, None] == 1, fam.rates[1], fam.rates[0]) * np.ones(K)
+    p = base.copy()
+    if isinstance(cell, Cell) and cell.rel_drop and not (fam.kind == "od" and cell.position is None):
+        factor = 1.0 - cell.rel_drop * frac[None, :, None]
+        if cell.position is None:
+            p = base * factor
+        else:
+            p[:, :, cell.position] = base[:, :, cell.position] * factor[:, :, 0]
+    succ = np.empty((runs, T, K), dtype=np.int32)
+    tri = np.empty((runs, T, K), dtype=np.int32)
+    tried = steps
+    for i in range(K):
+        tri[:, :, i] = tried
+        tried = rng.binomial(tried, p[:, :, i])
+        succ[:, :, i] = tried
+    return succ, tri, cat
+
+
+def od_marginal(fam: Family, mean: float) -> list[float]:
+    """Per-position conditional acceptance of the overdispersed model (Beta moments)."""
+    a, b = mean * fam.kappa, (1.0 - mean) * fam.kappa
+
+    def moment(m: int) -> float:
+        return math.prod((a + r) / (a + b + r) for r in range(m))
+
+    return [fam.decay**i * moment(i + 1) / moment(i) for i in range(K)]
+
+
+def true_rates(cell: Cell) -> tuple[list[float], list[float]]:
+    fam = cell.family
+    if fam.kind == "od":
+        p0 = od_marginal(fam, fam.p0)
+        p1 = od_marginal(fam, fam.p0 * (1 - cell.rel_drop)) if cell.position is None else list(p0)
+    elif fam.kind == "iid":
+        p0 = [fam.p0] * K
+        p1 = [fam.p0 * (1 - cell.rel_drop)] * K if cell.position is None else list(p0)
+    else:
+        pooled = fam.rates[0] * (1 - fam.code_share) + fam.rates[1] * fam.code_share
+        return [pooled] * K, [pooled * 0.95] * K
+    if cell.position is not None:
+        p1[cell.position] = p0[cell.position] * (1 - cell.rel_drop)
+    return p0, p1
+
+
+def mean_trials(p: list[float]) -> list[float]:
+    out, tried = [], 1.0 + MEAN_STEPS
+    for v in p:
+        out.append(tried)
+        tried *= v
+    return out
+
+
+# ------------------------------------------------------------------------- vectorised kernels
+
+
+class OursBatch:
+    """Our detector over R runs at once: per-run baselines via ``fit_reference``, then the kernel."""
+
+    def __init__(self, succ: np.ndarray, tri: np.ndarray, cat: np.ndarray) -> None:
+        runs = succ.shape[0]
+        kernels = []
+        for r in range(runs):
+            cats = [CATS[c] for c in cat[r]]
+            det = MixtureSR(**OURS_CFG).fit_reference(succ[r], tri[r], cats)
+            assert det.kernel is not None
+            kernels.append(det.kernel)
+        g = max(k.W.shape[1] for k in kernels)
+        self.W = np.zeros((runs, 1 + len(CATS), g, 2 * K))
+        self.w = np.zeros((runs, g))
+        for r, ker in enumerate(kernels):
+            gk = ker.W.shape[1]
+            for ci, name in enumerate(CATS):
+                self.W[r, 1 + ci, :gk] = ker.W[ker.groups.get(name, 0)]
+            self.W[r, 0, :gk] = ker.W[0]
+            self.w[r, :gk] = ker.weights
+        self.n_components = [k.W.shape[1] for k in kernels]
+        self.rw = np.zeros((runs, g))
+        self._idx = np.arange(runs)
+
+    def step(self, s: np.ndarray, n: np.ndarray, c: np.ndarray) -> np.ndarray:
+        x = np.concatenate([s, n], axis=1).astype(np.float64)  # (R, 2K)
+        Wsel = self.W[self._idx, 1 + c]  # (R, G, 2K)
+        llr = np.minimum(np.einsum("rgj,rj->rg", Wsel, x), 700.0)
+        self.rw = (self.w + self.rw) * np.exp(llr)
+        with np.errstate(divide="ignore"):
+            return np.log(self.rw.sum(axis=1))
+
+
+class OracleBatch:
+    def __init__(self, runs: int, p0: list[float], p1: list[float]) -> None:
+        q0, q1 = 1 - np.array(p0), 1 - np.array(p1)
+        self.b = np.log(q1 / q0)
+        self.a = np.log(np.array(p1) / np.array(p0)) - self.b
+        self.w = np.zeros(runs)
+
+    def step(self, s: np.ndarray, n: np.ndarray, c: np.ndarray) -> np.ndarray:
+        self.w = np.maximum(self.w + s @ self.a + n @ self.b, 0.0)
+        return self.w
+
+
+def run_paths(
+    source: Cell | Family,
+    seed: int,
+    runs: int,
+    length: int,
+    oracles: dict[str, tuple[list[float], list[float]]],
+) -> dict[str, np.ndarray]:
+    """Cumulative-max statistic paths (R, length) of ours and each oracle, monitoring phase only."""
+    rng = np.random.default_rng(seed)
+    succ, tri, cat = generate(source, rng, runs, 0, REF)
+    ours = OursBatch(succ, tri, cat)
+    kernels: dict[str, Any] = {"ours": ours}
+    kernels.update({name: OracleBatch(runs, p0, p1) for name, (p0, p1) in oracles.items()})
+    paths = {name: np.empty((runs, length), dtype=np.float32) for name in kernels}
+    chunk = 2_000
+    for t0 in range(0, length, chunk):
+        t1 = min(length, t0 + chunk)
+        succ, tri, cat = generate(source, rng, runs, REF + t0, REF + t1)
+        for j in range(t1 - t0):
+            s, n, c = succ[:, j], tri[:, j], cat[:, j]
+            for name, ker in kernels.items():
+                paths[name][:, t0 + j] = ker.step(s, n, c)
+    for p in paths.values():
+        np.maximum.accumulate(p, axis=1, out=p)
+    return paths
+
+
+def first_passage(cummax: np.ndarray, h: float) -> np.ndarray:
+    """Monitoring index of the first alarm per run (len = no alarm)."""
+    hit = cummax >= h
+    return np.where(hit.any(axis=1), hit.argmax(axis=1), cummax.shape[1])
+
+
+def arl_estimate(alarm_idx: np.ndarray, cap: int) -> float:
+    """Censored-exponential MLE of the mean run length: exposure over number of alarms."""
+    lengths = np.minimum(alarm_idx + 1, cap)
+    alarms = int((alarm_idx < cap).sum())
+    return float(lengths.sum()) / max(alarms, 1) if alarms else float("inf")
+
+
+def bisect_threshold(cummax: np.ndarray, target: float, lo: float = 0.0, hi: float = 60.0) -> float:
+    cap = cummax.shape[1]
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if arl_estimate(first_passage(cummax, mid), cap) < target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+# -------------------------------------------------------------------------------------- river
+
+
+RIVER_REQUEST = ("ADWIN", "PageHinkley", "KSWIN")  # fed per-request acceptance fraction
+RIVER_BITS = ("DDM", "EDDM", "HDDM_A", "HDDM_W")  # fed token rejection bits (1 = rejected)
+KNOBS: dict[str, tuple[str, float, float, bool]] = {  # knob, lo, hi, log-scale; larger = fewer alarms?
+    "ADWIN": ("delta", 1e-40, 0.5, True),
+    "PageHinkley": ("threshold", 1e-2, 1e3, True),
+    "KSWIN": ("alpha", 1e-40, 0.5, True),
+    "DDM": ("drift_threshold", 1.0, 200.0, True),
+    "EDDM": ("beta", 1e-6, 0.95, False),
+    "HDDM_A": ("drift_confidence", 1e-300, 0.5, True),
+    "HDDM_W": ("drift_confidence", 1e-300, 0.5, True),
+}
+FEED = dict.fromkeys(RIVER_REQUEST, "request") | dict.fromkeys(RIVER_BITS, "bits")
+FEWER_IS_LARGER = {"ADWIN": False, "PageHinkley": True, "KSWIN": False, "DDM": True, "EDDM": False}
+
+
+def make_river(name: str, knob: float | None) -> Any:
+    from river import drift
+    from river.drift import binary
+
+    kw: dict[str, Any] = {} if knob is None else {KNOBS[name][0]: knob}
+    if name == "ADWIN":
+        return drift.ADWIN(**kw)
+    if name == "PageHinkley":
+        return drift.PageHinkley(mode="down", **kw)
+    if name == "KSWIN":
+        return drift.KSWIN(seed=1, **kw)
+    if name == "DDM":
+        return binary.DDM(
+            **({} if knob is None else {"drift_threshold": knob, "warning_threshold": min(2.0, knob)})
+        )
+    if name == "EDDM":
+        return binary.EDDM(**({} if knob is None else {"beta": knob, "alpha": max(0.95, knob)}))
+    if name == "HDDM_A":
+        return binary.HDDMA(
+            **({} if knob is None else {"drift_confidence": knob, "warning_confidence": max(knob, 0.005)})
+        )
+    return binary.HDDMW(
+        **({} if knob is None else {"drift_confidence": knob, "warning_confidence": max(knob, 0.005)})
+    )
+
+
+def token_bits(succ: np.ndarray, tri: np.ndarray, rng: np.random.Generator) -> tuple[list[int], np.ndarray]:
+    """Rejection bits (1 = drafted token not accepted) in verify-step order, steps shuffled per request."""
+    T = succ.shape[0]
+    steps = tri[:, 0]
+    upper = np.concatenate([steps[:, None], succ], axis=1)  # steps with length >= j
+    lower = np.concatenate([succ, np.zeros((T, 1), dtype=succ.dtype)], axis=1)
+    counts = (upper - lower).ravel()  # steps with accepted length exactly j
+    lengths = np.repeat(np.tile(np.arange(K + 1), T), counts)
+    req = np.repeat(np.arange(T), steps)
+    order = np.lexsort((rng.random(len(lengths)), req))
+    lengths = lengths[order]
+    bits = (np.arange(K)[None, :] >= lengths[:, None]).astype(np.int8).ravel()
+    req_of_bit = np.repeat(req, K)
+    return bits.tolist(), req_of_bit
+
+
+def river_run(args: tuple[str, float | None, Any, int, int, int, str]) -> tuple[int, float]:
+    """One run: (first alarm monitoring index or ``limit``, seconds per request fed).
+
+    ``feed`` "bits": token bits (binary detectors get the rejection bit, 1 = rejected; ADWIN and
+    PageHinkley(mode="down") the acceptance bit); "request": the request's acceptance fraction.
+    """
+    name, knob, source, seed, limit, warm, feed = args
+    rng = np.random.default_rng(seed)
+    det = make_river(name, knob)
+    t0 = time.perf_counter()
+    chunk = 500
+    total = warm + limit
+    for a in range(0, total, chunk):
+        b = min(total, a + chunk)
+        succ, tri, _ = generate(source, rng, 1, a, b)
+        succ, tri = succ[0], tri[0]
+        if feed == "bits":
+            bits, req = token_bits(succ, tri, rng)
+            if name not in RIVER_BITS:
+                bits = [1 - b for b in bits]
+            for j, bit in enumerate(bits):
+                det.update(bit)
+                if det.drift_detected and a + req[j] >= warm:
+                    t = a + int(req[j]) - warm
+                    return t, (time.perf_counter() - t0) / max(a + int(req[j]) + 1, 1)
+        else:
+            frac = succ.sum(axis=1) / np.maximum(tri[:, 0] * K, 1)
+            for j, v in enumerate(frac.tolist()):
+                det.update(v)
+                if det.drift_detected and a + j >= warm:
+                    return a + j - warm, (time.perf_counter() - t0) / (a + j + 1)
+    return limit, (time.perf_counter() - t0) / total
+
+
+@dataclass
+class RiverCal:
+    knob: float | None
+    runs: int
+    cap: int
+    arl: float
+    note: str = ""
+    evals: list[tuple[float, float]] = field(default_factory=list)
+
+
+def river_calibrate(
+    pool: Any, name: str, fam: Family, runs: int, cap: int, iters: int, seed: int
+) -> RiverCal:
+    _, lo, hi, log = KNOBS[name]
+    larger_fewer = FEWER_IS_LARGER.get(name, False)
+    cal = RiverCal(None, runs, cap, float("nan"))
+    best: tuple[float, float] | None = None
+    for it in range(iters):
+        mid = math.sqrt(lo * hi) if log else 0.5 * (lo + hi)
+        jobs = [(name, mid, fam, seed + 7919 * it + r, cap, REF, FEED[name]) for r in range(runs)]
+        res = pool.map(river_run, jobs)
+        arl = arl_estimate(np.array([t for t, _ in res]), cap)
+        cal.evals.append((mid, arl))
+        fewer_needed = arl < ARL0
+        if fewer_needed == larger_fewer:
+            lo = mid
+        else:
+            hi = mid
+        if arl >= ARL0 and (best is None or abs(math.log(arl / ARL0)) < abs(math.log(best[1] / ARL0))):
+            best = (mid, arl)
+    if best is None:  # never reached the target: take the most conservative knob tried
+        mid, arl = max(cal.evals, key=lambda e: e[1])
+        best = (mid, arl)
+        cal.note = "target ARL0 not reached"
+    cal.knob, cal.arl = best
+    return cal
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def delay_stats(alarm_idx: np.ndarray, horizon: int) -> dict[str, float]:
+    fa = alarm_idx < CHANGE_AT
+    d = alarm_idx[~fa] - CHANGE_AT + 1
+    miss = d > horizon
+    d = np.minimum(d, horizon)  # misses count at the horizon
+    if len(d) == 0:
+        return {
+            "mean": float("nan"),
+            "p50": float("nan"),
+            "p90": float("nan"),
+            "miss": float("nan"),
+            "fa": 1.0,
+        }
+    return {
+        "mean": float(d.mean()),
+        "p50": float(np.percentile(d, 50)),
+        "p90": float(np.percentile(d, 90)),
+        "miss": float(miss.mean()),
+        "fa": float(fa.mean()),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer runs everywhere")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: checks the script runs, figures meaningless"
+    )
+    args = ap.parse_args()
+    started = time.perf_counter()
+    quick = args.quick
+    n_null = 200 if quick else 500
+    null_len = 20_000 if quick else 30_000
+    n_cell = 100 if quick else 300
+    river_runs = 24 if quick else 64
+    river_cells = 16 if quick else 40
+    river_cap = 20_000
+    if args.smoke:
+        n_null, null_len, n_cell, river_runs, river_cells, river_cap = 20, 3_000, 8, 2, 2, 3_000
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    fams = {
+        "iid p0=0.50": Family("iid p0=0.50", "iid", 0.5),
+        "iid p0=0.70": Family("iid p0=0.70", "iid", 0.7),
+        "iid p0=0.85": Family("iid p0=0.85", "iid", 0.85),
+        "overdispersed m=0.80": Family("overdispersed m=0.80", "od", 0.8, kappa=20.0, decay=0.95),
+        "mix prose/code": Family("mix prose/code", "mix", 0.0),
+    }
+    cells: list[Cell] = []
+    for fname in ("iid p0=0.50", "iid p0=0.70", "iid p0=0.85", "overdispersed m=0.80"):
+        for r in (0.05, 0.10, 0.20, 0.40):
+            cells.append(Cell(fams[fname], f"{fname} drop {int(r * 100)}%", rel_drop=r))
+    cells.append(Cell(fams["iid p0=0.70"], "iid p0=0.70 ramp 20% over 1k", rel_drop=0.2, ramp=1_000))
+    cells.append(
+        Cell(fams["iid p0=0.70"], "iid p0=0.70 ramp 20% over 10k", rel_drop=0.2, ramp=10_000, horizon=15_000)
+    )
+    cells.append(Cell(fams["iid p0=0.70"], "iid p0=0.70 position 1 drop 30%", rel_drop=0.3, position=1))
+    mix_cell = Cell(
+        fams["mix prose/code"], "mix shift code 20%->70% (no drafter change)", code_share_after=0.7
+    )
+    print(
+        f"drift bench: ARL0 target {ARL0:.0f} requests; k={K}, 1+Poisson({MEAN_STEPS}) verify steps; "
+        f"ours: MixtureSR{OURS_CFG}; reference/warm-up {REF} requests; "
+        f"change after {CHANGE_AT} monitored requests",
+        flush=True,
+    )
+    print(
+        f"null runs: ours/oracle {n_null} x {null_len} (censored-exponential ARL estimate); "
+        f"cells: {n_cell} runs"
+    )
+
+    # ---- null calibration of ours and the oracles, per family
+    null_results: dict[str, Any] = {}
+    thresholds: dict[tuple[str, str], float] = {}
+    own_h = math.log(ARL0)
+    for fi, (fname, fam) in enumerate(fams.items()):
+        t = time.perf_counter()
+        oracles = {}
+        for cell in cells:
+            if cell.family is fam:
+                oracles[cell.name] = true_rates(cell)
+        paths = run_paths(fam, 1_000 + fi, n_null, null_len, oracles)
+        own = arl_estimate(first_passage(paths["ours"], own_h), null_len)
+        h_ours = bisect_threshold(paths["ours"], ARL0)
+        thresholds[(fname, "ours")] = h_ours
+        for name in oracles:
+            thresholds[(name, "oracle")] = bisect_threshold(paths[name], ARL0)
+        null_results[fname] = {"ours_own_threshold_arl0": own, "ours_bisected_log_threshold": h_ours}
+        print(
+            f"  null {fname:22s} ours: own threshold ln(ARL0)={own_h:.2f} -> measured ARL0 {own:,.0f} "
+            f"({own / ARL0:.2f}x); bisected threshold {h_ours:.2f}  [{time.perf_counter() - t:.0f}s]",
+            flush=True,
+        )
+        del paths
+
+    # ---- cells: ours (bisected and own threshold) and oracle
+    rows: list[dict[str, Any]] = []
+    cell_alarms: dict[str, dict[str, np.ndarray]] = {}
+    for ci, cell in enumerate([*cells, mix_cell]):
+        t = time.perf_counter()
+        length = CHANGE_AT + cell.horizon
+        oracles = {} if cell is mix_cell else {"oracle": true_rates(cell)}
+        paths = run_paths(cell, 50_000 + ci, n_cell, length, oracles)
+        res = {
+            "ours": first_passage(paths["ours"], thresholds[(cell.family.name, "ours")]),
+            "ours (own threshold)": first_passage(paths["ours"], own_h),
+        }
+        if oracles:
+            res["oracle CUSUM"] = first_passage(paths["oracle"], thresholds[(cell.name, "oracle")])
+        cell_alarms[cell.name] = res
+        print(f"  cell {cell.name:45s} [{time.perf_counter() - t:.0f}s]", flush=True)
+
+    # ---- river
+    river_out: dict[str, Any] = {"calibration": {}, "defaults": {}, "us_per_request": {}}
+    with mp.get_context("fork").Pool(min(2, os.cpu_count() or 1)) as pool:
+        t = time.perf_counter()
+        fam07 = fams["iid p0=0.70"]
+        for name in (*RIVER_REQUEST, *RIVER_BITS):
+            # Default knobs, fed token bits (ADWIN/PageHinkley/KSWIN included): how soon a false alarm?
+            feed = "request" if name == "KSWIN" else "bits"  # KSWIN: ~200 us per update, so per request
+            n_def = 4 if name == "KSWIN" else 16
+            res = pool.map(
+                river_run, [(name, None, fam07, 90_000 + r, 2_000, REF, feed) for r in range(n_def)]
+            )
+            idx = np.array([t_ for t_, _ in res])
+            river_out["defaults"][name] = {
+                "runs": n_def,
+                "feed": feed,
+                "arl0_estimate": arl_estimate(idx, 2_000),
+            }
+            river_out["us_per_request"][name] = float(np.mean([u for _, u in res]) * 1e6)
+        print(f"  river default-knob runs [{time.perf_counter() - t:.0f}s]", flush=True)
+
+        river_cal: dict[tuple[str, str], RiverCal] = {}
+        plan: list[tuple[str, list[str], int, int]] = [
+            ("ADWIN", list(fams), river_runs, 8),
+            ("PageHinkley", list(fams), river_runs, 8),
+            ("DDM", ["iid p0=0.70"], 8 if quick else 16, 6),
+            ("EDDM", ["iid p0=0.70"], 8 if quick else 16, 6),
+            ("HDDM_A", ["iid p0=0.70"], 3 if quick else 4, 5),
+            ("HDDM_W", ["iid p0=0.70"], 3 if quick else 4, 5),
+            ("KSWIN", ["iid p0=0.70"], 2 if quick else 4, 5),
+        ]
+        for name, fnames, runs, iters in plan:
+            for fname in fnames:
+                t = time.perf_counter()
+                cal = river_calibrate(pool, name, fams[fname], runs, river_cap, iters, 200_000)
+                river_cal[(fname, name)] = cal
+                print(
+                    f"  river {name:11s} {fname:22s} {KNOBS[name][0]}={cal.knob:.3g}: ARL0 {cal.arl:,.0f} "
+                    f"from {runs} runs x {iters} bisection steps {cal.note} [{time.perf_counter() - t:.0f}s]",
+                    flush=True,
+                )
+        for ci, cell in enumerate([*cells, mix_cell]):
+            for name in (*RIVER_REQUEST, *RIVER_BITS):
+                cal = river_cal.get((cell.family.name, name))
+                if cal is None:
+                    continue
+                n_runs = river_cells if name in ("ADWIN", "PageHinkley") else max(4, river_cells // 4)
+                if name in ("HDDM_A", "HDDM_W", "KSWIN"):
+                    n_runs = 4
+                if cell.rel_drop < 0.1 and name in ("HDDM_A", "HDDM_W", "KSWIN"):
+                    continue  # slow detectors: skip the longest (smallest-drop) cells
+                jobs = [
+                    (name, cal.knob, cell, 50_000 + ci * 1_000 + r, CHANGE_AT + cell.horizon, REF, FEED[name])
+                    for r in range(n_runs)
+                ]
+                res = pool.map(river_run, jobs)
+                cell_alarms[cell.name][f"river {name}"] = np.array([t_ for t_, _ in res])
+        print(f"  river cells [{time.perf_counter() - t:.0f}s]", flush=True)
+
+    # ---- speed of the real classes
+    rng = np.random.default_rng(7)
+    succ, tri, _ = generate(fams["iid p0=0.70"], rng, 1, 0, REF + 20_000)
+    obs = [
+        RequestObservation.from_counts(
+            k=K,
+            verify_steps=int(tri[0, t, 0]),
+            accepted_per_position=succ[0, t].tolist(),
+            drafted_tokens=int(tri[0, t, 0]) * K,
+            accepted_tokens=int(succ[0, t].sum()),
+        )
+        for t in range(REF + 20_000)
+    ]
+    det = MixtureSR(**OURS_CFG)
+    for o in obs[:REF]:
+        det.update(o)
+    t = time.perf_counter()
+    for o in obs[REF:]:
+        det.update(o)
+    us_ours = (time.perf_counter() - t) / 20_000 * 1e6
+    orc = OracleCUSUM(p0=[0.7] * K, p1=[0.63] * K, threshold=1e9)
+    t = time.perf_counter()
+    for o in obs[REF:]:
+        orc.update(o)
+    us_oracle = (time.perf_counter() - t) / 20_000 * 1e6
+    # Cross-check: the vectorised kernel alarms at exactly the class's index (own threshold).
+    check = Cell(fams["iid p0=0.70"], "check", rel_drop=0.1)
+    succ, tri, cat = generate(check, np.random.default_rng(123), 3, 0, REF + CHANGE_AT + 2_000)
+    batch = OursBatch(succ[:, :REF], tri[:, :REF], cat[:, :REF])
+    vec_alarm = np.full(3, -1)
+    for t_ in range(REF, succ.shape[1]):
+        stat = batch.step(succ[:, t_], tri[:, t_], cat[:, t_])
+        vec_alarm = np.where((vec_alarm < 0) & (stat >= own_h), t_ - REF, vec_alarm)
+    agree = 0
+    for r in range(3):
+        d = MixtureSR(**OURS_CFG).fit_reference(succ[r, :REF], tri[r, :REF])
+        alarm_class = -1
+        for t_ in range(REF, succ.shape[1]):
+            s_, n_ = succ[r, t_].tolist(), int(tri[r, t_, 0])
+            d.update(
+                RequestObservation.from_counts(
+                    k=K,
+                    verify_steps=n_,
+                    accepted_per_position=s_,
+                    drafted_tokens=n_ * K,
+                    accepted_tokens=sum(s_),
+                )
+            )
+            if d.drift_detected:
+                alarm_class = t_ - REF
+                break
+        agree += int(alarm_class == vec_alarm[r])
+    print(f"  cross-check: vectorised kernel and MixtureSR.update alarm at the same index in {agree}/3 runs")
+    print(
+        f"  speed: MixtureSR.update {us_ours:.1f} us/request, OracleCUSUM.update {us_oracle:.1f} us/request"
+    )
+
+    # ---- table
+    detectors = [
+        "ours",
+        "ours (own threshold)",
+        "oracle CUSUM",
+        *(f"river {n}" for n in (*RIVER_REQUEST, *RIVER_BITS)),
+    ]
+    table: list[dict[str, Any]] = []
+    for cell in [*cells, mix_cell]:
+        res = cell_alarms[cell.name]
+        oracle_mean = None
+        if "oracle CUSUM" in res:
+            oracle_mean = delay_stats(res["oracle CUSUM"], cell.horizon)["mean"]
+        for det_name in detectors:
+            if det_name not in res:
+                continue
+            idx = res[det_name]
+            row: dict[str, Any] = {"cell": cell.name, "detector": det_name, "runs": len(idx)}
+            if cell is mix_cell:
+                row["no_alarm_rate"] = float((idx >= CHANGE_AT + cell.horizon).mean())
+                row["alarm_before_shift_rate"] = float((idx < CHANGE_AT).mean())
+            else:
+                st = delay_stats(idx, cell.horizon)
+                row.update({f"delay_{k}": v for k, v in st.items() if k in ("mean", "p50", "p90")})
+                row["miss_rate"] = st["miss"]
+                row["false_alarm_before_change"] = st["fa"]
+                row["efficiency"] = (
+                    (oracle_mean / st["mean"]) if oracle_mean and st["mean"] == st["mean"] else None
+                )
+            table.append(row)
+    rows = table
+
+    print()
+    print(
+        f"{'cell':45s} {'detector':22s} {'runs':>4s} {'mean':>7s} {'p50':>6s} {'p90':>6s} "
+        f"{'miss':>5s} {'FA<chg':>6s} {'eff':>5s}"
+    )
+    for row in rows:
+        if "no_alarm_rate" in row:
+            print(
+                f"{row['cell']:45s} {row['detector']:22s} {row['runs']:4d}  "
+                f"no-alarm rate {row['no_alarm_rate']:.3f}"
+            )
+            continue
+        eff = f"{row['efficiency']:.2f}" if row["efficiency"] is not None else "-"
+        print(
+            f"{row['cell']:45s} {row['detector']:22s} {row['runs']:4d} {row['delay_mean']:7.1f} "
+            f"{row['delay_p50']:6.0f} {row['delay_p90']:6.0f} {row['miss_rate']:5.2f} "
+            f"{row['false_alarm_before_change']:6.2f} {eff:>5s}"
+        )
+
+    # ---- headline figures
+    by = {(r["cell"], r["detector"]): r for r in rows}
+    ratio_oracle = []
+    ratio_river = []
+    for cell in cells:
+        ours = by.get((cell.name, "ours"))
+        if ours is None:
+            continue
+        orc_row = by.get((cell.name, "oracle CUSUM"))
+        if orc_row and cell.family.kind in ("iid", "od") and cell.ramp == 0 and cell.position is None:
+            ratio_oracle.append((ours["delay_mean"] / orc_row["delay_mean"], cell.name))
+        river_rows = [
+            by[(cell.name, f"river {n}")]
+            for n in (*RIVER_REQUEST, *RIVER_BITS)
+            if (cell.name, f"river {n}") in by
+        ]
+        if river_rows:
+            best = min(river_rows, key=lambda r: r["delay_mean"])
+            ratio_river.append((ours["delay_mean"] / best["delay_mean"], cell.name, best["detector"]))
+    mix_row = by[(mix_cell.name, "ours (own threshold)")]
+    null_ratio = min(v["ours_own_threshold_arl0"] for v in null_results.values()) / ARL0
+    worst_oracle = max(ratio_oracle)
+    worst_river = max(ratio_river)
+    elapsed = time.perf_counter() - started
+    summary = {
+        "delay_ratio_vs_oracle": worst_oracle[0],
+        "delay_ratio_vs_oracle_cell": worst_oracle[1],
+        "delay_ratio_vs_best_river": worst_river[0],
+        "delay_ratio_vs_best_river_cell": f"{worst_river[1]} vs {worst_river[2]}",
+        "mix_shift_no_alarm_rate": mix_row["no_alarm_rate"],
+        "mix_shift_no_alarm_rate_bisected": by[(mix_cell.name, "ours")]["no_alarm_rate"],
+        "null_arl0_ratio": null_ratio,
+        "us_per_request": us_ours,
+        "oracle_us_per_request": us_oracle,
+        "vectorised_kernel_cross_check_runs_alarmed": agree,
+        "null_calibration": null_results,
+        "river": {
+            "defaults_false_alarm_arl_requests": river_out["defaults"],
+            "us_per_request_token_or_request_feed": river_out["us_per_request"],
+            "calibration": {
+                f"{k[1]} / {k[0]}": {
+                    "knob": KNOBS[k[1]][0],
+                    "value": v.knob,
+                    "runs": v.runs,
+                    "cap": v.cap,
+                    "arl0_estimate": v.arl,
+                    "note": v.note,
+                }
+                for k, v in river_cal.items()
+            },
+            "feeds": dict.fromkeys(RIVER_REQUEST, "per-request acceptance fraction")
+            | dict.fromkeys(RIVER_BITS, "token rejection bits (1 = rejected)"),
+        },
+        "quick": quick,
+        "seconds": elapsed,
+        "cells": rows,
+    }
+    (RESULTS / "drift.json").write_text(json.dumps(summary, indent=2, default=float))
+    with (RESULTS / "drift.csv").open("w", newline="") as fh:
+        keys = sorted({k for r in rows for k in r})
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, cells)
+    print()
+    for key in (
+        "delay_ratio_vs_oracle",
+        "delay_ratio_vs_best_river",
+        "mix_shift_no_alarm_rate",
+        "null_arl0_ratio",
+        "us_per_request",
+    ):
+        print(
+            f"{key}: {summary[key]:.3f}"
+            + (f"  ({summary.get(key + '_cell')})" if key + "_cell" in summary else "")
+        )
+    print("river at default knobs on the no-change stream (token bits; mean requests to a false alarm):")
+    for name, v in river_out["defaults"].items():
+        print(f"  {name:12s} {v['arl0_estimate']:8.1f}  ({v['runs']} runs)")
+    print(f"wrote {RESULTS / 'drift.json'}, drift.csv, drift.png in {elapsed:.0f}s")
+    return 0
+
+
+def plot(rows: list[dict[str, Any]], cells: list[Cell]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c.name for c in cells]
+    dets = sorted({r["detector"] for r in rows if "delay_mean" in r})
+    fig, ax = plt.subplots(figsize=(14, 6))
+    width = 0.8 / max(len(dets), 1)
+    for j, d in enumerate(dets):
+        ys = []
+        for n in names:
+            match = [r for r in rows if r["cell"] == n and r["detector"] == d]
+            ys.append(match[0]["delay_mean"] if match else np.nan)
+        ax.bar(np.arange(len(names)) + j * width, ys, width, label=d)
+    ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(names)) + 0.4)
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("mean detection delay (requests, log)")
+    ax.set_title(f"Detection delay at ARL0 = {ARL0:.0f} requests")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "drift.png", dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
