@@ -27,6 +27,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    case,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -234,15 +235,32 @@ class AcceptanceRecordRow(Base):
     category: Mapped[str | None] = mapped_column(String(100))
 
 
-class _RollupColumns:
-    """Sums of acceptance records over one time bucket, shared by every rollup resolution.
+class AcceptanceRollupRow(Base):
+    """Sums of acceptance records over one time bucket, at every rollup resolution.
 
-    Every figure the stats API reports is derived from these raw counts, never from stored
-    ratios, so rows of any resolution combine exactly.
+    Each record is summed into one row per resolution (1 min, 5 min, 1 h, 1 day; see
+    controlplane.ingest.rollups), so a long range in wide buckets reads a few hundred rows
+    instead of one per minute. Every figure the stats API reports is derived from these raw
+    counts, never from stored ratios, so rows of any resolution combine exactly. Rows of every
+    resolution load as this class; AcceptanceRollup is the per-minute subset.
     """
+
+    __tablename__ = "acceptance_rollups"
+    __table_args__ = (
+        UniqueConstraint(
+            "deployment_id",
+            "resolution_s",
+            "bucket_start",
+            "arm",
+            "drafter_version",
+            name="uq_acceptance_rollups_key",
+        ),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    # Bucket length in seconds; bucket_start is a multiple of it since the Unix epoch (UTC).
+    resolution_s: Mapped[int] = mapped_column(Integer)
     bucket_start: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     arm: Mapped[str] = mapped_column(String(40))
     # 0 stands for "no drafter version" so that the unique key has no NULLs (NULLs never collide).
@@ -270,42 +288,18 @@ class _RollupColumns:
     ttft_ms_p50: Mapped[float | None] = mapped_column(Float)
     ttft_ms_p95: Mapped[float | None] = mapped_column(Float)
 
-
-class AcceptanceRollup(_RollupColumns, Base):
-    """Per-minute sums of acceptance records so dashboards never scan the raw table.
-
-    Exactly one row per (deployment, minute, arm, drafter version): summing this table counts
-    every record once. Coarser resolutions live in AcceptanceRollupTier.
-    """
-
-    __tablename__ = "acceptance_rollups"
-    __table_args__ = (
-        UniqueConstraint(
-            "deployment_id", "bucket_start", "arm", "drafter_version", name="uq_acceptance_rollups_key"
-        ),
-    )
+    # Single-table inheritance on "minute or coarser": ORM queries through AcceptanceRollup get
+    # "minute rows only" added, so summing it still counts every record exactly once.
+    __mapper_args__ = {
+        "polymorphic_on": case((resolution_s == 60, "minute"), else_="coarser"),
+        "polymorphic_identity": "coarser",
+    }
 
 
-class AcceptanceRollupTier(_RollupColumns, Base):
-    """The same sums at coarser resolutions (5 min, 1 h, 1 day), written with the minute rows.
+class AcceptanceRollup(AcceptanceRollupRow):
+    """Per-minute sums of acceptance records so dashboards never scan the raw table."""
 
-    A long range in wide buckets then reads a few hundred rows instead of one per minute.
-    """
-
-    __tablename__ = "acceptance_rollup_tiers"
-    __table_args__ = (
-        UniqueConstraint(
-            "deployment_id",
-            "resolution_s",
-            "bucket_start",
-            "arm",
-            "drafter_version",
-            name="uq_acceptance_rollup_tiers_key",
-        ),
-    )
-
-    # Bucket length in seconds; bucket_start is a multiple of it since the Unix epoch (UTC).
-    resolution_s: Mapped[int] = mapped_column(Integer)
+    __mapper_args__ = {"polymorphic_identity": "minute"}
 
 
 class CounterSnapshotRow(Base):

@@ -1,9 +1,10 @@
 """Rollups of acceptance records: pure aggregation, log histograms, and the database upsert.
 
-Records are summed per (minute, arm, drafter version) into ``acceptance_rollups`` and, in the
-same transaction, into coarser tiers (5 min, 1 h, 1 day) in ``acceptance_rollup_tiers``, so
-a stats query reads at most a few hundred rows whatever the range. Every tier's bucket starts
-at a multiple of its resolution since the Unix epoch, and each resolution divides the next.
+Records are summed per (minute, arm, drafter version) and, in the same transaction, per coarser
+tier (5 min, 1 h, 1 day): ``acceptance_rollups`` holds one row per (resolution, bucket, arm,
+drafter version), so a stats query reads at most a few hundred rows whatever the range. Every
+tier's buckets start at multiples of its resolution since the Unix epoch, and each resolution
+divides the next.
 
 Latency percentiles come from log-spaced histograms (bucket edges grow by 5%), so a percentile
 read from a rollup is within about 2.5% of the exact value whatever the range. Histograms are
@@ -20,8 +21,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from itertools import accumulate, islice
-from operator import add
+from itertools import accumulate, islice, zip_longest
 from typing import Any
 
 from sqlalchemy import insert, select, tuple_, update
@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import AcceptanceRollup, AcceptanceRollupTier
+from controlplane.db.models import AcceptanceRollupRow
 from controlplane.ingest.record import AcceptanceRecord
 
 HIST_RATIO = 1.05
@@ -85,19 +85,15 @@ def hist_from_counts(counts: Mapping[int, int]) -> list[int]:
 def hist_merge(hists: Iterable[Sequence[int]]) -> list[int]:
     """The sum of dense histograms, as a new dense histogram."""
     present = [h for h in hists if len(h) > 1]
-    if not present:
-        return []
-    if len(present) == 1:
-        return list(present[0])
-    lo = min(h[0] for h in present)
-    hi = max(h[0] + len(h) - 1 for h in present)
-    acc = [0] * (hi - lo)
-    for h in present:
-        i = h[0] - lo
-        j = i + len(h) - 1
-        # map(add) over slices runs in C: no per-bucket Python bytecode.
-        acc[i:j] = map(add, acc[i:j], islice(h, 1, None))
-    return [lo, *acc]
+    if len(present) < 2:
+        return list(present[0]) if present else []
+    lo = min([h[0] for h in present])
+    # Left-pad each to the common first index; zip_longest + sum then adds column-wise in C.
+    columns = [
+        list(islice(h, 1, None)) if h[0] == lo else [0] * (h[0] - lo) + list(islice(h, 1, None))
+        for h in present
+    ]
+    return [lo, *map(sum, zip_longest(*columns, fillvalue=0))]
 
 
 def hist_quantiles(hist: Sequence[int], qs: Sequence[float]) -> list[float | None]:
@@ -237,11 +233,13 @@ _SUM_COLUMNS = (
 
 
 def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[RollupKey, RollupDelta]) -> None:
-    """Add per-minute deltas to the minute rows and every tier's rows, in the caller's transaction.
+    """Add per-minute deltas to the minute rows and every coarser tier's rows, in the caller's
+    transaction.
 
-    Rows are first created empty (insert-or-ignore), then locked and updated, minute table first
-    and each table in key order, so concurrent batches touching the same buckets serialise
-    instead of losing counts or deadlocking: every writer takes its locks in one global order.
+    Rows are first created empty (insert-or-ignore), then locked in key order and updated, so
+    concurrent batches touching the same buckets serialise instead of losing counts or
+    deadlocking. Three statements whatever the number of tiers: this runs in every ingest
+    transaction, where round trips dominate.
     """
     if not deltas:
         return
@@ -258,49 +256,20 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
             merged.add(into)
             merged.add(delta)
             minutes[key] = merged
-    tiers = tier_deltas(minutes)
-    minute_keys = sorted(minutes)
-    tier_keys = sorted(tiers)
-    like = minute_keys[0][0]
-    dialect = session.get_bind().dialect.name
-
-    _insert_empty(
-        session,
-        dialect,
-        AcceptanceRollup,
-        "uq_acceptance_rollups_key",
-        [{"bucket_start": m, "arm": a, "drafter_version": v} for m, a, v in minute_keys],
-        deployment_id,
-    )
-    _insert_empty(
-        session,
-        dialect,
-        AcceptanceRollupTier,
-        "uq_acceptance_rollup_tiers_key",
-        [{"resolution_s": r, "bucket_start": m, "arm": a, "drafter_version": v} for r, m, a, v in tier_keys],
-        deployment_id,
-    )
-
-    minute_rows = _lock_rows(session, AcceptanceRollup, deployment_id, minute_keys)
-    tier_rows = _lock_rows(session, AcceptanceRollupTier, deployment_id, tier_keys)
-    by_minute = {(_aware(row.bucket_start, like), row.arm, row.drafter_version): row for row in minute_rows}
-    by_tier = {
+    rows: dict[TierKey, RollupDelta] = {(MINUTE, *key): delta for key, delta in minutes.items()}
+    rows.update(tier_deltas(minutes))
+    keys = sorted(rows)
+    like = keys[0][1]
+    _insert_empty(session, deployment_id, keys)
+    locked = {
         (row.resolution_s, _aware(row.bucket_start, like), row.arm, row.drafter_version): row
-        for row in tier_rows
+        for row in _lock_rows(session, deployment_id, keys)
     }
-    session.execute(update(AcceptanceRollup), [_updated(by_minute[key], minutes[key]) for key in minute_keys])
-    session.execute(update(AcceptanceRollupTier), [_updated(by_tier[key], tiers[key]) for key in tier_keys])
+    session.execute(update(AcceptanceRollupRow), [_updated(locked[key], rows[key]) for key in keys])
     session.expire_all()
 
 
-def _insert_empty(
-    session: Session,
-    dialect: str,
-    model: type[AcceptanceRollup] | type[AcceptanceRollupTier],
-    constraint: str,
-    keys: list[dict[str, Any]],
-    deployment_id: int,
-) -> None:
+def _insert_empty(session: Session, deployment_id: int, keys: Sequence[TierKey]) -> None:
     empty = {
         "deployment_id": deployment_id,
         **dict.fromkeys(_SUM_COLUMNS, 0),
@@ -308,47 +277,47 @@ def _insert_empty(
         **{name: [] for name in HISTOGRAMS},
     }
     stmt: Any
+    dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
-        stmt = pg_insert(model).on_conflict_do_nothing(constraint=constraint)
+        stmt = pg_insert(AcceptanceRollupRow).on_conflict_do_nothing(constraint="uq_acceptance_rollups_key")
     elif dialect == "sqlite":
-        stmt = sqlite_insert(model).on_conflict_do_nothing()
+        stmt = sqlite_insert(AcceptanceRollupRow).on_conflict_do_nothing()
     else:  # pragma: no cover - only the two supported dialects reach here
-        stmt = insert(model)
-    session.execute(stmt, [{**empty, **key} for key in keys])
+        stmt = insert(AcceptanceRollupRow)
+    session.execute(
+        stmt,
+        [
+            {**empty, "resolution_s": r, "bucket_start": b, "arm": a, "drafter_version": v}
+            for r, b, a, v in keys
+        ],
+    )
 
 
 # Keys locked per SELECT, to keep the bound parameters well under SQLite's limit.
 LOCK_CHUNK = 1000
 
 
-def _lock_rows(
-    session: Session,
-    model: type[AcceptanceRollup] | type[AcceptanceRollupTier],
-    deployment_id: int,
-    keys: Sequence[tuple[Any, ...]],
-) -> list[Any]:
-    """Lock and read the rows of sorted ``keys`` ((resolution,) bucket start, arm, version).
+def _lock_rows(session: Session, deployment_id: int, keys: Sequence[TierKey]) -> list[Any]:
+    """Lock and read the rows of sorted ``keys`` (resolution, bucket start, arm, version).
 
-    Locks are taken in the database's order of the key columns. Chunks split only between bucket
-    starts, whose order is the same in Python and SQL, so the order is global across chunks
-    (arm names might collate differently in the database than in Python).
+    Locks are taken in the database's order of the key columns. Chunks split only between
+    (resolution, bucket start) pairs, whose order is the same in Python and SQL, so the order is
+    global across chunks (arm names may collate differently in the database than in Python).
     """
-    tiered = model is AcceptanceRollupTier
-    key_columns = [getattr(model, name) for name in ("bucket_start", "arm", "drafter_version")]
-    if tiered:
-        key_columns.insert(0, AcceptanceRollupTier.resolution_s)
-    columns = [model.id, *key_columns]
-    columns += [getattr(model, name) for name in (*_SUM_COLUMNS, "accepted_per_position", *HISTOGRAMS)]
+    r = AcceptanceRollupRow
+    key_columns = (r.resolution_s, r.bucket_start, r.arm, r.drafter_version)
+    columns = [r.id, *key_columns]
+    columns += [getattr(r, name) for name in (*_SUM_COLUMNS, "accepted_per_position", *HISTOGRAMS)]
     rows: list[Any] = []
-    chunk: list[tuple[Any, ...]] = []
+    chunk: list[TierKey] = []
     for position, key in enumerate(keys):
         chunk.append(key)
         following = keys[position + 1] if position + 1 < len(keys) else None
-        if following is not None and (len(chunk) < LOCK_CHUNK or following[:-2] == key[:-2]):
+        if following is not None and (len(chunk) < LOCK_CHUNK or following[:2] == key[:2]):
             continue
         query = (
             select(*columns)
-            .where(model.deployment_id == deployment_id, tuple_(*key_columns).in_(chunk))
+            .where(r.deployment_id == deployment_id, tuple_(*key_columns).in_(chunk))
             .order_by(*key_columns)
             .with_for_update()
         )

@@ -176,6 +176,7 @@ def upgrade() -> None:
         "acceptance_rollups",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("deployment_id", sa.Integer(), nullable=False),
+        sa.Column("resolution_s", sa.Integer(), nullable=False),
         sa.Column("bucket_start", sa.DateTime(timezone=True), nullable=False),
         sa.Column("arm", sa.String(length=40), nullable=False),
         sa.Column("drafter_version", sa.Integer(), nullable=False),
@@ -205,49 +206,12 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_acceptance_rollups")),
         sa.UniqueConstraint(
-            "deployment_id", "bucket_start", "arm", "drafter_version", name="uq_acceptance_rollups_key"
-        ),
-    )
-    op.create_table(
-        "acceptance_rollup_tiers",
-        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
-        sa.Column("deployment_id", sa.Integer(), nullable=False),
-        sa.Column("resolution_s", sa.Integer(), nullable=False),
-        sa.Column("bucket_start", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("arm", sa.String(length=40), nullable=False),
-        sa.Column("drafter_version", sa.Integer(), nullable=False),
-        sa.Column("requests", sa.BigInteger(), nullable=False),
-        sa.Column("drafted_tokens", sa.BigInteger(), nullable=False),
-        sa.Column("accepted_tokens", sa.BigInteger(), nullable=False),
-        sa.Column("verify_steps", sa.BigInteger(), nullable=False),
-        sa.Column("generated_tokens", sa.BigInteger(), nullable=False),
-        sa.Column("prompt_tokens", sa.BigInteger(), nullable=False),
-        sa.Column("total_ms_sum", sa.Float(), nullable=False),
-        sa.Column("timed_requests", sa.BigInteger(), nullable=False),
-        sa.Column("accepted_per_position", sa.JSON(), nullable=False),
-        sa.Column("inter_token_hist", sa.JSON(), nullable=False),
-        sa.Column("total_ms_hist", sa.JSON(), nullable=False),
-        sa.Column("ttft_hist", sa.JSON(), nullable=False),
-        sa.Column("inter_token_ms_p50", sa.Float(), nullable=True),
-        sa.Column("inter_token_ms_p95", sa.Float(), nullable=True),
-        sa.Column("total_ms_p50", sa.Float(), nullable=True),
-        sa.Column("total_ms_p95", sa.Float(), nullable=True),
-        sa.Column("ttft_ms_p50", sa.Float(), nullable=True),
-        sa.Column("ttft_ms_p95", sa.Float(), nullable=True),
-        sa.ForeignKeyConstraint(
-            ["deployment_id"],
-            ["deployments.id"],
-            name=op.f("fk_acceptance_rollup_tiers_deployment_id_deployments"),
-            ondelete="CASCADE",
-        ),
-        sa.PrimaryKeyConstraint("id", name=op.f("pk_acceptance_rollup_tiers")),
-        sa.UniqueConstraint(
             "deployment_id",
             "resolution_s",
             "bucket_start",
             "arm",
             "drafter_version",
-            name="uq_acceptance_rollup_tiers_key",
+            name="uq_acceptance_rollups_key",
         ),
     )
     op.create_table(
@@ -540,7 +504,6 @@ def downgrade() -> None:
 
     op.drop_table("drift_events")
     op.drop_table("counter_snapshots")
-    op.drop_table("acceptance_rollup_tiers")
     op.drop_table("acceptance_rollups")
     with op.batch_alter_table("acceptance_records", schema=None) as batch_op:
         batch_op.drop_index("ix_acceptance_records_deployment_time")
