@@ -1,0 +1,241 @@
+"""The personal-data scrubber on a table of real-looking inputs, near misses that must survive
+verbatim, and inputs built to make a regex scanner go quadratic.
+
+Each near miss is a decision, not an accident (see controlplane/traces/scrub.py's docstring):
+hex strings (git SHAs, digests, 0x constants) and UUIDs are identifiers, not secrets; Luhn
+failures are not cards; loopback addresses and netmasks are not personal; unseparated national
+numbers without a phone word are indistinguishable from constants.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import time
+
+import pytest
+
+from controlplane.traces.scrub import Entity, looks_random, luhn_ok, scrub
+
+E, P, C, IP, S = "<EMAIL>", "<PHONE>", "<CREDIT_CARD>", "<IP_ADDRESS>", "<SECRET>"
+
+# (input, expected output)
+SCRUBBED: list[tuple[str, str]] = [
+    # emails
+    ("Contact jane.doe+billing@example.co.uk for refunds.", f"Contact {E} for refunds."),
+    ("From: <Ahmed_Al-Sayed@mail.company-name.com>", f"From: <{E}>"),
+    ("cc: a@b.io, c.d@e.org", f"cc: {E}, {E}"),
+    ("git clone git@github.com:org/repo.git", f"git clone {E}:org/repo.git"),
+    ("Grüße an müller@example.de.", f"Grüße an {E}."),
+    # phone numbers, international
+    ("Call me on +1 415 555 2671 tomorrow", f"Call me on {P} tomorrow"),
+    ("UK office: +44 20 7946 0958.", f"UK office: {P}."),
+    ("Berlin +49 (0)30 1234567", f"Berlin {P}"),
+    ("whatsapp +4915123456789", f"whatsapp {P}"),
+    ("Paris: +33 1 23 45 67 89", f"Paris: {P}"),
+    ("India +91 98765 43210", f"India {P}"),
+    ("dial 0044 20 7946 0958", f"dial {P}"),
+    # phone numbers, national formats
+    ("(415) 555-2671", P),
+    ("my cell is 415-555-2671, thanks", f"my cell is {P}, thanks"),
+    ("415.555.2671", P),
+    ("toll free 1-800-555-0199", f"toll free {P}"),
+    ("London 020 7946 0958", f"London {P}"),
+    ("mobile 07700 900123", f"mobile {P}"),
+    ("Tel. 06 12 34 56 78", f"Tel. {P}"),
+    ("06.12.34.56.78", P),
+    ("Seoul 010-1234-5678", f"Seoul {P}"),
+    ("+1 415 555 2671 +44 20 7946 0958", f"{P} {P}"),
+    ("(415) 555-2671 (212) 555-0143", f"{P} {P}"),
+    ("phone: 4155552671", f"phone: {P}"),
+    ("Call me at 555-1234 after five", f"Call me at {P} after five"),
+    ("Tel nr. 030 1234567", f"Tel nr. {P}"),
+    # payment cards (Luhn-valid)
+    ("card 4111 1111 1111 1111 exp 12/27", f"card {C} exp 12/27"),
+    ("4111-1111-1111-1111", C),
+    ("amex 3782 822463 10005", f"amex {C}"),
+    ('{"pan": "5555555555554444"}', f'{{"pan": "{C}"}}'),
+    ("Discover 6011000990139424.", f"Discover {C}."),
+    # IP addresses
+    ("client 203.0.113.42 connected", f"client {IP} connected"),
+    ("ssh admin@10.0.0.5", f"ssh admin@{IP}"),
+    ("listen 192.168.1.20:8080", f"listen {IP}:8080"),
+    ("route 10.0.0.0/8", f"route {IP}/8"),
+    ("v6 2001:db8:85a3::8a2e:370:7334 ok", f"v6 {IP} ok"),
+    ("link-local fe80::1ff:fe23:4567:890a%eth0", f"link-local {IP}"),
+    ("http://[2001:db8::1]:8080/", f"http://[{IP}]:8080/"),
+    ("gateway fe80::1.", f"gateway {IP}."),
+    ("mapped ::ffff:192.0.2.128", f"mapped {IP}"),
+    # secrets with a known shape
+    ("OPENAI_API_KEY=sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC", f"OPENAI_API_KEY={S}"),
+    ("use sk-ant-api03-Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nP to call", f"use {S} to call"),
+    ("stripe sk_live_51H8xKjL2mN4pQ6rS8tU0vW", f"stripe {S}"),
+    ("token ghp_1a2B3c4D5e6F7g8H9i0J1k2L3m4N5o6P7q8R", f"token {S}"),
+    ("aws_access_key_id AKIAIOSFODNN7EXAMPLE", f"aws_access_key_id {S}"),
+    ("slack xoxb-2048-1024-aBcDeFgHiJkLmNoPqRsT", f"slack {S}"),
+    ("hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789 is my token", f"{S} is my token"),
+    ("key=AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q", f"key={S}"),
+    (
+        "jwt eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0"
+        ".dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+        f"jwt {S}",
+    ),
+    ("-H 'Authorization: Bearer abc123def456ghi789'", f"-H 'Authorization: Bearer {S}'"),
+    ("Authorization: Basic dXNlcjpwYXNz", f"Authorization: Basic {S}"),
+    ("send Bearer 9f8e7d6c5b4a39281706f5e4 along", f"send Bearer {S} along"),
+    (
+        "-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA1b2c3\nd4e5f6==\n"
+        "-----END RSA PRIVATE KEY-----\nnext",
+        f"{S}\nnext",
+    ),
+    (
+        "DATABASE_URL=postgres://app:Tr0ub4dor@db.internal:5432/app",
+        f"DATABASE_URL=postgres://{S}@db.internal:5432/app",
+    ),
+    ("redis://:hunter2@cache:6379/0", f"redis://{S}@cache:6379/0"),
+    # secret-named assignments: the name stays, the value goes
+    ("password=hunter2", f"password={S}"),
+    ("export DB_PASSWORD=correcthorse", f"export DB_PASSWORD={S}"),
+    ("mysql -u root --password=Sup3r.S3cret!", f"mysql -u root --password={S}"),
+    ('api_key: "3f9a6c0e8b7d41f2a5c9e0b1d2f3a4b5"', f'api_key: "{S}"'),
+    ('{"client_secret": "abc.DEF-123", "x": 1}', f'{{"client_secret": "{S}", "x": 1}}'),
+    ("password: hunter2", f"password: {S}"),
+    ("x-api-key: 7c9e6679a4bf4d2e", f"x-api-key: {S}"),
+    ("GET /v1/items?api_key=Zm9vYmFyYmF6&page=2", f"GET /v1/items?api_key={S}&page=2"),
+    ("self.password = 'letmein'", f"self.password = '{S}'"),
+    ("access_token=ya29a0AfH6SMBx3k9Lq", f"access_token={S}"),
+    # long random tokens without a name
+    ("session cookie: 7Hq2LkP9xZ4mN8vB3cR6tW1yD5fG0jK2", f"session cookie: {S}"),
+    ("curl -H 'X-Auth: dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'", f"curl -H 'X-Auth: {S}'"),
+    # several kinds in one text
+    (
+        "User jane@corp.com (ip 198.51.100.7, tel +1 212 555 0143) paid with 4242 4242 4242 4242.",
+        f"User {E} (ip {IP}, tel {P}) paid with {C}.",
+    ),
+]
+
+NEAR_MISSES: list[str] = [
+    # versions, dates, times, plain numbers
+    "Upgrade from 1.2.3 to 10.0.19045; python 3.11.7; version 1.2.3.4; build 4.0.30319.42000",
+    "released 2024-01-15, due 15.01.2024 or 01/15/2024 at 10:30:45Z (2024-01-15T10:30:00+05:30)",
+    "order #123456789 shipped; invoice INV-2024-000123; ticket 4155552671",
+    "pi is 3.14159265358979323846, e is 2.718281828459045",
+    "population 1,234,567,890 and 12 345 678",
+    "ISBN 978-3-16-148410-0; SSN-like 123-45-6789 is not a phone",
+    "timestamps 1700000000000 and 1700000000123456789",
+    # card-length numbers that fail Luhn, and Luhn-valid runs outside the card ranges
+    "card 4111 1111 1111 1112 was declined; 1234 5678 9012 3456; 4000 0566 5566 5557",
+    "id 0000000000000000",
+    # code constants and hashes
+    "mask = 0x7fffffff; INT_MAX = 2147483647; big = 9223372036854775807; mode 0755",
+    "commit a94a8fe5ccb19ba61c4c0873d391e987982fbbd3 fixed it"
+    " (sha256 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08)",
+    "request 123e4567-e89b-12d3-a456-426614174000 and 0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAed",
+    "digits = '0123456789abcdef'",
+    # addresses that are not personal; things that look like IPv6 but are not
+    "bind 0.0.0.0:8000, curl 127.0.0.1, ping ::1, netmask 255.255.255.0, broadcast 255.255.255.255",
+    "evens = a[::2]; odds = a[1::2]; b = a[10::20]; std::vector<int>; Face::add",
+    "MAC 00:1A:2B:3C:4D:5E at 12:30:45",
+    # code that names secrets without holding one
+    "password = get_password()",
+    "token = self.token",
+    "def login(user: str, password: str, token: Optional[str] = None): ...",
+    "api_key = os.environ['API_KEY']",
+    "api_key=None, password=''",
+    'API_KEY="$API_KEY"; password: "<your-password>"; secret: ${SECRET}',
+    "max_tokens=256, num_tokens: 12, token_count=5, tokenizer=tok",
+    '{"token": " the", "logprob": -0.31}, {"token": "ing"}, {"token": "2024"}',
+    "The secret: love. Your password: remember it. Each token: a subword.",
+    "connect(user=u, password=pw)",
+    # long names, paths, model ids
+    "from transformers import Qwen3PreTrainedModel, AutoModelForSeq2SeqLM, Wav2Vec2ConformerForCTC",
+    "model=allenai/OLMoE-1B-7B-0924 or Qwen/Qwen2-VL-7B-Instruct at /Users/JohnSmith/Documents/Project2024",
+    "Bearer tokens are described in RFC 6750; a bearer instrument; Basic authentication",
+    # emails that are not
+    "@property, x@y, pkg@1.2.3, image@sha256:abc, @types/node",
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), SCRUBBED, ids=[t[:40] for t, _ in SCRUBBED])
+def test_personal_data_becomes_typed_placeholders(text: str, expected: str) -> None:
+    assert scrub(text).text == expected
+
+
+@pytest.mark.parametrize("text", NEAR_MISSES, ids=[t[:40] for t in NEAR_MISSES])
+def test_near_misses_are_kept_verbatim(text: str) -> None:
+    result = scrub(text)
+    assert result.text == text
+    assert result.counts == {}
+
+
+def test_counts_per_kind() -> None:
+    text = (
+        "a@b.com c@d.org +1 415 555 2671 or 4111111111111111 10.1.2.3 password=hunter2 "
+        "sk-abcdefghijklmnopqrstuvwx"
+    )
+    result = scrub(text)
+    assert result.counts == {
+        Entity.email: 2,
+        Entity.phone: 1,
+        Entity.credit_card: 1,
+        Entity.ip_address: 1,
+        Entity.secret: 2,
+    }
+    assert scrub(result.text).text == result.text  # placeholders are never re-scrubbed
+
+
+def test_luhn() -> None:
+    assert luhn_ok("4111111111111111") and luhn_ok("378282246310005")
+    assert not luhn_ok("4111111111111112")
+
+
+def test_random_tokens_are_caught_and_names_are_not() -> None:
+    rng = random.Random(7)
+    alphabet = string.ascii_letters + string.digits
+    caught = sum(looks_random("".join(rng.choice(alphabet) for _ in range(40))) for _ in range(500))
+    assert caught >= 430  # ~92% at 40 characters
+    for name in ("getUTF8StringFromByteArray", "HunYuanMoEV1ForCausalLM", "meta-llama/Llama-3.1-8B-Instruct"):
+        assert not looks_random(name)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a" * 200_000,
+        "a-" * 100_000,
+        "a." * 100_000,
+        "A1b2" * 50_000 + "===",
+        "1 " * 100_000,
+        "1." * 100_000,
+        ":" * 100_000 + "1",
+        "password=" * 20_000,
+        "@a." * 60_000,
+        "x@" + "a" * 200_000,
+    ],
+    ids=[
+        "letters",
+        "dashes",
+        "dots",
+        "base64-run",
+        "spaced-digits",
+        "dotted-digits",
+        "colons",
+        "keys",
+        "ats",
+        "at",
+    ],
+)
+def test_adversarial_inputs_scrub_in_linear_time(text: str) -> None:
+    started = time.perf_counter()
+    scrub(text)
+    assert time.perf_counter() - started < 1.0
+
+
+def test_throughput() -> None:
+    rng = random.Random(3)
+    words = ["the", "model", "def", "return", "x", "=", "1", "self.value", "2024-01-15", "v1.2.3", "(a, b)"]
+    text = " ".join(rng.choice(words) for _ in range(200_000))  # ~1.2 MB of prose and code shapes
+    started = time.perf_counter()
+    scrub(text)
+    elapsed = time.perf_counter() - started
+    assert len(text) / elapsed > 1_000_000, f"{len(text) / elapsed / 1e6:.1f} MB/s"  # ~5 MB/s unloaded
