@@ -1,0 +1,172 @@
+"""Trace storage: scrubbed on the way in, all or nothing, paged out by id, deleted by retention.
+
+Owns every write to and read of the ``traces`` table. Text is scrubbed (controlplane.traces.scrub)
+before it reaches the session, so nothing unscrubbed is ever flushed, logged by the database or
+kept in a failed transaction. Functions take a session and never commit: the caller owns the
+transaction, which is what makes a batch or a file all or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final, cast
+
+from sqlalchemy import CursorResult, Delete, delete, insert, select
+from sqlalchemy.orm import Session
+
+from controlplane.db.models import Deployment, Trace, TraceSource, utcnow
+from controlplane.traces.formats import MAX_CATEGORY_CHARS, TraceInput
+from controlplane.traces.scrub import Entity, scrub
+
+MAX_PAGE_SIZE: Final = 1_000
+# Rows per INSERT statement: large enough to amortise round trips, small enough for SQLite's
+# bound-parameter limit and for PostgreSQL's statement size with 64 KB texts.
+_INSERT_CHUNK: Final = 500
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """What a batch or dataset upload stored, and how many entities were scrubbed, per kind."""
+
+    stored: int
+    scrubbed: dict[str, int]
+    replaced: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stored": self.stored, "scrubbed": self.scrubbed, "replaced": self.replaced}
+
+
+@dataclass(frozen=True, slots=True)
+class TracePage:
+    """One page of traces in id order; ``next_after_id`` is None on the last page."""
+
+    traces: list[dict[str, Any]] = field(default_factory=list)
+    next_after_id: int | None = None
+
+
+def _as_utc(moment: datetime) -> datetime:
+    # SQLite hands timestamps back naive; they were written as UTC.
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def _execute_dml(session: Session, statement: Delete) -> int:
+    """Run a bulk DELETE as plain SQL (no ORM objects loaded or synchronised); rows affected."""
+    result = session.execute(statement.execution_options(synchronize_session=False))
+    return int(cast(CursorResult[Any], result).rowcount or 0)
+
+
+def store_traces(
+    *,
+    session: Session,
+    deployment_id: int,
+    items: Sequence[TraceInput],
+    source: TraceSource = TraceSource.sampled,
+    dataset_name: str | None = None,
+    now: datetime | None = None,
+) -> StoreResult:
+    """Scrub and add every item in the caller's transaction; count the entities scrubbed."""
+    created_at = _as_utc(now or utcnow())
+    totals = dict.fromkeys((entity.value for entity in Entity), 0)
+    rows: list[dict[str, Any]] = []
+
+    def scrubbed(text: str) -> str:
+        result = scrub(text)
+        for entity, count in result.counts.items():
+            totals[entity.value] += count
+        return result.text
+
+    for item in items:
+        category = scrubbed(item.category) if item.category is not None else None
+        rows.append(
+            {
+                "deployment_id": deployment_id,
+                "created_at": created_at,
+                "source": source,
+                "dataset_name": dataset_name,
+                # A placeholder can be longer than what it replaced; the column is not.
+                "category": category[:MAX_CATEGORY_CHARS] if category is not None else None,
+                "prompt": scrubbed(item.prompt),
+                "completion": scrubbed(item.completion),
+            }
+        )
+    for start in range(0, len(rows), _INSERT_CHUNK):
+        session.execute(insert(Trace), rows[start : start + _INSERT_CHUNK])
+    return StoreResult(stored=len(rows), scrubbed=totals)
+
+
+def store_dataset(
+    *,
+    session: Session,
+    deployment_id: int,
+    name: str,
+    items: Sequence[TraceInput],
+    now: datetime | None = None,
+) -> StoreResult:
+    """Store an uploaded sample dataset, replacing any earlier upload of the same name."""
+    removed = _execute_dml(
+        session,
+        delete(Trace).where(Trace.deployment_id == deployment_id, Trace.dataset_name == name),
+    )
+    stored = store_traces(
+        session=session,
+        deployment_id=deployment_id,
+        items=items,
+        source=TraceSource.dataset,
+        dataset_name=name,
+        now=now,
+    )
+    return StoreResult(stored=stored.stored, scrubbed=stored.scrubbed, replaced=removed)
+
+
+def apply_retention(*, session: Session, now: datetime) -> dict[int, int]:
+    """Delete traces older than their deployment's retention; deleted rows per deployment id.
+
+    One indexed DELETE per deployment (deployment_id, created_at): no row is loaded into Python.
+    Soft-deleted deployments keep their retention: their traces age out like any other.
+    """
+    deleted: dict[int, int] = {}
+    moment = _as_utc(now)
+    deployments = session.execute(select(Deployment.id, Deployment.trace_retention_days)).all()
+    for deployment_id, retention_days in deployments:
+        count = _execute_dml(
+            session,
+            delete(Trace).where(
+                Trace.deployment_id == deployment_id,
+                Trace.created_at < moment - timedelta(days=retention_days),
+            ),
+        )
+        if count:
+            deleted[deployment_id] = count
+    return deleted
+
+
+def describe_trace(trace: Trace) -> dict[str, Any]:
+    """A stored trace as the API shows it (already scrubbed)."""
+    return {
+        "id": trace.id,
+        "created_at": _as_utc(trace.created_at).isoformat(),
+        "source": trace.source.value,
+        "dataset_name": trace.dataset_name,
+        "category": trace.category,
+        "prompt": trace.prompt,
+        "completion": trace.completion,
+    }
+
+
+def list_traces(*, session: Session, deployment_id: int, limit: int = 100, after_id: int = 0) -> TracePage:
+    """Up to ``limit`` traces of the deployment with ids above ``after_id``, in id order."""
+    limit = max(1, min(limit, MAX_PAGE_SIZE))
+    rows = list(
+        session.scalars(
+            select(Trace)
+            .where(Trace.deployment_id == deployment_id, Trace.id > after_id)
+            .order_by(Trace.id)
+            .limit(limit)
+        )
+    )
+    return TracePage(
+        traces=[describe_trace(row) for row in rows],
+        next_after_id=rows[-1].id if len(rows) == limit else None,
+    )
