@@ -11,9 +11,11 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 
 from controlplane.config import get_settings
+from controlplane.db.models import utcnow
 from controlplane.db.session import unit_of_work
 from controlplane.drift.service import advance_monitor, deployments_with_new_records
 from controlplane.errors import ConflictError
+from controlplane.traces.service import apply_retention
 from workers.celery_app import InstrumentedTask, TransientError, celery_app
 
 log = logging.getLogger(__name__)
@@ -58,3 +60,15 @@ def monitor_deployment(deployment_id: int) -> dict[str, Any]:
         "events_raised": outcome.events_raised,
         "skipped": outcome.skipped,
     }
+
+
+@celery_app.task(name="traces.apply_retention", base=InstrumentedTask)
+def apply_trace_retention() -> dict[str, int]:
+    """Beat entry point: delete traces older than each deployment's retention limit."""
+    settings = get_settings()
+    try:
+        with unit_of_work(settings.database_url) as session:
+            deleted = apply_retention(session=session, now=utcnow())
+    except OperationalError as exc:
+        raise TransientError(str(exc)) from exc
+    return {str(deployment_id): count for deployment_id, count in deleted.items()}

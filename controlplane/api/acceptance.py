@@ -10,8 +10,14 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from controlplane.api.deps import DataWriter, IngestBatcherDep, Reader, SessionDep, SettingsDep
-from controlplane.config import Settings
+from controlplane.api.deps import (
+    DataWriter,
+    IngestBatcherDep,
+    Reader,
+    SessionDep,
+    SettingsDep,
+    read_body_limited,
+)
 from controlplane.deployments.service import get_deployment, resolve_deployment_id
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
 from controlplane.ingest.formats import BatchTooLargeError, BatchValidationError, parse_batch
@@ -19,22 +25,6 @@ from controlplane.ingest.prometheus_push import store_prometheus_push
 from controlplane.stats.service import acceptance_series
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["acceptance"])
-
-
-async def _read_body(request: Request, settings: Settings) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
-        raise PayloadTooLargeError(
-            f"body of {declared} bytes exceeds the {settings.max_body_bytes}-byte limit"
-        )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > settings.max_body_bytes:
-            raise PayloadTooLargeError(f"body exceeds the {settings.max_body_bytes}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 @router.post("/acceptance")
@@ -52,7 +42,7 @@ async def ingest_batch(
     All or nothing: any invalid record rejects the whole batch with every problem listed.
     Records whose request id is already stored are skipped and reported (idempotent retries).
     """
-    body = await _read_body(request, settings)
+    body = await read_body_limited(request, settings.max_body_bytes)
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -89,7 +79,7 @@ async def ingest_prometheus(
     settings: SettingsDep,
 ) -> dict[str, Any]:
     """Take a vLLM Prometheus text exposition; counter deltas since the last push become records."""
-    body = await _read_body(request, settings)
+    body = await read_body_limited(request, settings.max_body_bytes)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -14,6 +14,7 @@ from controlplane.accounts.service import Principal, authenticate
 from controlplane.config import Settings
 from controlplane.db.models import Role
 from controlplane.db.session import get_sessionmaker
+from controlplane.errors import PayloadTooLargeError
 from controlplane.ingest.batcher import IngestBatcher
 
 
@@ -144,3 +145,18 @@ def _access(allowed: frozenset[Role]) -> object:
 Reader = Annotated[Principal, _access(READ_ROLES)]
 DataWriter = Annotated[Principal, _access(WRITE_DATA_ROLES)]
 Admin = Annotated[Principal, _access(ADMIN_ROLES)]
+
+
+async def read_body_limited(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds ``limit`` bytes (declared or sent)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
-from controlplane.api.deps import DataWriter, Reader, SessionDep, SettingsDep
+from controlplane.api.deps import DataWriter, Reader, SessionDep, SettingsDep, read_body_limited
 from controlplane.deployments.service import get_deployment
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
 from controlplane.traces.formats import (
@@ -34,20 +34,6 @@ _DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 class UnsupportedMediaTypeError(DomainError):
     status_code = 415
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _refusal(exc: TraceValidationError) -> DomainError:
@@ -107,7 +93,7 @@ async def post_traces(
     field of every problem. The reply carries the deployment's sample rate for the serving side.
     """
     target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    body = await _read_body(request, settings.max_body_bytes)
+    body = await read_body_limited(request, settings.max_body_bytes)
 
     def work() -> dict[str, Any]:
         try:
@@ -146,7 +132,7 @@ async def post_dataset(
         raise ValidationProblem(
             "name must be 1-200 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
-    body = await _read_body(request, MAX_DATASET_BYTES)
+    body = await read_body_limited(request, MAX_DATASET_BYTES)
 
     def work() -> StoreResult:
         try:
