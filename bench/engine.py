@@ -61,13 +61,20 @@ class Cell:
     steps: int = 0
     rejections: int = 0  # verify steps that ended on a rejected draft (for the MLE of α)
     generated: int = 0
-    seconds: list[float] = field(default_factory=list)  # per repetition, summed over prompts
+    # Per repetition, summed over the domain's prompts: wall time, tokens, and the engine's own split
+    # of decode time into proposing (drafter) and scoring (target verify forwards).
+    seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    propose_ms: float = 0.0
-    score_ms: float = 0.0
+    propose_s: list[float] = field(default_factory=list)
+    score_s: list[float] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
 
     def tps(self) -> list[float]:
         return [t / s for t, s in zip(self.tokens, self.seconds, strict=True)]
+
+    def start_rep(self) -> None:
+        for series in (self.seconds, self.tokens, self.propose_s, self.score_s, self.rounds):
+            series.append(0)
 
 
 def load_pair(folder: Path) -> tuple[Transformer, Transformer, Tokenizer]:
@@ -107,8 +114,7 @@ def run_speculation(
         t_rep = time.perf_counter()
         for domain, plist in prompts.items():
             for cell in cells[domain].values():
-                cell.seconds.append(0.0)
-                cell.tokens.append(0)
+                cell.start_rep()
             for i, ids in enumerate(plist):
                 order = list(decoders)
                 rng.shuffle(order)
@@ -118,6 +124,9 @@ def run_speculation(
                     cell = cells[domain][name]
                     cell.seconds[-1] += m.total_ms / 1000.0
                     cell.tokens[-1] += m.generated_tokens
+                    cell.propose_s[-1] += m.propose_ms / 1000.0
+                    cell.score_s[-1] += m.score_ms / 1000.0
+                    cell.rounds[-1] += m.verify_steps
                     # Every arm must emit exactly plain greedy's tokens: a wrong speed-up is no speed-up.
                     key = (domain, i)
                     if key not in reference:
@@ -129,8 +138,6 @@ def run_speculation(
                         cell.accepted += m.accepted_tokens
                         cell.steps += m.verify_steps
                         cell.generated += m.generated_tokens
-                        cell.propose_ms += m.propose_ms
-                        cell.score_ms += m.score_ms
                         cell.rejections += sum(
                             1 for d, a in zip(m.per_step_drafted, m.per_step_accepted, strict=True) if a < d
                         )
@@ -140,32 +147,41 @@ def run_speculation(
 
 @torch.inference_mode()
 def measure_costs(
-    target: Transformer, drafter: Transformer, position: int, repeats: int = 200
+    target: Transformer, drafter: Transformer, position: int, repeats: int = 100
 ) -> dict[str, Any]:
-    """Median wall time of one target step, a (k+1)-token target verify and one drafter step.
+    """Isolated costs at a typical cache position: one target step, a (k+1)-token verify, one drafter step.
 
-    Measured at a typical cache position, on the same threads the decoder uses.
+    The forwards are interleaved within each repetition and summarised as medians of per-repetition
+    ratios, so a burst of load on the machine moves numerator and denominator together.
     """
+    caches = {"target": target.new_cache(1), "drafter": drafter.new_cache(1)}
+    for name, model in (("target", target), ("drafter", drafter)):
+        model.forward_cached(torch.randint(0, model.config.vocab_size, (1, position)), caches[name])
+    inputs = {n: torch.randint(0, target.config.vocab_size, (1, n)) for n in (1, *(k + 1 for k in KS))}
 
-    def timed(model: Transformer, n_tokens: int) -> float:
-        cache = model.new_cache(1)
-        model.forward_cached(torch.randint(0, model.config.vocab_size, (1, position)), cache)
-        toks = torch.randint(0, model.config.vocab_size, (1, n_tokens))
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.forward_cached(toks, cache)
-            samples.append(time.perf_counter() - t0)
-            cache.rollback(position)
-        return statistics.median(samples)
+    def timed(model: Transformer, cache_name: str, n: int) -> float:
+        cache = caches[cache_name]
+        t0 = time.perf_counter()
+        model.forward_cached(inputs[n], cache)
+        dt = time.perf_counter() - t0
+        cache.rollback(position)
+        return dt
 
-    t1 = timed(target, 1)
-    out: dict[str, Any] = {"position": position, "target_step_ms": t1 * 1e3}
-    d1 = timed(drafter, 1)
-    out["drafter_step_ms"] = d1 * 1e3
-    out["c"] = d1 / t1
-    out["verify_cost"] = {str(k): timed(target, k + 1) / t1 for k in KS}
-    return out
+    t1s, d1s = [], []
+    verify: dict[int, list[float]] = {k: [] for k in KS}
+    for _ in range(repeats):
+        t1 = timed(target, "target", 1)
+        t1s.append(t1)
+        d1s.append(timed(drafter, "drafter", 1) / t1)
+        for k in KS:
+            verify[k].append(timed(target, "target", k + 1) / t1)
+    return {
+        "position": position,
+        "target_step_ms": statistics.median(t1s) * 1e3,
+        "drafter_step_ms": statistics.median(t1s) * statistics.median(d1s) * 1e3,
+        "c": statistics.median(d1s),
+        "verify_cost": {str(k): statistics.median(v) for k, v in verify.items()},
+    }
 
 
 def leviathan(alpha: float, k: int, c: float, verify_cost: float) -> tuple[float, float]:
@@ -284,31 +300,44 @@ def main() -> None:
                 row[f"{kind}_tokens_per_step"] = cell.generated / cell.steps if cell.steps else 1.0
                 row[f"{kind}_tokens_per_s"] = statistics.median(tps)
                 row[f"{kind}_speedup"] = statistics.median(ratios)
-            cell = by_arm[f"draft_k{k}"]
+            cell, base = by_arm[f"draft_k{k}"], by_arm["plain"]
             # MLE of a per-token acceptance probability from truncated geometric runs.
             alpha = (
                 cell.accepted / (cell.accepted + cell.rejections) if cell.accepted + cell.rejections else 0.0
             )
-            e, pred = leviathan(alpha, k, costs["c"], costs["verify_cost"][str(k)])
+            # In-situ costs, per repetition, from the same interleaved runs as the speed-ups: one plain
+            # target step, one verify of k+1 tokens, one drafter forward (k per round).
+            step = [sc / r for sc, r in zip(base.score_s, base.rounds, strict=True)]
+            v = [sc / r / t for sc, r, t in zip(cell.score_s, cell.rounds, step, strict=True)]
+            c = [p / r / k / t for p, r, t in zip(cell.propose_s, cell.rounds, step, strict=True)]
+            preds = [leviathan(alpha, k, ci, vi)[1] for ci, vi in zip(c, v, strict=True)]
+            ratios = [a / b for a, b in zip(cell.tps(), base.tps(), strict=True)]
+            iso = leviathan(alpha, k, costs["c"], costs["verify_cost"][str(k)])[1]
             row.update(
                 alpha=alpha,
-                leviathan_tokens_per_step=e,
-                leviathan_speedup=pred,
-                efficiency_vs_leviathan=row["draft_speedup"] / pred,
+                c_in_situ=statistics.median(c),
+                verify_cost_in_situ=statistics.median(v),
+                leviathan_tokens_per_step=leviathan(alpha, k, 0.0, 1.0)[0],
+                leviathan_speedup=statistics.median(preds),
+                efficiency_vs_leviathan=statistics.median(
+                    [r / p for r, p in zip(ratios, preds, strict=True)]
+                ),
+                leviathan_speedup_isolated_costs=iso,
             )
             efficiency.append(row["efficiency_vs_leviathan"])
             rows.append(row)
 
     header = (
         f"{'domain':<11}{'k':>2} {'plain t/s':>9} | {'draft hit':>9} {'tok/step':>8} {'t/s':>6} "
-        f"{'speedup':>7} {'Leviathan':>9} {'eff':>5} | {'ngram hit':>9} {'tok/step':>8} {'t/s':>6} "
-        f"{'speedup':>7}"
+        f"{'speedup':>7} {'c':>5} {'V(k+1)':>6} {'Leviathan':>9} {'eff':>5} | "
+        f"{'ngram hit':>9} {'tok/step':>8} {'t/s':>6} {'speedup':>7}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         print(
             f"{r['domain']:<11}{r['k']:>2} {r['plain_tokens_per_s']:>9.0f} | {r['draft_hit_rate']:>9.1%} "
             f"{r['draft_tokens_per_step']:>8.2f} {r['draft_tokens_per_s']:>6.0f} {r['draft_speedup']:>6.2f}x "
+            f"{r['c_in_situ']:>5.3f} {r['verify_cost_in_situ']:>6.2f} "
             f"{r['leviathan_speedup']:>8.2f}x {r['efficiency_vs_leviathan']:>5.2f} | "
             f"{r['ngram_hit_rate']:>9.1%} "
             f"{r['ngram_tokens_per_step']:>8.2f} {r['ngram_tokens_per_s']:>6.0f} {r['ngram_speedup']:>6.2f}x"
