@@ -255,7 +255,7 @@ def bisect_threshold(cummax: np.ndarray, target: float, lo: float = 0.0, hi: flo
 RIVER_REQUEST = ("ADWIN", "PageHinkley", "KSWIN")  # fed per-request acceptance fraction
 RIVER_BITS = ("DDM", "EDDM", "HDDM_A", "HDDM_W")  # fed token rejection bits (1 = rejected)
 KNOBS: dict[str, tuple[str, float, float, bool]] = {  # knob, lo, hi, log-scale; larger = fewer alarms?
-    "ADWIN": ("delta", 1e-40, 0.5, True),
+    "ADWIN": ("delta", 1e-40, 0.999, True),
     "PageHinkley": ("threshold", 1e-2, 1e3, True),
     "KSWIN": ("alpha", 1e-40, 0.5, True),
     "DDM": ("drift_threshold", 1.0, 200.0, True),
@@ -373,10 +373,12 @@ def river_calibrate(
             hi = mid
         if arl >= ARL0 and (best is None or abs(math.log(arl / ARL0)) < abs(math.log(best[1] / ARL0))):
             best = (mid, arl)
-    if best is None:  # never reached the target: take the most conservative knob tried
-        mid, arl = max(cal.evals, key=lambda e: e[1])
-        best = (mid, arl)
+    if best is None:  # always below the target: take the most conservative knob tried
+        best = max(cal.evals, key=lambda e: e[1])
         cal.note = "target ARL0 not reached"
+    elif all(arl >= ARL0 for _, arl in cal.evals):  # never loose enough: take the loosest knob tried
+        best = (max if larger_fewer is False else min)(cal.evals, key=lambda e: e[0])
+        cal.note = "ARL0 above target at every knob tried"
     cal.knob, cal.arl = best
     return cal
 
