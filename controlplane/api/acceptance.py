@@ -125,8 +125,12 @@ def stats(
 ) -> dict[str, Any]:
     """Hit rate, accepted length, per-position acceptance, latency percentiles and throughput."""
     target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    now = datetime.now(UTC)
-    end_at = _parse_time(end, now + timedelta(minutes=1), "end")
+    # Default window: the last 24 h, ending on the bucket grid just after now, so that buckets line
+    # up with the coarser rollup tiers (the fast path) and the current minute is included.
+    now = datetime.now(UTC).timestamp()
+    grid = max(60, bucket_seconds)
+    default_end = datetime.fromtimestamp((now // grid + 1) * grid, tz=UTC)
+    end_at = _parse_time(end, default_end, "end")
     start_at = _parse_time(start, end_at - timedelta(hours=24), "start")
     return acceptance_series(
         session=session,
