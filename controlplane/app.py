@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from controlplane.api import acceptance, deployments, drift, health, keys, traces
-from controlplane.api.deps import PrincipalCache
+from controlplane.api.deps import DeploymentIdCache, PrincipalCache
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
 from controlplane.db.session import get_sessionmaker
@@ -50,7 +50,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.principal_cache = PrincipalCache(settings.auth_cache_ttl_s)
-    app.state.ingest_batcher = IngestBatcher(get_sessionmaker(settings.database_url))
+    app.state.deployment_id_cache = DeploymentIdCache(settings.auth_cache_ttl_s)
+    app.state.session_factory = get_sessionmaker(settings.database_url)
+    app.state.ingest_batcher = IngestBatcher(app.state.session_factory)
     app.state.task_sender = TaskSender(settings.broker_url) if settings.drift_enqueue_on_ingest else None
 
     @app.exception_handler(DomainError)

@@ -12,9 +12,12 @@ from fastapi.concurrency import run_in_threadpool
 
 from controlplane.api.deps import (
     DataWriter,
+    DeploymentIdCacheDep,
     IngestBatcherDep,
     Reader,
     SessionDep,
+    SessionFactory,
+    SessionFactoryDep,
     SettingsDep,
     read_body_limited,
 )
@@ -27,15 +30,21 @@ from controlplane.stats.service import acceptance_series
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["acceptance"])
 
 
+def _resolve_deployment(factory: SessionFactory, account_id: int, name: str) -> int:
+    with factory() as session:
+        return resolve_deployment_id(session=session, account_id=account_id, name=name)
+
+
 @router.post("/acceptance")
 async def ingest_batch(
     account: str,
     deployment: str,
     request: Request,
     principal: DataWriter,
-    session: SessionDep,
     settings: SettingsDep,
     batcher: IngestBatcherDep,
+    deployment_ids: DeploymentIdCacheDep,
+    session_factory: SessionFactoryDep,
 ) -> dict[str, Any]:
     """Store a batch of acceptance records (native, Fireworks, vLLM, SGLang or TensorRT-LLM shape).
 
@@ -60,8 +69,13 @@ async def ingest_batch(
         raise ValidationProblem(
             f"{len(exc.problems)} problem(s) in the batch; nothing was stored", details=exc.as_dicts()
         ) from exc
-    deployment_id = resolve_deployment_id(session=session, account_id=principal.account_id, name=deployment)
-    session.close()  # the shared writer stores the records; this request's session is done
+    cache_key = (principal.account_id, deployment)
+    deployment_id = deployment_ids.get(cache_key)
+    if deployment_id is None:
+        deployment_id = await run_in_threadpool(
+            _resolve_deployment, session_factory, principal.account_id, deployment
+        )
+        deployment_ids.put(cache_key, deployment_id)
     result = await batcher.submit(deployment_id, records)
     sender = request.app.state.task_sender
     if result.inserted and sender is not None:

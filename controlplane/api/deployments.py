@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.api.deps import Admin, Reader, SessionDep
+from controlplane.api.deps import Admin, DeploymentIdCacheDep, Reader, SessionDep
 from controlplane.audit.service import entry_summary, list_entries
 from controlplane.deployments.service import (
     DeploymentChanges,
@@ -105,9 +105,12 @@ def update(
 
 
 @router.delete("/deployments/{deployment}", status_code=status.HTTP_204_NO_CONTENT)
-def delete(account: str, deployment: str, principal: Admin, session: SessionDep) -> None:
+def delete(
+    account: str, deployment: str, principal: Admin, session: SessionDep, deployment_ids: DeploymentIdCacheDep
+) -> None:
     delete_deployment(session=session, principal=principal, name=deployment)
     session.commit()
+    deployment_ids.clear()
 
 
 @router.get("/audit")

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from typing import Annotated, Generic, TypeVar
 
 from fastapi import Depends, Header, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.keys import hash_key
 from controlplane.accounts.service import Principal, authenticate
 from controlplane.config import Settings
 from controlplane.db.models import Role
-from controlplane.db.session import get_sessionmaker
 from controlplane.errors import PayloadTooLargeError
 from controlplane.ingest.batcher import IngestBatcher
 
+K = TypeVar("K")
+V = TypeVar("V")
 
-def get_app_settings(request: Request) -> Settings:
+
+async def get_app_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
@@ -26,9 +29,21 @@ def get_app_settings(request: Request) -> Settings:
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 
 
-def get_session(settings: SettingsDep) -> Iterator[Session]:
+SessionFactory = Callable[[], Session]
+
+
+async def get_session_factory(request: Request) -> SessionFactory:
+    """How this app opens sessions (one seam, so tests can scope every session to a transaction)."""
+    factory: SessionFactory = request.app.state.session_factory
+    return factory
+
+
+SessionFactoryDep = Annotated[SessionFactory, Depends(get_session_factory)]
+
+
+def get_session(factory: SessionFactoryDep) -> Iterator[Session]:
     """A session per request; routes commit explicitly, anything uncommitted rolls back."""
-    session = get_sessionmaker(settings.database_url)()
+    session = factory()
     try:
         yield session
     finally:
@@ -49,44 +64,64 @@ def _presented_key(authorization: str | None, x_api_key: str | None) -> str | No
     return None
 
 
-class PrincipalCache:
-    """Verified keys for a few seconds, so hot ingest paths skip a lookup per request.
+class TtlCache(Generic[K, V]):
+    """A small in-process cache whose entries expire after ``ttl_s`` seconds.
 
-    Keyed by the key's HMAC (never the key itself). Revoking a key through this process clears
-    the cache at once; other API processes stop accepting it within ``ttl_s``.
+    Hot ingest paths use it to skip a database lookup per request (verified keys, deployment
+    ids). Changes made through this process clear it at once; other API processes see them
+    within ``ttl_s``.
     """
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
         self.ttl_s = ttl_s
-        self._entries: dict[str, tuple[float, Principal]] = {}
+        self._max_entries = max_entries
+        self._entries: dict[K, tuple[float, V]] = {}
 
-    def get(self, digest: str) -> Principal | None:
-        entry = self._entries.get(digest)
+    def get(self, key: K) -> V | None:
+        entry = self._entries.get(key)
         if entry is None or entry[0] < time.monotonic():
             return None
         return entry[1]
 
-    def put(self, digest: str, principal: Principal) -> None:
-        if len(self._entries) > 10_000:
+    def put(self, key: K, value: V) -> None:
+        if self.ttl_s <= 0:
+            return
+        if len(self._entries) >= self._max_entries:
             self._entries.clear()
-        self._entries[digest] = (time.monotonic() + self.ttl_s, principal)
+        self._entries[key] = (time.monotonic() + self.ttl_s, value)
 
     def clear(self) -> None:
         self._entries.clear()
 
 
-def get_principal_cache(request: Request) -> PrincipalCache:
+# Keyed by the key's HMAC, never by the key itself.
+PrincipalCache = TtlCache[str, Principal]
+DeploymentIdCache = TtlCache[tuple[int, str], int]
+
+
+async def get_principal_cache(request: Request) -> PrincipalCache:
     cache: PrincipalCache = request.app.state.principal_cache
     return cache
 
 
-def get_principal(
-    session: SessionDep,
+async def get_deployment_id_cache(request: Request) -> DeploymentIdCache:
+    cache: DeploymentIdCache = request.app.state.deployment_id_cache
+    return cache
+
+
+def _authenticate(factory: SessionFactory, settings: Settings, presented: str) -> Principal | None:
+    with factory() as session:
+        return authenticate(session=session, presented=presented, secret=settings.secret_key)
+
+
+async def get_principal(
     settings: SettingsDep,
+    factory: SessionFactoryDep,
     cache: Annotated[PrincipalCache, Depends(get_principal_cache)],
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
 ) -> Principal:
+    """The caller; async with a cache so that a hot path costs no thread hop and no query."""
     presented = _presented_key(authorization, x_api_key)
     if presented is None:
         raise HTTPException(
@@ -97,7 +132,7 @@ def get_principal(
     digest = hash_key(presented, secret=settings.secret_key)
     principal = cache.get(digest)
     if principal is None:
-        principal = authenticate(session=session, presented=presented, secret=settings.secret_key)
+        principal = await run_in_threadpool(_authenticate, factory, settings, presented)
         if principal is not None:
             cache.put(digest, principal)
     if principal is None:
@@ -109,9 +144,10 @@ def get_principal(
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
 PrincipalCacheDep = Annotated[PrincipalCache, Depends(get_principal_cache)]
+DeploymentIdCacheDep = Annotated[DeploymentIdCache, Depends(get_deployment_id_cache)]
 
 
-def get_ingest_batcher(request: Request) -> IngestBatcher:
+async def get_ingest_batcher(request: Request) -> IngestBatcher:
     batcher: IngestBatcher = request.app.state.ingest_batcher
     return batcher
 
@@ -135,7 +171,7 @@ def check_access(principal: Principal, account: str, allowed: frozenset[Role]) -
 
 
 def _access(allowed: frozenset[Role]) -> object:
-    def dependency(account: str, principal: CurrentPrincipal) -> Principal:
+    async def dependency(account: str, principal: CurrentPrincipal) -> Principal:
         check_access(principal, account, allowed)
         return principal
 

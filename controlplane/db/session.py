@@ -34,6 +34,11 @@ def json_loads(text: str | bytes) -> Any:
         return json.loads(text)
 
 
+def json_dumps(value: Any) -> str:
+    """Encode a JSON column with orjson (the ingest COPY path writes one per record)."""
+    return orjson.dumps(value).decode()
+
+
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
     """One pooled engine per database URL for the whole process."""
@@ -45,8 +50,16 @@ def get_engine(url: str) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    # On psycopg the dialect registers json_deserializer as the connection's JSON loader.
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, json_deserializer=json_loads)
+    # On psycopg the dialect registers these as each new connection's JSON loader and dumper, so
+    # the raw COPY path in controlplane.ingest.service uses them too, at no per-call cost.
+    return create_engine(
+        url,
+        pool_size=10,
+        max_overflow=20,
+        pool_pre_ping=True,
+        json_deserializer=json_loads,
+        json_serializer=json_dumps,
+    )
 
 
 @lru_cache(maxsize=8)

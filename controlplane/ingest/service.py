@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 import psycopg
-from psycopg.types.json import set_json_dumps
 from sqlalchemy import insert, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -131,8 +129,6 @@ def _copy_rows(
     session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
 ) -> None:
     driver_conn: Any = session.connection().connection.driver_connection
-    # psycopg serialises json columns itself; orjson does it several times faster.
-    set_json_dumps(orjson.dumps, context=driver_conn)
     try:
         _copy_with(driver_conn, deployment_id, records, now)
     except psycopg.errors.IntegrityError as exc:
