@@ -12,7 +12,13 @@ dependence of tokens within a request cannot make it over-confident. Lifecycle:
    of workload mix does not look like a drop). ``R_g <- (1 + R_g) exp(l_g)`` and the alarm is
    ``sum_g w_g R_g >= ARL0``. Overdispersion and baseline uncertainty are handled by tempering
    each ``l_g`` (see :mod:`controlplane.drift.calibration`), so the requested ARL0 holds without
-   simulation. Drops smaller than ``min_drop`` (absolute points of acceptance) have no component.
+   simulation; the baseline-error tempering is sized per baseline row (pooled, or a category's
+   own), because a category with few reference requests has a noisier baseline and a mix shift
+   can make it most of the traffic. Drops smaller than ``min_drop`` (absolute points of
+   acceptance) have no component. The weights: ``1 - single_share`` on the all-positions drops,
+   ``single_share`` on the one-position drops, uniform over the ``n_grid`` log-spaced sizes within
+   a set; each component pays ``ln(1 / w_g)`` nats of delay, so most weight goes where most drops
+   are (a stale drafter degrades every position), and one-position drops stay detectable.
 3. **Alarm.** The alarm latches (``drift_detected`` stays True, the statistic freezes) until
    :meth:`MixtureSR.reset`, which starts a ``cooldown`` of ignored requests (realignment and
    canary run meanwhile); :meth:`MixtureSR.rebaseline` starts a new reference window after a
@@ -52,7 +58,7 @@ import numpy as np
 
 from controlplane.drift.calibration import (
     dispersion_relative_var,
-    estimation_tempering,
+    estimation_temperings,
     sr_log_threshold,
 )
 from controlplane.drift.evidence import DriftEvidence
@@ -90,7 +96,7 @@ class MixtureSR:
         arl0: float = 10_000.0,
         min_drop: float = 0.05,
         max_rel_drop: float = 0.5,
-        n_grid: int = 6,
+        n_grid: int = 5,
         n_positions: int = 4,
         reference_size: int = 1_000,
         cooldown: int = 0,
@@ -99,11 +105,14 @@ class MixtureSR:
         min_category_requests: int = 50,
         min_trials: int = 50,
         dispersion: bool = True,
+        single_share: float = 0.05,
     ) -> None:
         if not arl0 > 1.0:
             raise ValueError("arl0 must be > 1")
         if not 0.0 < min_drop < 1.0 or not 0.0 < max_rel_drop < 1.0:
             raise ValueError("min_drop and max_rel_drop must lie in (0, 1)")
+        if not 0.0 <= single_share < 1.0:
+            raise ValueError("single_share must lie in [0, 1)")
         if n_grid < 1 or n_positions < 1 or reference_size < 1 or cooldown < 0:
             raise ValueError("n_grid, n_positions, reference_size must be >= 1 and cooldown >= 0")
         self.arl0 = float(arl0)
@@ -118,6 +127,7 @@ class MixtureSR:
         self.min_category_requests = int(min_category_requests)
         self.min_trials = int(min_trials)
         self.dispersion = bool(dispersion)
+        self.single_share = float(single_share)
         self.rebaseline()
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -163,30 +173,31 @@ class MixtureSR:
         if self._cooldown_left > 0:
             self._cooldown_left -= 1
             return self
-        kernel = self._kernel
         self._examined += 1
-        if kernel.W.shape[1] == 0:
+        if self._g == 0:
             return self
-        vec = np.array(x.successes(k) + x.trials(k), dtype=np.float64)
-        c = kernel.groups.get(x.category, 0) if x.category is not None else 0
+        # Per-request cost is dominated by numpy call overhead on tiny arrays, so everything
+        # below writes into buffers preallocated at freeze time (no allocation per request).
+        vec = self._x
+        vec[:] = x.successes(k) + x.trials(k)
+        c = self._groups.get(x.category, 0) if x.category is not None else 0
         # One product gives the running-sum increments (successes, trials, baseline-expected
-        # successes) and every component's log-likelihood ratio: fewer numpy calls per request.
-        y = self._M[c] @ vec
-        cum = self._cum
-        cum += y[: 3 * k]
-        llr = y[3 * k :]
+        # successes) and every component's log-likelihood ratio.
+        np.dot(self._Mc[c], vec, out=self._y)
+        self._cum += self._y_cum
+        llr = self._llr
         np.minimum(llr, _MAX_LOG_LR, out=llr)
-        rw = self._rw  # w_g * R_g
-        rw += kernel.weights
-        rw *= np.exp(llr)
-        self._stat = float(rw.sum())
         # Companion CUSUM: its last zero is the change-point estimate behind the evidence.
         w = self._cusum
         w += llr
-        reset = w <= 0.0
+        reset = np.less_equal(w, 0.0, out=self._reset)
         np.maximum(w, 0.0, out=w)
-        self._snapshot[reset] = cum
-        self._start[reset] = self._examined
+        np.copyto(self._snapshot, self._cum, where=self._reset_col)
+        np.copyto(self._start, self._examined, where=reset)
+        rw = self._rw  # w_g * R_g
+        rw += self._weights
+        rw *= np.exp(llr, out=llr)
+        self._stat = float(np.dot(rw, self._ones))
         if self._stat >= self.arl0:
             self._alarms += 1
             self._alarm = self.evidence()
@@ -332,8 +343,18 @@ class MixtureSR:
         labels: list[str] = []
         set_of: list[int] = []
         phis: list[float] = []
+        tau2s: list[FloatArray] = []
         var_phi = dispersion_relative_var(int(total)) if self.dispersion else 0.0
         q0 = 1.0 - p0
+        # Requests of group c are scored against baseline row c, which was estimated from
+        # n_base[c] reference requests: the pooled row from all of them, a category row from its
+        # own. Its baseline error (and so its tempering) is sized per row, because after a mix
+        # shift the thinner category's noisier baseline may carry most of the traffic.
+        n_base = counts.copy()
+        n_base[0] = total
+        row_trials = trials.copy()
+        row_trials[0] = pooled_trials
+        per_request = row_trials / np.maximum(n_base, 1.0)[:, None]  # mean trials per request, per row
         for si, (name, mask) in enumerate(sets):
             on = mask > 0
             pbar = float((pooled_trials[on] * p_pool[on]).sum() / pooled_trials[on].sum())
@@ -357,16 +378,27 @@ class MixtureSR:
                     observed = sum(float(a[c] @ resid[c] @ a[c]) for c in range(len(stat_groups)))
                     phi = max(1.0, observed / model_var)
                 temper = 1.0 / phi
-                sigma2 = temper * temper * phi * model_var / total  # tempered per-request variance
-                tau2 = 4.0 / (total * sigma2) + var_phi
-                kappa = estimation_tempering(self.arl0, tau2)
-                if kappa is None:
-                    continue  # its expected delay is too long for this reference window to resolve
-                scale = temper * kappa
-                rows.append(np.concatenate([scale * a, scale * b], axis=1))  # (C, 2K)
+                # Tempered per-request variance of l for a request of each row, and the relative
+                # sd of that row's null drift due to its baseline error.
+                sigma2 = temper * temper * phi * (a * a * pq * per_request).sum(axis=1)  # (C,)
+                with np.errstate(divide="ignore"):
+                    tau2s.append(np.where(sigma2 > 0.0, 4.0 / (n_base * sigma2), np.inf) + var_phi)
+                rows.append(temper * np.concatenate([a, b], axis=1))  # (C, 2K)
                 labels.append(f"{name} -{r:.3f}")
                 set_of.append(si)
                 phis.append(phi)
+        if rows:
+            tau2 = np.stack(tau2s)  # (G, C)
+            finite = np.isfinite(tau2)
+            kappa = np.full(tau2.shape, np.nan)
+            kappa[finite] = estimation_temperings(self.arl0, tau2[finite])
+            # A row that no tempering can make safe gives this component no evidence; a component
+            # with no row left is dropped (its expected delay is beyond what the window resolves).
+            keep = [g for g in range(len(rows)) if not np.isnan(kappa[g]).all()]
+            rows = [rows[g] * np.nan_to_num(kappa[g])[:, None] for g in keep]
+            labels = [labels[g] for g in keep]
+            set_of = [set_of[g] for g in keep]
+            phis = [phis[g] for g in keep]
 
         g_count = len(rows)
         W = np.stack(rows, axis=1) if rows else np.zeros((p0.shape[0], 0, 2 * k))
@@ -375,7 +407,7 @@ class MixtureSR:
         if kept_sets:
             has_all = 0 in kept_sets and sets[0][0] == "all"
             singles = [s for s in kept_sets if sets[s][0] != "all"]
-            share_all = (0.5 if singles else 1.0) if has_all else 0.0
+            share_all = (1.0 - self.single_share if singles else 1.0) if has_all else 0.0
             share_single = (1.0 - share_all) / len(singles) if singles else 0.0
             for g, si in enumerate(set_of):
                 n_in_set = set_of.count(si)
@@ -397,6 +429,25 @@ class MixtureSR:
             M[c, 2 * k : 3 * k, k:] = np.diag(self._kernel.p0[c])
         M[:, 3 * k :, :] = W
         self._M = M
+        self._bind()
+
+    def _bind(self) -> None:
+        """Preallocated per-request buffers and views over the frozen kernel (not state: rebuilt)."""
+        kernel = self._kernel
+        assert kernel is not None
+        k = self.n_positions
+        g = kernel.W.shape[1]
+        self._g = g
+        self._groups = kernel.groups
+        self._weights = kernel.weights
+        self._Mc = [np.ascontiguousarray(m) for m in self._M]
+        self._x = np.zeros(2 * k)
+        self._y = np.zeros(3 * k + g)
+        self._y_cum = self._y[: 3 * k]
+        self._llr = self._y[3 * k :]
+        self._ones = np.ones(g)
+        self._reset = np.zeros(g, dtype=bool)
+        self._reset_col = self._reset[:, None]
         self._clear_statistic()
 
     # ---------------------------------------------------------------------------------------- state
@@ -415,6 +466,7 @@ class MixtureSR:
             "min_category_requests": self.min_category_requests,
             "min_trials": self.min_trials,
             "dispersion": self.dispersion,
+            "single_share": self.single_share,
         }
 
     def to_state(self) -> dict[str, Any]:

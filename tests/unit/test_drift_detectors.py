@@ -102,9 +102,9 @@ def test_observation_counts_and_validation() -> None:
 def test_mixture_sr_exact_detection_index() -> None:
     requests = stream(11, 1_700, 0.7, change_at=1_500, p_after=0.6)
     detector = MixtureSR(reference_size=1_000)
-    assert first_alarm(detector, requests) == 1510
+    assert first_alarm(detector, requests) == 1508
     e = detector.evidence()
-    assert e.records_examined == 511 and e.statistic >= e.threshold == pytest.approx(math.log(10_000))
+    assert e.records_examined == 509 and e.statistic >= e.threshold == pytest.approx(math.log(10_000))
     assert e.baseline_rate == pytest.approx(0.7, abs=0.02) and 0.05 < e.drop < 0.2
     assert 0 <= e.detection_delay_estimate <= 30
 
@@ -205,7 +205,10 @@ def test_calibration_formulas() -> None:
     assert calibration.estimation_tempering(1e4, 0.0) == 1.0
     kappa = calibration.estimation_tempering(1e4, 0.02)
     assert kappa is not None and 0.5 < kappa < 1.0
-    assert calibration.estimation_tempering(1e4, 1.01 / (2 * math.log(1e4))) is None  # unresolvable
+    # Larger baseline error, more tempering; past some error no tempering >= MIN_TEMPERING suffices.
+    kappas = [calibration.estimation_tempering(1e4, t) for t in (0.01, 0.05, 0.1, 0.2)]
+    assert all(k is not None for k in kappas) and sorted(kappas, reverse=True) == kappas  # type: ignore[type-var]
+    assert calibration.estimation_tempering(1e4, 1.0) is None  # unresolvable
     h1 = calibration.cusum_log_threshold(1e4, 0.1)
     h2 = calibration.cusum_log_threshold(1e5, 0.1)
     assert 0 < h1 < h2
