@@ -110,6 +110,30 @@ def serve(
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
 
+def _exec_celery(*args: str) -> None:
+    import subprocess
+
+    # The worker imports torch-backed task code, so it runs as its own process, never in here.
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "celery", "-A", "workers.celery_app", *args]))
+
+
+@app.command()
+def worker(
+    queues: Annotated[str, typer.Option(help="comma-separated: default, gpu")] = "default,gpu",
+    concurrency: Annotated[int, typer.Option()] = 1,
+) -> None:
+    """Run a Celery worker (queues: default for monitoring, gpu for training and canary replay)."""
+    _exec_celery("worker", "-Q", queues, "-c", str(concurrency), "--loglevel=INFO")
+
+
+@app.command()
+def beat() -> None:
+    """Run Celery beat (the drift monitor every few seconds, trace retention hourly)."""
+    settings = get_settings()
+    settings.ensure_local_dirs()
+    _exec_celery("beat", "--schedule", str(settings.var_dir / "celerybeat-schedule"), "--loglevel=INFO")
+
+
 @app.command()
 def demo() -> None:
     """Start the API on the embedded default (SQLite under ./var) and say where it listens."""
