@@ -6,7 +6,14 @@ k = 4 draft positions, 1 + Poisson(20) verify steps (~84 drafted tokens), sequen
 per-position conditional acceptance. Our detector and the oracle run vectorised across runs
 (numpy) with exactly the detector's own arithmetic (its frozen kernel; cross-checked against the
 class on a few runs); river detectors run through river itself, which is far slower, so they get
-fewer calibration runs (printed). Writes bench/results/drift.{json,csv,png}.
+fewer calibration runs (the plan is printed: every river detector is calibrated on the same null
+families; run counts differ only by per-update cost class). Writes bench/results/drift.{json,csv,png}.
+
+Pure mix shift: a run counts against us only for an alarm in the ``MIX_WINDOW`` requests after the
+shift; the headline ``mix_shift_no_alarm_rate`` is one minus the *excess* conditional alarm rate
+in that window over the same window of the same family's null runs (ordinary false alarms at the
+requested ARL0 are not attributable to the shift); the raw no-alarm rate is printed too.
+``--quick`` (a few minutes) is for iteration; the full run is what the figures quote.
 """
 
 from __future__ import annotations
@@ -38,6 +45,12 @@ CHANGE_AT = 500  # monitored requests before the change
 ARL0 = 10_000.0
 OURS_CFG: dict[str, Any] = {"arl0": ARL0, "min_drop": 0.02, "reference_size": REF, "n_positions": K}
 CATS = ("prose", "code")
+ENGINE_REPLAY_NOTE = (
+    "skipped: replaying reference-engine (#3) records of a prose->code traffic shift needs per-request "
+    "per-position acceptance counts recorded from bench/engine.py runs of both corpora on the GPU; "
+    "this CPU bench does not produce them and none are checked in"
+)
+MIX_WINDOW = 2_000  # post-shift requests in which a pure-mix-shift alarm counts against the detector
 
 
 # --------------------------------------------------------------------------------------- streams
@@ -408,6 +421,13 @@ def delay_stats(alarm_idx: np.ndarray, horizon: int) -> dict[str, float]:
     }
 
 
+def window_alarm_rate(alarm_idx: np.ndarray, length: int) -> float:
+    """Among runs quiet before the change point, the share that alarm in the next MIX_WINDOW requests."""
+    quiet = alarm_idx >= CHANGE_AT
+    end = min(CHANGE_AT + MIX_WINDOW, length)
+    return float((alarm_idx[quiet] < end).mean()) if quiet.any() else float("nan")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer runs everywhere")
@@ -423,8 +443,11 @@ def main() -> int:
     river_runs = 24 if quick else 64
     river_cells = 16 if quick else 40
     river_cap = 20_000
+    bit_runs, bit_iters = (4, 4) if quick else (8, 5)
+    slow_runs = 2 if quick else 4
     if args.smoke:
         n_null, null_len, n_cell, river_runs, river_cells, river_cap = 20, 3_000, 8, 2, 2, 3_000
+        bit_runs, bit_iters, slow_runs = 2, 2, 2
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     fams = {
@@ -444,7 +467,10 @@ def main() -> int:
     )
     cells.append(Cell(fams["iid p0=0.70"], "iid p0=0.70 position 1 drop 30%", rel_drop=0.3, position=1))
     mix_cell = Cell(
-        fams["mix prose/code"], "mix shift code 20%->70% (no drafter change)", code_share_after=0.7
+        fams["mix prose/code"],
+        "mix shift code 20%->70% (no drafter change)",
+        code_share_after=0.7,
+        horizon=MIX_WINDOW,
     )
     print(
         f"drift bench: ARL0 target {ARL0:.0f} requests; k={K}, 1+Poisson({MEAN_STEPS}) verify steps; "
@@ -474,6 +500,10 @@ def main() -> int:
         for name in oracles:
             thresholds[(name, "oracle")] = bisect_threshold(paths[name], ARL0)
         null_results[fname] = {"ours_own_threshold_arl0": own, "ours_bisected_log_threshold": h_ours}
+        if fam.kind == "mix":
+            for label, h_ in (("own", own_h), ("bisected", h_ours)):
+                idx = first_passage(paths["ours"], h_)
+                null_results[fname][f"window_alarm_rate_{label}"] = window_alarm_rate(idx, null_len)
         print(
             f"  null {fname:22s} ours: own threshold ln(ARL0)={own_h:.2f} -> measured ARL0 {own:,.0f} "
             f"({own / ARL0:.2f}x); bisected threshold {h_ours:.2f}  [{time.perf_counter() - t:.0f}s]",
@@ -520,15 +550,27 @@ def main() -> int:
         print(f"  river default-knob runs [{time.perf_counter() - t:.0f}s]", flush=True)
 
         river_cal: dict[tuple[str, str], RiverCal] = {}
+        # One plan per per-update cost class, printed: the request-fed ADWIN/PageHinkley (~1 us
+        # per request, and the best river detectors in the last runs) and the bit-fed DDM/EDDM
+        # (~50 us per request) on every null family; HDDM_A/HDDM_W fed bits and KSWIN (~300 us
+        # per request) would need ~20 device-free minutes per family at the same exposure, so
+        # they are calibrated and measured on the i.i.d. p0=0.70 family only.
+        slow_fams = ["iid p0=0.70"]
         plan: list[tuple[str, list[str], int, int]] = [
             ("ADWIN", list(fams), river_runs, 8),
             ("PageHinkley", list(fams), river_runs, 8),
-            ("DDM", ["iid p0=0.70"], 8 if quick else 16, 6),
-            ("EDDM", ["iid p0=0.70"], 8 if quick else 16, 6),
-            ("HDDM_A", ["iid p0=0.70"], 3 if quick else 4, 5),
-            ("HDDM_W", ["iid p0=0.70"], 3 if quick else 4, 5),
-            ("KSWIN", ["iid p0=0.70"], 2 if quick else 4, 5),
+            ("DDM", list(fams), bit_runs, bit_iters),
+            ("EDDM", list(fams), bit_runs, bit_iters),
+            ("HDDM_A", slow_fams, slow_runs, 5),
+            ("HDDM_W", slow_fams, slow_runs, 5),
+            ("KSWIN", slow_fams, slow_runs, 5),
         ]
+        print("  river calibration plan (detector: families, runs x bisection steps, cap requests):")
+        for name, fnames, runs, iters in plan:
+            print(f"    {name:11s} {', '.join(fnames)}: {runs} x {iters}, cap {river_cap}")
+        river_out["plan"] = {
+            n: {"families": f, "runs": r, "steps": i, "cap": river_cap} for n, f, r, i in plan
+        }
         for name, fnames, runs, iters in plan:
             for fname in fnames:
                 t = time.perf_counter()
@@ -573,10 +615,16 @@ def main() -> int:
     det = MixtureSR(**OURS_CFG)
     for o in obs[:REF]:
         det.update(o)
-    t = time.perf_counter()
-    for o in obs[REF:]:
-        det.update(o)
-    us_ours = (time.perf_counter() - t) / 20_000 * 1e6
+    frozen = det.to_state()
+    # The CPUs are shared: repeat from the same frozen state and quote the median (min printed too).
+    times = []
+    for _ in range(5):
+        det = MixtureSR.from_state(frozen)
+        t = time.perf_counter()
+        for o in obs[REF:]:
+            det.update(o)
+        times.append((time.perf_counter() - t) / 20_000 * 1e6)
+    us_ours, us_ours_min = float(np.median(times)), min(times)
     orc = OracleCUSUM(p0=[0.7] * K, p1=[0.63] * K, threshold=1e9)
     t = time.perf_counter()
     for o in obs[REF:]:
@@ -611,7 +659,8 @@ def main() -> int:
         agree += int(alarm_class == vec_alarm[r])
     print(f"  cross-check: vectorised kernel and MixtureSR.update alarm at the same index in {agree}/3 runs")
     print(
-        f"  speed: MixtureSR.update {us_ours:.1f} us/request, OracleCUSUM.update {us_oracle:.1f} us/request"
+        f"  speed: MixtureSR.update {us_ours:.1f} us/request (median of 5; min {us_ours_min:.1f}), "
+        f"OracleCUSUM.update {us_oracle:.1f} us/request"
     )
 
     # ---- table
@@ -635,6 +684,7 @@ def main() -> int:
             if cell is mix_cell:
                 row["no_alarm_rate"] = float((idx >= CHANGE_AT + cell.horizon).mean())
                 row["alarm_before_shift_rate"] = float((idx < CHANGE_AT).mean())
+                row["window_alarm_rate"] = window_alarm_rate(idx, CHANGE_AT + cell.horizon)
             else:
                 st = delay_stats(idx, cell.horizon)
                 row.update({f"delay_{k}": v for k, v in st.items() if k in ("mean", "p50", "p90")})
@@ -655,7 +705,9 @@ def main() -> int:
         if "no_alarm_rate" in row:
             print(
                 f"{row['cell']:45s} {row['detector']:22s} {row['runs']:4d}  "
-                f"no-alarm rate {row['no_alarm_rate']:.3f}"
+                f"no alarm in {MIX_WINDOW} post-shift requests: {row['no_alarm_rate']:.3f} "
+                f"(alarmed before the shift {row['alarm_before_shift_rate']:.3f}, "
+                f"in the window if quiet before {row['window_alarm_rate']:.3f})"
             )
             continue
         eff = f"{row['efficiency']:.2f}" if row["efficiency"] is not None else "-"
@@ -685,6 +737,12 @@ def main() -> int:
             best = min(river_rows, key=lambda r: r["delay_mean"])
             ratio_river.append((ours["delay_mean"] / best["delay_mean"], cell.name, best["detector"]))
     mix_row = by[(mix_cell.name, "ours (own threshold)")]
+    mix_null = null_results["mix prose/code"]
+    # Excess over the null: alarms the shift itself causes, not ordinary false alarms at ARL0.
+    mix_excess = max(0.0, mix_row["window_alarm_rate"] - mix_null["window_alarm_rate_own"])
+    mix_excess_bisected = max(
+        0.0, by[(mix_cell.name, "ours")]["window_alarm_rate"] - mix_null["window_alarm_rate_bisected"]
+    )
     null_ratio = min(v["ours_own_threshold_arl0"] for v in null_results.values()) / ARL0
     worst_oracle = max(ratio_oracle)
     worst_river = max(ratio_river)
@@ -694,10 +752,15 @@ def main() -> int:
         "delay_ratio_vs_oracle_cell": worst_oracle[1],
         "delay_ratio_vs_best_river": worst_river[0],
         "delay_ratio_vs_best_river_cell": f"{worst_river[1]} vs {worst_river[2]}",
-        "mix_shift_no_alarm_rate": mix_row["no_alarm_rate"],
-        "mix_shift_no_alarm_rate_bisected": by[(mix_cell.name, "ours")]["no_alarm_rate"],
+        "mix_shift_no_alarm_rate": 1.0 - mix_excess,
+        "mix_shift_no_alarm_rate_bisected": 1.0 - mix_excess_bisected,
+        "mix_shift_raw_no_alarm_rate": mix_row["no_alarm_rate"],
+        "mix_shift_window_alarm_rate": mix_row["window_alarm_rate"],
+        "mix_null_window_alarm_rate": mix_null["window_alarm_rate_own"],
+        "mix_window_requests": MIX_WINDOW,
         "null_arl0_ratio": null_ratio,
         "us_per_request": us_ours,
+        "us_per_request_min": us_ours_min,
         "oracle_us_per_request": us_oracle,
         "vectorised_kernel_cross_check_runs_alarmed": agree,
         "null_calibration": null_results,
@@ -715,9 +778,11 @@ def main() -> int:
                 }
                 for k, v in river_cal.items()
             },
+            "plan": river_out["plan"],
             "feeds": dict.fromkeys(RIVER_REQUEST, "per-request acceptance fraction")
             | dict.fromkeys(RIVER_BITS, "token rejection bits (1 = rejected)"),
         },
+        "engine_replay": ENGINE_REPLAY_NOTE,
         "quick": quick,
         "seconds": elapsed,
         "cells": rows,
@@ -744,6 +809,7 @@ def main() -> int:
     print("river at default knobs on the no-change stream (token bits; mean requests to a false alarm):")
     for name, v in river_out["defaults"].items():
         print(f"  {name:12s} {v['arl0_estimate']:8.1f}  ({v['runs']} runs)")
+    print(f"engine replay stream: {ENGINE_REPLAY_NOTE}")
     print(f"wrote {RESULTS / 'drift.json'}, drift.csv, drift.png in {elapsed:.0f}s")
     return 0
 
