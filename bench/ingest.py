@@ -44,7 +44,7 @@ from controlplane.db.session import get_sessionmaker  # noqa: E402
 from controlplane.deployments.service import create_deployment  # noqa: E402
 from controlplane.deployments.spec import SpeculationRequest  # noqa: E402
 from controlplane.ingest.record import AcceptanceRecord  # noqa: E402
-from controlplane.ingest.service import store_records  # noqa: E402
+from controlplane.ingest.service import COPY_SQL, COPY_TYPES, store_records  # noqa: E402
 from controlplane.stats.service import acceptance_series  # noqa: E402
 
 PG_SERVER = os.environ.get("BENCH_PG_SERVER", "postgresql+psycopg://postgres@127.0.0.1:5432")
@@ -269,38 +269,15 @@ def raw_copy_rate(url: str, rows: list[dict[str, object]], deployment_id: int, t
     """Rows/s of a plain binary COPY of the same rows into the same table (same indexes, same
     size), under a deployment of its own; no parsing, validation, idempotency or rollups."""
     dsn = url.replace("postgresql+psycopg", "postgresql")
-    columns = (
-        "deployment_id, request_id, created_at, arm, drafter_version, k, drafted_tokens, accepted_tokens, "
-        "verify_steps, generated_tokens, prompt_tokens, accepted_per_position, ttft_ms, inter_token_ms, "
-        "total_ms, category"
-    )
-    types = [
-        "int4",
-        "text",
-        "timestamptz",
-        "text",
-        "int4",
-        "int2",
-        "int4",
-        "int4",
-        "int4",
-        "int4",
-        "int4",
-        "json",
-        "float8",
-        "float8",
-        "float8",
-        "text",
-    ]
     now = datetime.now(UTC)
     with psycopg.connect(dsn) as conn:
         start = time.perf_counter()
         for offset in range(0, len(rows), BATCH):
             with (
                 conn.cursor() as cursor,
-                cursor.copy(f"COPY acceptance_records ({columns}) FROM STDIN (FORMAT BINARY)") as copy,
+                cursor.copy(COPY_SQL) as copy,
             ):
-                copy.set_types(types)
+                copy.set_types(COPY_TYPES)
                 for r in rows[offset : offset + BATCH]:
                     copy.write_row(
                         (

@@ -26,7 +26,7 @@ from controlplane.ingest.rollups import aggregate, apply_deltas
 MAX_ECHOED_DUPLICATES = 100
 _LOOKUP_CHUNK = 5_000
 
-_COPY_COLUMNS = (
+COPY_COLUMNS = (
     "deployment_id",
     "request_id",
     "created_at",
@@ -44,7 +44,7 @@ _COPY_COLUMNS = (
     "total_ms",
     "category",
 )
-_COPY_TYPES = (
+COPY_TYPES = (
     "int4",
     "text",
     "timestamptz",
@@ -62,7 +62,7 @@ _COPY_TYPES = (
     "float8",
     "text",
 )
-_COPY_SQL = f"COPY acceptance_records ({', '.join(_COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
+COPY_SQL = f"COPY acceptance_records ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
 
 
 @dataclass(slots=True)
@@ -133,14 +133,14 @@ def _copy_rows(
         _copy_with(driver_conn, deployment_id, records, now)
     except psycopg.errors.IntegrityError as exc:
         # The raw COPY bypasses SQLAlchemy; give callers the same exception as the ORM path.
-        raise IntegrityError(_COPY_SQL, None, exc) from exc
+        raise IntegrityError(COPY_SQL, None, exc) from exc
 
 
 def _copy_with(
     driver_conn: Any, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
 ) -> None:
-    with driver_conn.cursor() as cursor, cursor.copy(_COPY_SQL) as copy:
-        copy.set_types(_COPY_TYPES)
+    with driver_conn.cursor() as cursor, cursor.copy(COPY_SQL) as copy:
+        copy.set_types(COPY_TYPES)
         write = copy.write_row
         for rec in records:
             write(
