@@ -213,3 +213,17 @@ def test_calibration_formulas() -> None:
     h2 = calibration.cusum_log_threshold(1e5, 0.1)
     assert 0 < h1 < h2
     assert math.exp(h1) - h1 - 1 == pytest.approx(1e4 * 0.1, rel=1e-6)
+
+
+def test_thin_category_baseline_is_tempered_more() -> None:
+    # Same acceptance in both categories, but "b" has a quarter of the reference requests: its
+    # baseline is noisier, so its requests carry less weight per unit of log-likelihood ratio.
+    requests = stream(21, 1_000, 0.0, categories=(("a", 0.7), ("b", 0.7)))
+    detector = MixtureSR(reference_size=1_000)
+    for x in requests:
+        detector.update(x)
+    kernel = detector.kernel
+    assert kernel is not None and {"a", "b"} <= set(kernel.groups)
+    wa, wb = kernel.W[kernel.groups["a"]], kernel.W[kernel.groups["b"]]
+    smallest_all = kernel.labels.index(next(label for label in kernel.labels if label.startswith("all")))
+    assert np.linalg.norm(wb[smallest_all]) < np.linalg.norm(wa[smallest_all])
