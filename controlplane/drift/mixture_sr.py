@@ -500,6 +500,13 @@ class MixtureSR:
         if state["frozen"]:
             out._freeze()
         g = 0 if out._kernel is None else out._kernel.W.shape[1]
+        out._cooldown_left = int(state["cooldown_left"])
+        out._alarms = int(state["alarms"])
+        out._alarm = None if state["alarm"] is None else DriftEvidence.from_dict(state["alarm"])
+        if len(state["rw"]) != g:
+            # Saved by a version whose calibration kept other components: the baseline (the
+            # reference window) still holds, so keep it and the latch, and restart the statistic.
+            return out
         out._rw = np.asarray(state["rw"], dtype=np.float64).reshape(g)
         out._cusum = np.asarray(state["cusum"], dtype=np.float64).reshape(g)
         out._cum = np.asarray(state["cum"], dtype=np.float64).reshape(3 * out.n_positions)
@@ -507,7 +514,4 @@ class MixtureSR:
         out._start = np.asarray(state["start"], dtype=np.int64).reshape(g)
         out._examined = int(state["examined"])
         out._stat = float(state["stat"])
-        out._cooldown_left = int(state["cooldown_left"])
-        out._alarms = int(state["alarms"])
-        out._alarm = None if state["alarm"] is None else DriftEvidence.from_dict(state["alarm"])
         return out

@@ -227,3 +227,19 @@ def test_thin_category_baseline_is_tempered_more() -> None:
     wa, wb = kernel.W[kernel.groups["a"]], kernel.W[kernel.groups["b"]]
     smallest_all = kernel.labels.index(next(label for label in kernel.labels if label.startswith("all")))
     assert np.linalg.norm(wb[smallest_all]) < np.linalg.norm(wa[smallest_all])
+
+
+def test_state_from_a_different_calibration_restarts_the_statistic() -> None:
+    requests = stream(22, 1_300, 0.7)
+    a = MixtureSR(reference_size=1_000)
+    for x in requests[:1_200]:
+        a.update(x)
+    state = json.loads(json.dumps(a.to_state()))
+    for key in ("rw", "cusum", "snapshot", "start"):
+        state[key] = state[key][:-1]  # as if saved when the calibration kept one more component
+    b = MixtureSR.from_state(state)
+    assert b.kernel is not None and b.statistic == float("-inf") and not b.drift_detected
+    assert np.array_equal(b.kernel.W, a.kernel.W if a.kernel is not None else None)
+    for x in requests[1_200:]:
+        b.update(x)
+    assert b.records_examined == 100
