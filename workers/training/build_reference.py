@@ -409,8 +409,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         init_weights=args.init_drafter,
     )
     recipe["drafter"]["training_data"] = "target continuations of prose prompts (forward KL on target logits)"
-    if args.init_drafter:
-        recipe["drafter"]["initialised_from"] = str(args.init_drafter)
     stage_times["drafter"] = time.perf_counter() - t
     if args.snapshot:
         _write_snapshot(drafter, args.snapshot, "drafter")

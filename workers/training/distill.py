@@ -317,6 +317,7 @@ def distill_drafter(
         "wall_s": round(state["wall_s"], 1),
         "history": state["history"],
         "agreement_on_validation_text": probes,
+        "initialised_from": str(init_weights) if init_weights is not None else None,
     }
     (work / "done.json").write_text(json.dumps(report, indent=1))
     return model, report
