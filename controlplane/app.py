@@ -10,7 +10,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from controlplane.api import acceptance, deployments, drift, health, keys, traces
+from controlplane.api import acceptance, deployments, drift, health, jobs, keys, traces
 from controlplane.api.deps import DeploymentIdCache, PrincipalCache
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
@@ -71,6 +71,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         details = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
         return _error(422, "ValidationProblem", "request is invalid", details)
 
-    for module in (health, keys, deployments, acceptance, drift, traces):
+    for module in (health, keys, deployments, acceptance, drift, traces, jobs):
         app.include_router(module.router)
     return app

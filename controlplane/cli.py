@@ -23,6 +23,8 @@ app.add_typer(deployment_app, name="deployment")
 app.add_typer(key_app, name="key")
 models_app = typer.Typer(no_args_is_help=True, help="Build the reference target and generic drafter.")
 app.add_typer(models_app, name="models")
+job_app = typer.Typer(no_args_is_help=True, help="List, get and cancel realignment jobs.")
+app.add_typer(job_app, name="job")
 
 
 class ApiClient:
@@ -249,6 +251,59 @@ def deployment_delete(deployment_id: Annotated[str, typer.Argument()]) -> None:
     client = ApiClient(get_settings())
     client.request("DELETE", f"/v1/accounts/{client.account}/deployments/{deployment_id}")
     typer.echo(f"deleted {deployment_id}")
+
+
+@deployment_app.command("realign")
+def deployment_realign(
+    deployment_id: Annotated[str, typer.Argument()],
+    time_budget_s: Annotated[float | None, typer.Option(help="training time budget in seconds")] = None,
+) -> None:
+    """Start a realignment now (returns the running one if there is one already)."""
+    client = ApiClient(get_settings())
+    params = {"time_budget_s": time_budget_s} if time_budget_s is not None else {}
+    _show(
+        client.request(
+            "POST", f"/v1/accounts/{client.account}/deployments/{deployment_id}:realign", {"params": params}
+        )
+    )
+
+
+@job_app.command("list")
+def job_list(
+    deployment_id: Annotated[str, typer.Argument()],
+    state: Annotated[
+        str | None, typer.Option(help="queued | running | succeeded | failed | cancelled")
+    ] = None,
+) -> None:
+    """List a deployment's jobs, newest first."""
+    client = ApiClient(get_settings())
+    path = f"/v1/accounts/{client.account}/deployments/{deployment_id}/jobs"
+    rows = client.request("GET", path + (f"?state={state}" if state else ""))["jobs"]
+    for row in rows:
+        typer.echo(
+            f"{row['id']}\t{row['kind']}\t{row['state']}\t{row['progress']:.0%}\t{row['progress_message']}"
+        )
+    if not rows:
+        typer.echo("no jobs", err=True)
+
+
+@job_app.command("get")
+def job_get(
+    deployment_id: Annotated[str, typer.Argument()], job_id: Annotated[int, typer.Argument()]
+) -> None:
+    """Show one job: state, attempts, progress, result."""
+    client = ApiClient(get_settings())
+    _show(client.request("GET", f"/v1/accounts/{client.account}/deployments/{deployment_id}/jobs/{job_id}"))
+
+
+@job_app.command("cancel")
+def job_cancel(
+    deployment_id: Annotated[str, typer.Argument()], job_id: Annotated[int, typer.Argument()]
+) -> None:
+    """Cancel a queued or running job (a running one stops at its next progress checkpoint)."""
+    client = ApiClient(get_settings())
+    path = f"/v1/accounts/{client.account}/deployments/{deployment_id}/jobs/{job_id}:cancel"
+    _show(client.request("POST", path))
 
 
 @key_app.command("create")

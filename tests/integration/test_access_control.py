@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from controlplane.db.models import Deployment, DriftEvent, DriftState, Role
+from controlplane.db.models import Deployment, DriftEvent, DriftState, Job, JobKind, Role
 from tests.conftest import Database, Tenant
 
 ADMIN = {Role.admin}
@@ -59,6 +59,10 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/drift-events/{event_id}:dismiss", ADMIN, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/drift-status", READ, None),
     ("PATCH", "/v1/accounts/{account}/deployments/{deployment}/drift-policy", ADMIN, {"min_drop": 0.1}),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/jobs", READ, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/jobs/{job_id}", READ, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/jobs/{job_id}:cancel", ADMIN, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}:realign", ADMIN, None),
     ("GET", "/v1/accounts/{account}/api-keys", ADMIN, None),
     ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
@@ -91,6 +95,17 @@ def _open_drift_event(db: Database, tenant: Tenant) -> int:
     return event_id
 
 
+def _queued_job(db: Database, event_id: int) -> int:
+    session = db.new_session()
+    event = session.get_one(DriftEvent, event_id)
+    job = Job(deployment_id=event.deployment_id, kind=JobKind.realign, drift_event_id=event_id)
+    session.add(job)
+    session.commit()
+    job_id = job.id
+    session.close()
+    return job_id
+
+
 def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
     admin = tenant.headers(Role.admin)
     response = client.post(
@@ -103,7 +118,14 @@ def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
         f"/v1/accounts/{tenant.name}/api-keys", json={"name": "spare", "role": "viewer"}, headers=admin
     ).json()
     event_id = _open_drift_event(db, tenant)
-    return {"account": tenant.name, "deployment": "svc", "key_id": str(key["id"]), "event_id": str(event_id)}
+    job_id = _queued_job(db, event_id)
+    return {
+        "account": tenant.name,
+        "deployment": "svc",
+        "key_id": str(key["id"]),
+        "event_id": str(event_id),
+        "job_id": str(job_id),
+    }
 
 
 def test_matrix_covers_every_account_route(client: TestClient) -> None:

@@ -1,0 +1,1 @@
+"""Jobs: realignment (and later canary) runs, their state machine, progress and cancellation."""

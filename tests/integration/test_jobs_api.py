@@ -1,0 +1,218 @@
+"""Jobs: one active realignment per deployment (even under concurrent requests), the state machine,
+progress and cancellation, through the API on both dialects."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import delete, func, select
+
+from controlplane.api.jobs import get_job_queue
+from controlplane.db.models import Account, Deployment, Job, JobState, Role, SpeculationMode
+from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.jobs.service import (
+    finish_job,
+    report_progress,
+    request_realign,
+    start_job,
+)
+from controlplane.jobs.states import ALLOWED, IllegalTransitionError, can_transition, transition
+from tests.conftest import Database, Tenant, make_tenant
+
+BASE = "/v1/accounts/acme/deployments"
+
+
+class RecordingQueue:
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def enqueue_realign(self, job_id: int) -> None:
+        self.sent.append(job_id)
+
+
+@pytest.fixture
+def queue(client: TestClient) -> RecordingQueue:
+    recording = RecordingQueue()
+    client.app.dependency_overrides[get_job_queue] = lambda: recording  # type: ignore[attr-defined]
+    return recording
+
+
+@pytest.fixture
+def acme(client: TestClient, tenants: tuple[Tenant, Tenant]) -> Tenant:
+    tenant = tenants[0]
+    response = client.post(
+        BASE, json={"target_model": "m", "deployment_id": "svc"}, headers=tenant.headers(Role.admin)
+    )
+    assert response.status_code == 201
+    return tenant
+
+
+def test_state_machine_refuses_illegal_transitions() -> None:
+    legal = {
+        (JobState.queued, JobState.running),
+        (JobState.queued, JobState.failed),
+        (JobState.queued, JobState.cancelled),
+        (JobState.running, JobState.running),  # redelivered after a worker crash
+        (JobState.running, JobState.succeeded),
+        (JobState.running, JobState.failed),
+        (JobState.running, JobState.cancelled),
+    }
+    for current in JobState:
+        for new in JobState:
+            assert can_transition(current, new) == ((current, new) in legal), (current, new)
+            if (current, new) not in legal:
+                with pytest.raises(IllegalTransitionError):
+                    transition(current, new)
+    assert set(ALLOWED) == set(JobState)
+
+
+def test_realign_creates_one_job_and_returns_it_again(
+    client: TestClient, acme: Tenant, queue: RecordingQueue
+) -> None:
+    admin = acme.headers(Role.admin)
+    first = client.post(f"{BASE}/svc:realign", json={"params": {"time_budget_s": 60}}, headers=admin)
+    assert first.status_code == 202, first.text
+    body = first.json()
+    assert body["created"] is True and body["state"] == "queued" and body["params"] == {"time_budget_s": 60}
+    second = client.post(f"{BASE}/svc:realign", headers=admin)
+    assert second.status_code == 200
+    assert second.json()["id"] == body["id"] and second.json()["created"] is False
+    assert queue.sent == [body["id"]]  # the second request enqueues nothing
+    listed = client.get(f"{BASE}/svc/jobs", headers=acme.headers(Role.viewer)).json()["jobs"]
+    assert [j["id"] for j in listed] == [body["id"]]
+    got = client.get(f"{BASE}/svc/jobs/{body['id']}", headers=acme.headers(Role.viewer)).json()
+    assert got["kind"] == "realign" and got["attempts"] == 0
+    assert client.get(f"{BASE}/svc/jobs/999999", headers=admin).status_code == 404
+    bad = client.post(f"{BASE}/svc:realign", json={"params": {"learning_rate": 1}}, headers=admin)
+    assert bad.status_code == 422
+
+
+def test_roles(client: TestClient, acme: Tenant, queue: RecordingQueue) -> None:
+    for role in (Role.viewer, Role.ingest):
+        assert client.post(f"{BASE}/svc:realign", headers=acme.headers(role)).status_code == 403
+    assert client.get(f"{BASE}/svc/jobs", headers=acme.headers(Role.ingest)).status_code == 403
+    job_id = client.post(f"{BASE}/svc:realign", headers=acme.headers(Role.admin)).json()["id"]
+    cancel = client.post(f"{BASE}/svc/jobs/{job_id}:cancel", headers=acme.headers(Role.viewer))
+    assert cancel.status_code == 403
+    assert queue.sent == [job_id]
+
+
+def test_cancel_and_worker_transitions(
+    client: TestClient, acme: Tenant, queue: RecordingQueue, db: Database
+) -> None:
+    admin = acme.headers(Role.admin)
+    job_id = client.post(f"{BASE}/svc:realign", headers=admin).json()["id"]
+    session = db.new_session()
+    job = start_job(session=session, job_id=job_id, celery_task_id="t1")
+    assert job.state == JobState.running and job.attempts == 1
+    assert report_progress(session=session, job_id=job_id, fraction=0.25, message="epoch 1")
+    session.commit()
+    # A redelivered message restarts the running job: one more attempt.
+    assert start_job(session=session, job_id=job_id).attempts == 2
+    session.commit()
+    session.close()
+    got = client.get(f"{BASE}/svc/jobs/{job_id}", headers=admin).json()
+    assert (
+        got["state"] == "running"
+        and got["progress"] == 0.25
+        and got["progress_message"].startswith("attempt")
+    )
+
+    cancelled = client.post(f"{BASE}/svc/jobs/{job_id}:cancel", headers=admin)
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+    session = db.new_session()
+    # The worker learns of the cancel at its next progress checkpoint, and cannot finish the job.
+    assert report_progress(session=session, job_id=job_id, fraction=0.5, message="epoch 2") is False
+    with pytest.raises(IllegalTransitionError):
+        finish_job(session=session, job_id=job_id, result={})
+    session.rollback()
+    session.close()
+    again = client.post(f"{BASE}/svc/jobs/{job_id}:cancel", headers=admin)
+    assert again.status_code == 409
+    # The cancelled job no longer blocks a new realignment.
+    fresh = client.post(f"{BASE}/svc:realign", headers=admin)
+    assert fresh.status_code == 202 and fresh.json()["id"] != job_id
+    states = [j["state"] for j in client.get(f"{BASE}/svc/jobs", headers=admin).json()["jobs"]]
+    assert states == ["queued", "cancelled"]
+    assert client.get(f"{BASE}/svc/jobs?state=cancelled", headers=admin).json()["jobs"][0]["id"] == job_id
+    assert client.get(f"{BASE}/svc/jobs?state=bogus", headers=admin).status_code == 422
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_two_concurrent_requests_start_one_job(
+    dialect: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Two transactions insert at once: the unique index makes the second return the first's job."""
+    if dialect == "sqlite":
+        template: Path = request.getfixturevalue("sqlite_template")
+        shutil.copy(template, tmp_path / "race.db")
+        url = f"sqlite:///{tmp_path / 'race.db'}"
+    else:
+        url = request.getfixturevalue("migrated_pg_url")
+    sessions = get_sessionmaker(url)
+    with sessions() as session:
+        tenant = make_tenant(session, f"race{dialect}")
+        deployment = Deployment(
+            account_id=tenant.account_id,
+            name="svc",
+            target_model="m",
+            speculation_mode=SpeculationMode.default,
+            drift_policy={},
+            canary_policy={},
+        )
+        session.add(deployment)
+        session.commit()
+        deployment_id = deployment.id
+    try:
+        first_flushed = threading.Event()
+        results: dict[str, int] = {}
+        errors: list[BaseException] = []
+
+        def first() -> None:
+            try:
+                with sessions() as session:
+                    target = session.get_one(Deployment, deployment_id)
+                    outcome = request_realign(session=session, deployment=target, actor="drift:1")
+                    first_flushed.set()
+                    time.sleep(0.5)  # hold the row uncommitted while the other request arrives
+                    session.commit()
+                    results["first"] = outcome.job.id
+            except BaseException as exc:  # surfaced below
+                first_flushed.set()
+                errors.append(exc)
+
+        def second() -> None:
+            try:
+                first_flushed.wait(10)
+                with sessions() as session:
+                    target = session.get_one(Deployment, deployment_id)
+                    outcome = request_realign(session=session, deployment=target, actor="drift:2")
+                    session.commit()
+                    results["second"] = outcome.job.id
+                    results["second_created"] = int(outcome.created)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert results["first"] == results["second"] and results["second_created"] == 0
+        with sessions() as session:
+            count = session.scalar(
+                select(func.count()).select_from(Job).where(Job.deployment_id == deployment_id)
+            )
+        assert count == 1
+    finally:
+        with sessions() as session:
+            session.execute(delete(Account).where(Account.id == tenant.account_id))
+            session.commit()
+        if dialect == "sqlite":
+            get_engine(url).dispose()
