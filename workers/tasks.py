@@ -6,15 +6,32 @@ No statistics or training logic lives here (see controlplane.drift and workers.t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
+from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from controlplane.config import get_settings
-from controlplane.db.models import utcnow
+from controlplane.db.models import (
+    Deployment,
+    DrafterState,
+    DrafterVersion,
+    DriftEvent,
+    Job,
+    JobState,
+    Trace,
+    utcnow,
+)
 from controlplane.db.session import unit_of_work
+from controlplane.deployments.service import active_drafter
 from controlplane.drift.service import advance_monitor, deployments_with_new_records
 from controlplane.errors import ConflictError
+from controlplane.jobs.service import fail_job, finish_job, report_progress, start_job
+from controlplane.jobs.states import TERMINAL
 from controlplane.traces.service import apply_retention
 from workers.celery_app import InstrumentedTask, TransientError, celery_app
 
@@ -72,3 +89,241 @@ def apply_trace_retention() -> dict[str, int]:
     except OperationalError as exc:
         raise TransientError(str(exc)) from exc
     return {str(deployment_id): count for deployment_id, count in deleted.items()}
+
+
+# ------------------------------------------------------------------------------------ realignment
+
+REFERENCE_MODELS = Path(__file__).resolve().parent / "models" / "reference"
+# Traces from a little before the alarm count as post-drift: detection lags the change itself.
+DRIFT_LOOKBACK = timedelta(minutes=15)
+MAX_RECENT_TRACES = 4000
+MAX_REPLAY_TRACES = 2000
+DEFAULT_TIME_BUDGET_S = 240.0
+
+
+def _model_folder(name: str | None, fallback: Path) -> Path:
+    """A local HF folder for a model name: the path itself, a reference model's name, else the fallback.
+
+    Deployments on the reference setup name their models loosely ("m", "reference"); the fallback
+    is recorded in the version's training metrics, so a silent substitution stays visible.
+    """
+    if name:
+        for candidate in (Path(name), REFERENCE_MODELS / name):
+            if (candidate / "config.json").is_file():
+                return candidate
+    return fallback
+
+
+@dataclass
+class _RealignInputs:
+    deployment_id: int
+    target_folder: Path
+    incumbent_folder: Path
+    incumbent_sha256: str | None
+    parent_version_id: int | None
+    recent: list[Any]
+    older: list[Any]
+    window_start: datetime | None
+    window_end: datetime | None
+    params: dict[str, Any]
+
+
+def _trace_texts(rows: list[Trace]) -> list[Any]:
+    from workers.training.realign import TraceText
+
+    return [TraceText(f"trace-{t.id}", t.prompt, t.completion) for t in rows]
+
+
+def _realign_inputs(session: Session, job: Job) -> _RealignInputs:
+    deployment = session.get_one(Deployment, job.deployment_id)
+    params = dict(job.params or {})
+    since: datetime | None = None
+    if params.get("since"):
+        since = datetime.fromisoformat(str(params["since"]))
+    elif job.drift_event_id is not None:
+        event = session.get(DriftEvent, job.drift_event_id)
+        since = event.detected_at - DRIFT_LOOKBACK if event is not None else None
+    recent_q = select(Trace).where(Trace.deployment_id == deployment.id)
+    if since is not None:
+        recent_q = recent_q.where(Trace.created_at >= since)
+    limit = int(params.get("max_traces") or MAX_RECENT_TRACES)
+    recent = list(session.scalars(recent_q.order_by(Trace.id.desc()).limit(limit)))[::-1]
+    older: list[Trace] = []
+    if since is not None:
+        older = list(
+            session.scalars(
+                select(Trace)
+                .where(Trace.deployment_id == deployment.id, Trace.created_at < since)
+                .order_by(Trace.id.desc())
+                .limit(MAX_REPLAY_TRACES)
+            )
+        )[::-1]
+    active = active_drafter(session=session, deployment_id=deployment.id)
+    if active is not None:
+        incumbent, incumbent_sha = Path(active.artifact_path), active.artifact_sha256
+    else:
+        incumbent = _model_folder(deployment.draft_model, REFERENCE_MODELS / "generic-drafter")
+        incumbent_sha = None
+    return _RealignInputs(
+        deployment_id=deployment.id,
+        target_folder=_model_folder(deployment.target_model, REFERENCE_MODELS / "target"),
+        incumbent_folder=incumbent,
+        incumbent_sha256=incumbent_sha,
+        parent_version_id=active.id if active is not None else None,
+        recent=_trace_texts(recent),
+        older=_trace_texts(older),
+        window_start=recent[0].created_at if recent else None,
+        window_end=recent[-1].created_at if recent else None,
+        params=params,
+    )
+
+
+def _version_of_job(session: Session, job_id: int) -> DrafterVersion | None:
+    return session.scalar(select(DrafterVersion).where(DrafterVersion.training_job_id == job_id))
+
+
+def _succeed_with(session: Session, job: Job, version: DrafterVersion) -> dict[str, Any]:
+    result = {"drafter_version": version.version, "drafter_version_id": version.id}
+    if job.state in (JobState.queued, JobState.running):
+        if job.state == JobState.queued:
+            start_job(session=session, job_id=job.id)
+        finish_job(session=session, job_id=job.id, result={**result, "metrics": version.training_metrics})
+    return result
+
+
+@celery_app.task(name="realign.run", base=InstrumentedTask, bind=True)
+def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
+    """Realign a deployment's drafter for one job; safe to run again for the same job.
+
+    A redelivered message (the worker died) restarts training from the incumbent: training is
+    minutes, and a restart needs no checkpoint to trust. The version is registered under a lock
+    on the job row, and only if none exists for the job: never two versions for one job.
+    """
+    settings = get_settings()
+    url = settings.database_url
+    try:
+        with unit_of_work(url) as session:
+            job = session.get(Job, job_id)
+            if job is None:
+                return {"job_id": job_id, "skipped": "no such job"}
+            if (existing := _version_of_job(session, job_id)) is not None:
+                return {
+                    "job_id": job_id,
+                    **_succeed_with(session, job, existing),
+                    "skipped": "already registered",
+                }
+            if job.state in TERMINAL:
+                return {"job_id": job_id, "skipped": f"job is {job.state.value}"}
+            start_job(session=session, job_id=job_id, celery_task_id=self.request.id)
+            inputs = _realign_inputs(session, job)
+    except OperationalError as exc:
+        raise TransientError(str(exc)) from exc
+
+    def progress(fraction: float, message: str) -> bool:
+        self.report_progress(fraction, message)
+        with unit_of_work(url) as session:
+            return report_progress(session=session, job_id=job_id, fraction=fraction, message=message)
+
+    try:
+        metrics, artifact = _train_and_save(inputs, job_id, settings.artifact_dir, progress)
+    except _Stopped as stop:
+        log.info("realign job %s stopped: %s", job_id, stop)
+        return {"job_id": job_id, "stopped": str(stop)}
+    except Exception as exc:  # a bug or bad data does not get better on retry: record it and stop
+        log.exception("realign job %s failed", job_id)
+        with unit_of_work(url) as session:
+            fail_job(session=session, job_id=job_id, error=f"{type(exc).__name__}: {exc}")
+        return {"job_id": job_id, "failed": str(exc)}
+
+    with unit_of_work(url) as session:
+        job = session.get_one(Job, job_id, with_for_update=True)
+        if (existing := _version_of_job(session, job_id)) is not None:
+            return {"job_id": job_id, **_succeed_with(session, job, existing)}
+        if job.state != JobState.running:
+            return {"job_id": job_id, "skipped": f"job became {job.state.value} while training"}
+        last = session.scalar(
+            select(func.max(DrafterVersion.version)).where(
+                DrafterVersion.deployment_id == inputs.deployment_id
+            )
+        )
+        version = DrafterVersion(
+            deployment_id=inputs.deployment_id,
+            version=int(last or 0) + 1,
+            parent_version_id=inputs.parent_version_id,
+            training_job_id=job_id,
+            traffic_window_start=inputs.window_start,
+            traffic_window_end=inputs.window_end,
+            artifact_path=str(artifact.path),
+            artifact_sha256=artifact.sha256,
+            state=DrafterState.candidate,
+            training_metrics=metrics,
+            eval_metrics={},
+        )
+        session.add(version)
+        session.flush()
+        return {"job_id": job_id, **_succeed_with(session, job, version)}
+
+
+class _Stopped(Exception):
+    """Training stopped without a result: the job was cancelled, or there was too little data."""
+
+
+def _train_and_save(
+    inputs: _RealignInputs, job_id: int, artifact_dir: Path, progress: Any
+) -> tuple[dict[str, Any], Any]:
+    # torch is imported here, not at module import: the beat and drift tasks share this module.
+    import torch
+
+    from workers.engine.hf_io import load_hf_folder
+    from workers.training.realign import (
+        NotEnoughDataError,
+        RealignCancelledError,
+        RealignConfig,
+        realign,
+        save_drafter,
+    )
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, tokenizer = load_hf_folder(inputs.target_folder, device=device)
+    incumbent, incumbent_tok = load_hf_folder(
+        inputs.incumbent_folder, device=device, expected_sha256=inputs.incumbent_sha256
+    )
+    if incumbent_tok.fingerprint != tokenizer.fingerprint:
+        raise ValueError("the incumbent drafter's tokenizer differs from the target's")
+    params = inputs.params
+    cfg = RealignConfig(
+        seed=int(params.get("seed", 0)),
+        time_budget_s=float(params.get("time_budget_s", DEFAULT_TIME_BUDGET_S)),
+        device=device,
+    )
+    if params.get("replay_share") is not None:
+        cfg.replay_share = float(params["replay_share"])
+    try:
+        result = realign(target, incumbent, tokenizer, inputs.recent, inputs.older, cfg, progress=progress)
+    except RealignCancelledError as exc:
+        raise _Stopped(f"cancelled at: {exc}") from exc
+    except NotEnoughDataError as exc:
+        with unit_of_work(get_settings().database_url) as session:
+            fail_job(session=session, job_id=job_id, error=str(exc))
+        raise _Stopped(str(exc)) from exc
+    metrics = {
+        **{k: v for k, v in result.metrics.items() if k != "config"},
+        "seed": cfg.seed,
+        "time_budget_s": cfg.time_budget_s,
+        "target_folder": str(inputs.target_folder),
+        "incumbent_folder": str(inputs.incumbent_folder),
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+    }
+    folder = Path(artifact_dir) / f"deployment-{inputs.deployment_id}" / f"job-{job_id}"
+    artifact = save_drafter(
+        result.model,
+        tokenizer,
+        folder,
+        metadata={
+            "job_id": job_id,
+            "deployment_id": inputs.deployment_id,
+            "target": str(inputs.target_folder),
+        },
+    )
+    progress(0.99, "artifact saved")
+    return metrics, artifact

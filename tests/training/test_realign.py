@@ -1,0 +1,272 @@
+"""Realignment on tiny models: dataset building, the loop lowers held-out TVD in seconds, seeds
+reproduce, cancellation, the artifact; and the ``realign.run`` task against a real database
+(redelivery registers one version, a cancel stops the run)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sqlalchemy import func, select
+
+from controlplane.config import Settings
+from controlplane.db.models import (
+    Deployment,
+    DrafterState,
+    DrafterVersion,
+    Job,
+    JobState,
+    SpeculationMode,
+    Trace,
+    TraceSource,
+)
+from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.jobs.service import cancel_job, request_realign
+from tests.conftest import TEST_SECRET, make_tenant
+from workers.engine.hf_io import load_hf_folder, save_hf_folder
+from workers.engine.model import ModelConfig, Transformer, build_model
+from workers.engine.tokenizer import Tokenizer
+from workers.training.realign import (
+    MANIFEST_NAME,
+    SPEC_CONFIG_NAME,
+    RealignCancelledError,
+    RealignConfig,
+    TraceText,
+    build_dataset,
+    realign,
+    save_drafter,
+    verify_artifact,
+)
+
+REFERENCE = Path(__file__).resolve().parents[2] / "workers" / "models" / "reference"
+LINES = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    total += i\n",
+    "if x is None:\n    raise ValueError('x')\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "with open(path) as f:\n    data = f.read()\n",
+    "import os\nprint(os.getcwd())\n",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Any:
+    # Tiny models: one thread is fastest, and it leaves the other core to the jobs beside us.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(REFERENCE / "target")
+
+
+def _peaked(model: Transformer, scale: float) -> Transformer:
+    # Random 0.02-std weights give a near-uniform target, which any drafter matches already.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.mul_(scale)
+    return model.eval()
+
+
+def _config(dim: int, layers: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=4096, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=4, ffn_dim=2 * dim, max_seq_len=256
+    )
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Transformer, Transformer]:
+    target = _peaked(build_model(_config(64, 2), seed=1), 25.0)
+    # The incumbent: the target with its weights perturbed, a drafter that is close but off.
+    drafter = build_model(_config(64, 2), seed=1)
+    drafter.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.ndim >= 2:
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.6)
+    return target, drafter.eval()
+
+
+def traces(n: int, prefix: str = "r") -> list[TraceText]:
+    out = []
+    for i in range(n):
+        a, b = LINES[i % len(LINES)], LINES[(i * 5 + 1) % len(LINES)]
+        out.append(TraceText(f"{prefix}{i}", a + f"# {i}\n", b + LINES[(i + 2) % len(LINES)]))
+    return out
+
+
+FAST = RealignConfig(
+    seed=3, time_budget_s=20, batch_rows=8, max_epochs=6, evals=4, patience=10, lr=3e-3, device="cpu"
+)
+
+
+def test_dataset_holds_out_by_request_and_replays_a_share(tokenizer: Tokenizer) -> None:
+    recent, older = traces(80), traces(100, prefix="old")
+    cfg = RealignConfig(seed=0, holdout_share=0.2, replay_share=0.25)
+    data = build_dataset(recent, older, tokenizer, cfg, max_len=256)
+    assert not set(data.train.keys) & set(data.held_out.keys)
+    assert all(k.startswith("r") for k in data.held_out.keys)  # evaluation is on recent traffic only
+    assert 8 <= len(data.held_out) <= 28
+    assert data.replay_rows == round(data.recent_rows * 0.25 / 0.75)
+    assert all(s >= 1 and len(t) > s for t, s in zip(data.train.ids, data.train.starts, strict=True))
+    again = build_dataset(recent, older, tokenizer, cfg, max_len=256)
+    assert again.train.keys == data.train.keys  # the split and the replay choice follow the seed
+
+
+def test_realign_lowers_held_out_tvd_and_reproduces(
+    tokenizer: Tokenizer, models: tuple[Transformer, Transformer]
+) -> None:
+    target, drafter = models
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    first = realign(target, drafter, tokenizer, traces(48), traces(16, "old"), FAST)
+    m = first.metrics
+    assert m["held_out_after"]["expected_acceptance"] > m["held_out_before"]["expected_acceptance"] + 0.05
+    assert m["steps_run"] >= 2 and m["train_tokens_per_s"] > 0
+    assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in before.items())  # incumbent untouched
+    second = realign(target, drafter, tokenizer, traces(48), traces(16, "old"), FAST)
+    if second.metrics["steps_run"] == m["steps_run"]:  # a loaded machine may fit fewer steps in the budget
+        for k, v in first.model.state_dict().items():
+            assert torch.equal(v, second.model.state_dict()[k]), k
+
+
+def test_cancel_stops_at_a_checkpoint(tokenizer: Tokenizer, models: tuple[Transformer, Transformer]) -> None:
+    target, drafter = models
+    seen: list[str] = []
+
+    def progress(fraction: float, message: str) -> bool:
+        seen.append(message)
+        return len(seen) < 3
+
+    with pytest.raises(RealignCancelledError):
+        realign(target, drafter, tokenizer, traces(48), (), FAST, progress=progress)
+    assert len(seen) == 3
+
+
+def test_artifact_loads_with_its_checksum(
+    tmp_path: Path, tokenizer: Tokenizer, models: tuple[Transformer, Transformer]
+) -> None:
+    _, drafter = models
+    artifact = save_drafter(
+        drafter, tokenizer, tmp_path / "v1", num_speculative_tokens=4, metadata={"job_id": 7}
+    )
+    loaded, _ = load_hf_folder(artifact.path, expected_sha256=artifact.sha256)
+    assert loaded.config.dim == drafter.config.dim
+    assert verify_artifact(artifact.path)
+    spec = json.loads((artifact.path / SPEC_CONFIG_NAME).read_text())
+    assert spec["num_speculative_tokens"] == 4 and spec["model"] == str(artifact.path.resolve())
+    manifest = json.loads((artifact.path / MANIFEST_NAME).read_text())
+    assert {"config.json", "model.safetensors", "tokenizer.json", SPEC_CONFIG_NAME} <= set(manifest["files"])
+    (artifact.path / "config.json").write_text("{}")
+    assert not verify_artifact(artifact.path)
+
+
+# ------------------------------------------------------------------------------- the realign.run task
+
+
+@pytest.fixture
+def task_db(
+    sqlite_template: Path,
+    tmp_path: Path,
+    tokenizer: Tokenizer,
+    models: tuple[Transformer, Transformer],
+    monkeypatch: Any,
+) -> tuple[str, int]:
+    import workers.tasks
+
+    path = tmp_path / "tasks.db"
+    shutil.copy(sqlite_template, path)
+    url = f"sqlite:///{path}"
+    settings = Settings(
+        database_url=url, environment="test", secret_key=TEST_SECRET, artifact_dir=tmp_path / "art"
+    )
+    monkeypatch.setattr(workers.tasks, "get_settings", lambda: settings)
+    monkeypatch.setattr(workers.tasks, "DEFAULT_TIME_BUDGET_S", 8.0)
+    target, drafter = models
+    save_hf_folder(target, tokenizer, tmp_path / "target")
+    save_hf_folder(drafter, tokenizer, tmp_path / "drafter")
+    with get_sessionmaker(url)() as session:
+        tenant = make_tenant(session, "acme")
+        deployment = Deployment(
+            account_id=tenant.account_id,
+            name="svc",
+            target_model=str(tmp_path / "target"),
+            speculation_mode=SpeculationMode.draft_model,
+            draft_model=str(tmp_path / "drafter"),
+            drift_policy={},
+            canary_policy={},
+        )
+        session.add(deployment)
+        session.flush()
+        for t in traces(40):
+            session.add(
+                Trace(
+                    deployment_id=deployment.id,
+                    source=TraceSource.sampled,
+                    prompt=t.prompt,
+                    completion=t.completion,
+                )
+            )
+        job = request_realign(session=session, deployment=deployment).job
+        session.commit()
+        job_id = job.id
+    yield url, job_id
+    get_engine(url).dispose()
+
+
+def test_task_registers_one_candidate_even_when_redelivered(task_db: tuple[str, int]) -> None:
+    from workers.tasks import run_realign
+
+    url, job_id = task_db
+    out = run_realign(job_id)
+    assert out["drafter_version"] == 1, out
+    again = run_realign(job_id)  # the broker redelivers after a lost ack
+    assert again["drafter_version"] == 1
+    with get_sessionmaker(url)() as session:
+        versions = list(session.scalars(select(DrafterVersion)))
+        job = session.get_one(Job, job_id)
+    assert len(versions) == 1 and job.state == JobState.succeeded and job.attempts == 1
+    v = versions[0]
+    assert v.state == DrafterState.candidate and v.training_job_id == job_id and v.parent_version_id is None
+    assert v.traffic_window_start is not None and v.training_metrics["steps_run"] >= 1
+    loaded, _ = load_hf_folder(v.artifact_path, expected_sha256=v.artifact_sha256)
+    assert verify_artifact(v.artifact_path)
+    assert job.result["drafter_version"] == 1 and job.progress == 1.0
+
+
+def test_task_stops_when_the_job_is_cancelled(task_db: tuple[str, int], monkeypatch: Any) -> None:
+    import workers.tasks
+    from controlplane.jobs import service
+
+    url, job_id = task_db
+    real = service.report_progress
+    calls = {"n": 0}
+
+    def cancel_midway(*, session: Any, job_id: int, fraction: float, message: str) -> bool:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            with get_sessionmaker(url)() as other:
+                job = other.get_one(Job, job_id)
+                cancel_job(
+                    session=other,
+                    deployment=other.get_one(Deployment, job.deployment_id),
+                    job_id=job_id,
+                    actor="t",
+                )
+                other.commit()
+        return real(session=session, job_id=job_id, fraction=fraction, message=message)
+
+    monkeypatch.setattr(workers.tasks, "report_progress", cancel_midway)
+    out = workers.tasks.run_realign(job_id)
+    assert "stopped" in out
+    with get_sessionmaker(url)() as session:
+        assert session.scalar(select(func.count()).select_from(DrafterVersion)) == 0
+        assert session.get_one(Job, job_id).state == JobState.cancelled

@@ -1,0 +1,520 @@
+"""Realignment: distil a deployment's drafter from the target on that deployment's own traffic.
+
+Pure PyTorch (no Celery, no database): the task in ``workers.tasks`` hands in trace texts and
+reports progress; this module owns
+
+- the dataset: prompt + completion text per trace, tokenized as serving saw it (prompt tokens,
+  then completion tokens), the loss on completion positions only (what the target wrote); recent
+  traces plus a replay share of older ones so that the traffic before the drift is not forgotten;
+  a held-out split *by request* (a hash of the trace key and the seed), never by position;
+- the teacher: the target runs once over every row and its distribution is kept as the top-K
+  tokens per position, so epochs cost drafter work only (the target forward dominates on a CPU);
+- the loss: forward KL to the (truncated) target distribution, mass-covering, plus total-variation
+  distance, which is exactly 1 - expected acceptance of a sampled draft token;
+- hyperparameters from data size and a time budget: a timed probe step fixes how many steps fit,
+  epochs are capped, the learning rate scales with the data, cosine schedule, and early stopping on
+  held-out expected acceptance (sum of min(p, q)) with the best weights kept;
+- determinism: one seed drives initial state, split, replay choice and batch order;
+- the artifact: an HF folder (``workers.engine.hf_io``), a sha256 manifest of every file, and a
+  vLLM ``--speculative-config`` JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from workers.engine.hf_io import save_hf_folder, sha256_of_file
+from workers.engine.model import Transformer
+from workers.engine.tokenizer import Tokenizer
+from workers.training.common import autocast, cosine_lr, make_optimizer
+
+# progress(fraction, message) -> keep going? False stops the run (the job was cancelled).
+ProgressFn = Callable[[float, str], bool]
+MANIFEST_NAME = "MANIFEST.json"
+SPEC_CONFIG_NAME = "speculative_config.json"
+
+
+class RealignCancelledError(RuntimeError):
+    """The progress callback asked the run to stop."""
+
+
+class NotEnoughDataError(ValueError):
+    """Too few usable traces to train and hold some out."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceText:
+    """One served request: its key (the hold-out unit), prompt and completion text."""
+
+    key: str
+    prompt: str
+    completion: str
+
+
+@dataclass
+class RealignConfig:
+    seed: int = 0
+    time_budget_s: float = 240.0
+    # Share of training rows drawn from traffic before the drift point (forgetting guard).
+    replay_share: float = 0.25
+    holdout_share: float = 0.1
+    max_holdout_rows: int = 48
+    min_train_rows: int = 4
+    # Rows are cut to the last max_prompt_tokens of the prompt and max_completion_tokens of the
+    # completion, and never beyond the drafter's context.
+    max_prompt_tokens: int = 192
+    max_completion_tokens: int = 192
+    teacher_top_k: int = 32
+    tvd_weight: float = 0.5
+    batch_rows: int = 16
+    max_epochs: float = 6.0
+    lr: float | None = None  # None: chosen from the data size
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    evals: int = 10  # held-out evaluations over the planned run
+    patience: int = 3
+    device: str | None = None  # None: CUDA when available, else CPU
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Rows:
+    """Token rows and where each row's completion starts; tensors stay on the CPU until batched."""
+
+    ids: list[torch.Tensor]  # each [T_i] int64
+    starts: list[int]  # index of the first completion token in each row
+    keys: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def completion_tokens(self) -> int:
+        return sum(len(t) - s for t, s in zip(self.ids, self.starts, strict=True))
+
+
+@dataclass
+class RealignDataset:
+    train: Rows
+    held_out: Rows
+    recent_rows: int
+    replay_rows: int
+
+
+@dataclass
+class Teacher:
+    """The target's top-K distribution at every completion position of some rows.
+
+    ``probs[i]``/``index[i]`` are [N_i, K] for row i (N_i completion positions); ``coverage`` is the
+    mean top-K mass, the share of the target's distribution the loss actually sees.
+    """
+
+    probs: list[torch.Tensor]
+    index: list[torch.Tensor]
+    coverage: float
+
+
+@dataclass
+class RealignResult:
+    model: Transformer
+    metrics: dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def _held_out(key: str, seed: int, share: float) -> bool:
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def _encode(traces: Sequence[TraceText], tokenizer: Tokenizer, cfg: RealignConfig, max_len: int) -> Rows:
+    rows = Rows([], [], [])
+    if not traces:
+        return rows
+    prompts = tokenizer.encode_batch([t.prompt for t in traces])
+    completions = tokenizer.encode_batch([t.completion for t in traces])
+    for trace, p, c in zip(traces, prompts, completions, strict=True):
+        c = c[: cfg.max_completion_tokens]
+        p = p[-cfg.max_prompt_tokens :] if cfg.max_prompt_tokens else []
+        if len(p) + len(c) > max_len:
+            c = c[: max_len - len(p)]
+        if not p or len(c) < 2:
+            continue  # a completion position needs the token before it (the last prompt token)
+        rows.ids.append(torch.tensor(p + c, dtype=torch.long))
+        rows.starts.append(len(p))
+        rows.keys.append(trace.key)
+    return rows
+
+
+def build_dataset(
+    recent: Sequence[TraceText],
+    older: Sequence[TraceText],
+    tokenizer: Tokenizer,
+    cfg: RealignConfig,
+    max_len: int,
+) -> RealignDataset:
+    """Recent traces split train/held-out by request; older traces replayed at ``replay_share``.
+
+    Evaluation uses recent traffic only: that is the traffic the new drafter is for.
+    """
+    train_recent = [t for t in recent if not _held_out(t.key, cfg.seed, cfg.holdout_share)]
+    held = [t for t in recent if _held_out(t.key, cfg.seed, cfg.holdout_share)]
+    if not held and len(train_recent) > 1:  # tiny sets: hold out one request rather than none
+        held = [train_recent.pop()]
+    held = held[: cfg.max_holdout_rows]
+    train = _encode(train_recent, tokenizer, cfg, max_len)
+    held_rows = _encode(held, tokenizer, cfg, max_len)
+    n_recent = len(train)
+    replay_rows = 0
+    if older and cfg.replay_share > 0 and n_recent:
+        # r / (n + r) = share  =>  r = n * share / (1 - share)
+        want = round(n_recent * cfg.replay_share / (1 - cfg.replay_share))
+        rng = np.random.default_rng([cfg.seed, 1])
+        pick = rng.permutation(len(older))[:want]
+        replay = _encode([older[i] for i in sorted(pick)], tokenizer, cfg, max_len)
+        replay_rows = len(replay)
+        train.ids += replay.ids
+        train.starts += replay.starts
+        train.keys += replay.keys
+    if len(train) < cfg.min_train_rows or not len(held_rows):
+        raise NotEnoughDataError(
+            f"{len(train)} usable training rows and {len(held_rows)} held out from {len(recent)} recent "
+            f"traces; need at least {cfg.min_train_rows} and 1"
+        )
+    return RealignDataset(train, held_rows, n_recent, replay_rows)
+
+
+def _pad(ids: Sequence[torch.Tensor], pad_id: int) -> torch.Tensor:
+    width = max(len(t) for t in ids)
+    out = torch.full((len(ids), width), pad_id, dtype=torch.long)  # [B, T]
+    for i, t in enumerate(ids):
+        out[i, : len(t)] = t
+    return out
+
+
+def _completion_logits(
+    model: Transformer, rows: Rows, picks: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """Logits at the completion positions of the picked rows, concatenated: [N, V].
+
+    Right padding is harmless under causal attention: no real position attends to a pad.
+    """
+    batch = _pad([rows.ids[i] for i in picks], 0).to(device)  # [B, T]
+    with autocast(device):
+        logits = model(batch[:, :-1])  # [B, T-1, V]
+    parts = [logits[b, rows.starts[i] - 1 : len(rows.ids[i]) - 1] for b, i in enumerate(picks)]  # [N_i, V]
+    return torch.cat(parts).float()
+
+
+@torch.no_grad()
+def teacher_targets(
+    target: Transformer, rows: Rows, top_k: int, device: torch.device, batch_rows: int = 16
+) -> Teacher:
+    """Run the target once over every row and keep its top-K next-token distribution."""
+    target.eval()
+    probs: list[torch.Tensor] = []
+    index: list[torch.Tensor] = []
+    mass = 0.0
+    count = 0
+    for lo in range(0, len(rows), batch_rows):
+        picks = list(range(lo, min(len(rows), lo + batch_rows)))
+        p = torch.softmax(_completion_logits(target, rows, picks, device), dim=-1)  # [N, V]
+        top_p, top_i = p.topk(top_k, dim=-1)  # [N, K]
+        mass += float(top_p.sum())
+        count += len(top_p)
+        offset = 0
+        for i in picks:
+            n = len(rows.ids[i]) - rows.starts[i]
+            probs.append(top_p[offset : offset + n].cpu())
+            index.append(top_i[offset : offset + n].cpu())
+            offset += n
+    return Teacher(probs, index, mass / max(count, 1))
+
+
+def _gather(
+    teacher: Teacher, picks: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.cat([teacher.probs[i] for i in picks]).to(device),  # [N, K]
+        torch.cat([teacher.index[i] for i in picks]).to(device),  # [N, K]
+    )
+
+
+def distill_loss(
+    student_logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor, tvd_weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, TVD) for student logits [N, V] against the teacher's top-K probs/ids [N, K].
+
+    KL term: cross-entropy to the renormalised top-K teacher (KL up to a constant). TVD term: with
+    the teacher's mass outside its top K taken as zero, 0.5 * (sum_K |p - q| + (1 - sum_K q)).
+    """
+    log_q = F.log_softmax(student_logits, dim=-1)  # [N, V]
+    log_q_top = log_q.gather(-1, top_i)  # [N, K]
+    p_norm = top_p / top_p.sum(-1, keepdim=True)
+    kl = -(p_norm * log_q_top).sum(-1).mean()
+    q_top = log_q_top.exp()
+    tvd = 0.5 * ((top_p - q_top).abs().sum(-1) + (1 - q_top.sum(-1)).clamp_min(0)).mean()
+    return kl + tvd_weight * tvd, tvd
+
+
+@torch.no_grad()
+def evaluate(
+    drafter: Transformer, rows: Rows, teacher: Teacher, device: torch.device, batch_rows: int = 16
+) -> dict[str, float]:
+    """Held-out expected acceptance (sum over the teacher's top K of min(p, q): a lower bound on
+    1 - TVD, tight when the top K holds the mass) and greedy agreement (drafter argmax = target's)."""
+    was_training = drafter.training
+    drafter.eval()
+    accept = agree = 0.0
+    n = 0
+    for lo in range(0, len(rows), batch_rows):
+        picks = list(range(lo, min(len(rows), lo + batch_rows)))
+        q = torch.softmax(_completion_logits(drafter, rows, picks, device), dim=-1)  # [N, V]
+        top_p, top_i = _gather(teacher, picks, device)
+        accept += float(torch.minimum(top_p, q.gather(-1, top_i)).sum())
+        agree += float((q.argmax(-1) == top_i[:, 0]).sum())
+        n += len(q)
+    drafter.train(was_training)
+    return {"expected_acceptance": accept / max(n, 1), "greedy_agreement": agree / max(n, 1)}
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is not None:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def choose_lr(train_tokens: int) -> float:
+    """Fine-tuning learning rate: smaller on little data, where a large step overwrites the incumbent."""
+    return float(min(2e-3, max(3e-4, 2e-3 * math.sqrt(train_tokens / 60_000))))
+
+
+def realign(
+    target: Transformer,
+    incumbent: Transformer,
+    tokenizer: Tokenizer,
+    recent: Sequence[TraceText],
+    older: Sequence[TraceText] = (),
+    cfg: RealignConfig | None = None,
+    progress: ProgressFn | None = None,
+) -> RealignResult:
+    """Distil a new drafter from ``target`` on the traces, starting from ``incumbent``'s weights.
+
+    ``incumbent`` is not modified. Raises RealignCancelledError when ``progress`` returns False,
+    NotEnoughDataError when the traces cannot make a training and a held-out set.
+    """
+    cfg = cfg or RealignConfig()
+    started = time.perf_counter()
+    device = pick_device(cfg.device)
+    report = progress or (lambda _f, _m: True)
+
+    def checkpoint(fraction: float, message: str) -> None:
+        if not report(fraction, message):
+            raise RealignCancelledError(message)
+
+    torch.manual_seed(cfg.seed)
+    max_len = min(target.config.max_seq_len, incumbent.config.max_seq_len)
+    data = build_dataset(recent, older, tokenizer, cfg, max_len)
+    checkpoint(
+        0.02,
+        f"dataset: {len(data.train)} train rows ({data.replay_rows} replay), {len(data.held_out)} held out",
+    )
+
+    target = target.to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    t_teacher = time.perf_counter()
+    teacher = teacher_targets(target, data.train, cfg.teacher_top_k, device, cfg.batch_rows)
+    held_teacher = teacher_targets(target, data.held_out, cfg.teacher_top_k, device, cfg.batch_rows)
+    teacher_s = time.perf_counter() - t_teacher
+    checkpoint(
+        0.1,
+        f"target distributions ready ({teacher_s:.1f}s, top-{cfg.teacher_top_k} mass {teacher.coverage:.3f})",
+    )
+
+    model = copy.deepcopy(incumbent).to(device=device, dtype=torch.float32)
+    model.invalidate_fast_path()
+    model.train()
+    before = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
+    train_tokens = data.train.completion_tokens()
+    lr = cfg.lr or choose_lr(train_tokens)
+    opt = make_optimizer(model, lr, cfg.weight_decay)
+    n_rows = len(data.train)
+    b = min(cfg.batch_rows, n_rows)
+    order_rng = np.random.default_rng([cfg.seed, 2])
+
+    def batches() -> Any:
+        while True:  # epochs of a seeded permutation: every row once per epoch
+            perm = order_rng.permutation(n_rows)
+            for lo in range(0, n_rows - b + 1, b):
+                yield [int(i) for i in perm[lo : lo + b]]
+
+    stream = batches()
+
+    def train_step(picks: list[int], step: int, total: int) -> tuple[float, float, int]:
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, total, lr, max(2, total // 20))
+        top_p, top_i = _gather(teacher, picks, device)
+        loss, tvd = distill_loss(
+            _completion_logits(model, data.train, picks, device), top_p, top_i, cfg.tvd_weight
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        return float(loss.detach()), float(tvd.detach()), len(top_p)
+
+    # Plan from timed steps (the second one: the first pays one-off warm-up): how many steps the
+    # budget left allows once the evaluations are paid for, capped at max_epochs.
+    steps_per_epoch = max(1, n_rows // b)
+    cap = max(2, int(cfg.max_epochs * steps_per_epoch))
+    t_train = time.perf_counter()
+    loss, tvd, tokens = train_step(next(stream), 0, cap)
+    t_probe = time.perf_counter()
+    loss, tvd, n = train_step(next(stream), 1, cap)
+    tokens += n
+    step_s = time.perf_counter() - t_probe
+    eval_s = step_s * max(1, math.ceil(len(data.held_out) / b)) / 3  # forward only: ~1/3 of a step
+    left = cfg.time_budget_s - (time.perf_counter() - started) - (cfg.evals + 1) * eval_s
+    total = max(2, min(cap, int(left / step_s)))
+    eval_every = max(1, total // max(1, cfg.evals))
+    best = dict(before)
+    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    best_step = 0
+    bad_evals = 0
+    history: list[dict[str, float]] = [{"step": 0, **{k: round(v, 4) for k, v in before.items()}}]
+    steps_run = 2
+    stop_reason = "planned steps done"
+    for step in range(2, total):
+        if step % eval_every == 0:
+            scores = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
+            history.append(
+                {"step": step, "loss": round(loss, 4), **{k: round(v, 4) for k, v in scores.items()}}
+            )
+            if scores["expected_acceptance"] > best["expected_acceptance"] + 1e-4:
+                best, best_step, bad_evals = scores, step, 0
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                bad_evals += 1
+            checkpoint(
+                0.1 + 0.85 * step / total,
+                f"step {step}/{total}: held-out expected acceptance {scores['expected_acceptance']:.3f}",
+            )
+            if bad_evals >= cfg.patience:
+                stop_reason = f"early stop: no held-out gain in {cfg.patience} evaluations"
+                break
+        if time.perf_counter() - started > cfg.time_budget_s:
+            stop_reason = "time budget spent"
+            break
+        loss, tvd, n = train_step(next(stream), step, total)
+        tokens += n
+        steps_run += 1
+    train_s = time.perf_counter() - t_train
+    final = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
+    history.append({"step": steps_run, "loss": round(loss, 4), **{k: round(v, 4) for k, v in final.items()}})
+    if final["expected_acceptance"] > best["expected_acceptance"]:
+        best, best_step = final, steps_run
+    else:
+        model.load_state_dict(best_state)
+    model.eval()
+    wall_s = time.perf_counter() - started
+    metrics = {
+        "device": str(device),
+        "train_rows": len(data.train),
+        "recent_rows": data.recent_rows,
+        "replay_rows": data.replay_rows,
+        "held_out_rows": len(data.held_out),
+        "train_completion_tokens": train_tokens,
+        "tokens_trained": tokens,
+        "steps_planned": total,
+        "steps_run": steps_run,
+        "best_step": best_step,
+        "stop_reason": stop_reason,
+        "lr": lr,
+        "teacher_top_k_mass": round(teacher.coverage, 4),
+        "held_out_before": {k: round(v, 4) for k, v in before.items()},
+        "held_out_after": {k: round(v, 4) for k, v in best.items()},
+        "history": history,
+        "teacher_s": round(teacher_s, 2),
+        "train_s": round(train_s, 2),
+        "train_tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
+        "wall_s": round(wall_s, 2),
+        "config": asdict(cfg),
+    }
+    checkpoint(
+        0.97,
+        f"trained: held-out expected acceptance {before['expected_acceptance']:.3f}"
+        f" -> {best['expected_acceptance']:.3f}",
+    )
+    return RealignResult(model, metrics)
+
+
+# ------------------------------------------------------------------------------------------ artifact
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    path: Path
+    sha256: str  # of model.safetensors (what load_hf_folder's expected_sha256 checks)
+    manifest: dict[str, Any]
+
+
+def save_drafter(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    folder: str | Path,
+    *,
+    num_speculative_tokens: int = 4,
+    metadata: dict[str, Any] | None = None,
+) -> Artifact:
+    """Write the HF folder, the vLLM ``--speculative-config`` JSON and a sha256 manifest of every file.
+
+    Written to a temporary sibling and renamed, so a crash never leaves a half-written artifact
+    at ``folder`` (a rerun overwrites any earlier attempt's folder).
+    """
+    final = Path(folder)
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        _remove_tree(tmp)
+    sha = save_hf_folder(model, tokenizer, tmp, metadata={"realign": "1"})
+    spec = {
+        "model": str(final.resolve()),
+        "method": "draft_model",
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+    (tmp / SPEC_CONFIG_NAME).write_text(json.dumps(spec, indent=2) + "\n")
+    files = {p.name: sha256_of_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    manifest = {"files": files, "model_sha256": sha, "metadata": metadata or {}}
+    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    if final.exists():
+        _remove_tree(final)
+    tmp.rename(final)
+    return Artifact(final, sha, manifest)
+
+
+def verify_artifact(folder: str | Path) -> bool:
+    """True when every file named in the manifest still has its recorded sha256."""
+    path = Path(folder)
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    return all(sha256_of_file(path / name) == digest for name, digest in manifest["files"].items())
+
+
+def _remove_tree(path: Path) -> None:
+    for child in path.iterdir():
+        child.unlink() if child.is_file() else _remove_tree(child)
+    path.rmdir()
