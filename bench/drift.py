@@ -568,7 +568,8 @@ def main() -> int:
         plan: list[tuple[str, list[str], int, int]] = [
             ("ADWIN", list(fams), river_runs, 8),
             ("PageHinkley", list(fams), river_runs, 8),
-            ("ADWIN_bits", list(fams), bit_runs, bit_iters),
+            # The strongest river detector on overdispersed traffic: as many runs as time allows.
+            ("ADWIN_bits", list(fams), 2 * bit_runs, bit_iters + 1),
             ("DDM", list(fams), bit_runs, bit_iters),
             ("EDDM", list(fams), bit_runs, bit_iters),
             ("HDDM_A", slow_fams, slow_runs, 5),
@@ -598,7 +599,7 @@ def main() -> int:
                     continue
                 n_runs = river_cells if name in ("ADWIN", "PageHinkley") else max(4, river_cells // 4)
                 if name == "ADWIN_bits":
-                    n_runs = max(4, river_cells // 2)
+                    n_runs = river_cells
                 if name in ("HDDM_A", "HDDM_W", "KSWIN"):
                     n_runs = 4
                 if cell.rel_drop < 0.1 and name in ("HDDM_A", "HDDM_W", "KSWIN"):
