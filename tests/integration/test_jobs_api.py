@@ -216,3 +216,101 @@ def test_two_concurrent_requests_start_one_job(
             session.commit()
         if dialect == "sqlite":
             get_engine(url).dispose()
+
+
+def test_a_worker_process_turns_a_realign_request_into_a_candidate(tmp_path: Path) -> None:
+    """The whole path: API request -> Redis -> a real Celery worker on the gpu queue -> candidate."""
+    import os
+    import subprocess
+    import sys
+
+    import redis
+
+    from controlplane.app import create_app
+    from controlplane.config import Settings
+    from controlplane.db.migrate import upgrade_to_head
+    from controlplane.db.models import DrafterVersion, Trace, TraceSource
+    from tests.conftest import TEST_SECRET, recreate_pg_database
+    from workers.engine.hf_io import load_hf_folder, save_hf_folder
+    from workers.engine.model import ModelConfig, build_model
+    from workers.engine.tokenizer import Tokenizer
+
+    broker = "redis://127.0.0.1:6379/13"
+    root = Path(__file__).resolve().parents[2]
+    url = recreate_pg_database("controlplane_realign_worker_test")
+    upgrade_to_head(url)
+    redis.Redis.from_url(broker).flushdb()
+    tokenizer = Tokenizer.from_file(root / "workers" / "models" / "reference" / "target")
+    config = ModelConfig(
+        vocab_size=4096, dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=64, max_seq_len=256
+    )
+    save_hf_folder(build_model(config, seed=1), tokenizer, tmp_path / "target")
+    save_hf_folder(build_model(config, seed=2), tokenizer, tmp_path / "drafter")
+    with get_sessionmaker(url)() as session:
+        tenant = make_tenant(session, "acme")
+        session.commit()
+    settings = Settings(database_url=url, broker_url=broker, environment="test", secret_key=TEST_SECRET)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")},
+        "CONTROLPLANE_DATABASE_URL": url,
+        "CONTROLPLANE_BROKER_URL": broker,
+        "CONTROLPLANE_RESULT_BACKEND_URL": broker,
+        "CONTROLPLANE_SECRET_KEY": TEST_SECRET,
+        "CONTROLPLANE_ENVIRONMENT": "test",
+        "CONTROLPLANE_ARTIFACT_DIR": str(tmp_path / "artifacts"),
+        "OMP_NUM_THREADS": "1",
+    }
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "gpu", "-P", "solo"],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        with TestClient(create_app(settings)) as client:
+            admin = tenant.headers(Role.admin)
+            created = client.post(
+                BASE,
+                json={
+                    "target_model": str(tmp_path / "target"),
+                    "deployment_id": "svc",
+                    "draft_model": str(tmp_path / "drafter"),
+                    "draft_token_count": 4,
+                },
+                headers=admin,
+            )
+            assert created.status_code == 201, created.text
+            with get_sessionmaker(url)() as session:
+                deployment_id = session.scalar(select(Deployment.id).where(Deployment.name == "svc"))
+                for i in range(24):
+                    session.add(
+                        Trace(
+                            deployment_id=deployment_id,
+                            source=TraceSource.sampled,
+                            prompt=f"def f{i}(x):\n",
+                            completion=f"    return x + {i}\n\nprint(f{i}(2))\n",
+                        )
+                    )
+                session.commit()
+            job = client.post(
+                f"{BASE}/svc:realign", json={"params": {"time_budget_s": 5}}, headers=admin
+            ).json()
+            deadline = time.monotonic() + 120
+            state = job["state"]
+            while time.monotonic() < deadline and state not in ("succeeded", "failed", "cancelled"):
+                time.sleep(0.5)
+                state = client.get(f"{BASE}/svc/jobs/{job['id']}", headers=admin).json()["state"]
+            done = client.get(f"{BASE}/svc/jobs/{job['id']}", headers=admin).json()
+        assert done["state"] == "succeeded", (done, (tmp_path / "worker.log").read_text()[-3000:])
+        assert done["attempts"] == 1 and done["result"]["drafter_version"] == 1
+        with get_sessionmaker(url)() as session:
+            versions = list(session.scalars(select(DrafterVersion)))
+        assert len(versions) == 1 and versions[0].training_job_id == job["id"]
+        load_hf_folder(versions[0].artifact_path, expected_sha256=versions[0].artifact_sha256)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+        log.close()
+        get_engine(url).dispose()
