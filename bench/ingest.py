@@ -204,6 +204,8 @@ def single_client(base: str, key: str, rate: int, seconds: float, out: mp.Queue)
             reader, writer = conn
             writer.write(request_bytes(body))
             status_line = await reader.readline()
+            if not status_line:
+                raise ConnectionResetError("server closed the keep-alive connection")
             length = 0
             while True:
                 line = await reader.readline()
@@ -223,7 +225,14 @@ def single_client(base: str, key: str, rate: int, seconds: float, out: mp.Queue)
             else:
                 opened += 1
                 conn = await asyncio.open_connection(host, port)
-            statuses.append(await exchange(conn, body))
+            try:
+                status = await exchange(conn, body)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                # An idle keep-alive connection the server closed: count the reconnect in the latency.
+                conn[1].close()
+                conn = await asyncio.open_connection(host, port)
+                status = await exchange(conn, body)
+            statuses.append(status)
             latencies.append((time.perf_counter() - scheduled) * 1000)
             idle.append(conn)
 
