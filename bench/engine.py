@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -54,26 +55,37 @@ MAX_PROMPT_TOKENS = 256
 
 @dataclass
 class Cell:
-    """Counts and timings of one (domain, arm) over all prompts; timings kept per repetition."""
+    """Counts of one (domain, arm) over all prompts, and timings per sample (one request: a prompt in a
+    repetition), so that every ratio pairs runs made seconds apart on the same prompt."""
 
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
     rejections: int = 0  # verify steps that ended on a rejected draft (for the MLE of α)
     generated: int = 0
-    # Per repetition, summed over the domain's prompts: wall time, tokens, and the engine's own split
-    # of decode time into proposing (drafter) and scoring (target verify forwards).
+    # Per sample: wall time, tokens, the engine's own split of decode time into proposing (drafter)
+    # and scoring (target verify forwards), verify rounds, accepted drafts and rejections.
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     propose_s: list[float] = field(default_factory=list)
     score_s: list[float] = field(default_factory=list)
     rounds: list[int] = field(default_factory=list)
+    acc: list[int] = field(default_factory=list)
+    rej: list[int] = field(default_factory=list)
 
     def tps(self) -> list[float]:
         return [t / s for t, s in zip(self.tokens, self.seconds, strict=True)]
 
     def start_rep(self) -> None:
-        for series in (self.seconds, self.tokens, self.propose_s, self.score_s, self.rounds):
+        for series in (
+            self.seconds,
+            self.tokens,
+            self.propose_s,
+            self.score_s,
+            self.rounds,
+            self.acc,
+            self.rej,
+        ):
             series.append(0)
 
 
@@ -113,9 +125,9 @@ def run_speculation(
     for rep in range(reps):
         t_rep = time.perf_counter()
         for domain, plist in prompts.items():
-            for cell in cells[domain].values():
-                cell.start_rep()
             for i, ids in enumerate(plist):
+                for cell in cells[domain].values():
+                    cell.start_rep()
                 order = list(decoders)
                 rng.shuffle(order)
                 for name in order:
@@ -127,6 +139,11 @@ def run_speculation(
                     cell.propose_s[-1] += m.propose_ms / 1000.0
                     cell.score_s[-1] += m.score_ms / 1000.0
                     cell.rounds[-1] += m.verify_steps
+                    cell.acc[-1] += m.accepted_tokens
+                    rejections = sum(
+                        1 for d, a in zip(m.per_step_drafted, m.per_step_accepted, strict=True) if a < d
+                    )
+                    cell.rej[-1] += rejections
                     # Every arm must emit exactly plain greedy's tokens: a wrong speed-up is no speed-up.
                     key = (domain, i)
                     if key not in reference:
@@ -138,9 +155,7 @@ def run_speculation(
                         cell.accepted += m.accepted_tokens
                         cell.steps += m.verify_steps
                         cell.generated += m.generated_tokens
-                        cell.rejections += sum(
-                            1 for d, a in zip(m.per_step_drafted, m.per_step_accepted, strict=True) if a < d
-                        )
+                        cell.rejections += rejections
         print(f"  repetition {rep + 1}/{reps} took {time.perf_counter() - t_rep:.0f}s", flush=True)
     return cells
 
@@ -305,12 +320,13 @@ def main() -> None:
             alpha = (
                 cell.accepted / (cell.accepted + cell.rejections) if cell.accepted + cell.rejections else 0.0
             )
-            # In-situ costs, per repetition, from the same interleaved runs as the speed-ups: one plain
-            # target step, one verify of k+1 tokens, one drafter forward (k per round).
+            # Per request, from the same interleaved runs as the speed-ups: its own α and in-situ costs
+            # (one plain target step, one verify of k+1 tokens, one drafter forward; k of them a round).
             step = [sc / r for sc, r in zip(base.score_s, base.rounds, strict=True)]
             v = [sc / r / t for sc, r, t in zip(cell.score_s, cell.rounds, step, strict=True)]
             c = [p / r / k / t for p, r, t in zip(cell.propose_s, cell.rounds, step, strict=True)]
-            preds = [leviathan(alpha, k, ci, vi)[1] for ci, vi in zip(c, v, strict=True)]
+            alphas = [a / (a + j) if a + j else 0.0 for a, j in zip(cell.acc, cell.rej, strict=True)]
+            preds = [leviathan(a, k, ci, vi)[1] for a, ci, vi in zip(alphas, c, v, strict=True)]
             ratios = [a / b for a, b in zip(cell.tps(), base.tps(), strict=True)]
             iso = leviathan(alpha, k, costs["c"], costs["verify_cost"][str(k)])[1]
             row.update(
@@ -377,6 +393,8 @@ def main() -> None:
             "greedy": True,
             "batch_size": 1,
             "mean_prompt_tokens": n_prompt,
+            # Timing depends on what else the machine runs: record its load beside the numbers.
+            "loadavg_at_end": os.getloadavg(),
             "reference": str(args.reference),
         },
         "wall_s": time.perf_counter() - t_start,
