@@ -125,16 +125,18 @@ def ensure_tenant(url: str) -> tuple[str, int, int]:
         return issued.secret, ids[0], ids[1]
 
 
-def start_server(url: str, port: int) -> subprocess.Popen[bytes]:
+def start_server(url: str, port: int, workers: int = 1) -> subprocess.Popen[bytes]:
     SERVER_LOG.parent.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "CONTROLPLANE_DATABASE_URL": url,
         "CONTROLPLANE_ENVIRONMENT": "test",
         "CONTROLPLANE_SECRET_KEY": SECRET,
+        # Production wiring: ingestion nudges the drift monitor through Redis.
+        "CONTROLPLANE_BROKER_URL": "redis://127.0.0.1:6379/13",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
+        [sys.executable, "-m", "controlplane", "serve", "--port", str(port), "--workers", str(workers)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -385,6 +387,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=400_000, help="records sent through the batch API")
     parser.add_argument("--connections", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--server-workers", type=int, default=1, help="API processes (uvicorn workers)")
     parser.add_argument("--stats-records", type=int, default=10_000_000)
     parser.add_argument("--single-rate", type=int, default=500)
     parser.add_argument("--single-seconds", type=float, default=20.0)
@@ -402,7 +405,7 @@ def main() -> None:
         orjson.dumps({"format": "native", "records": rows[o : o + BATCH]}) for o in range(0, len(rows), BATCH)
     ]
     port = free_port()
-    server = start_server(url, port)
+    server = start_server(url, port, args.server_workers)
     base = f"http://127.0.0.1:{port}/v1/accounts/bench/deployments/ingest"
     try:
         # Warm-up batch (connection pool, JIT-free but caches), then the measured run.

@@ -98,6 +98,7 @@ def migrate() -> None:
 def serve(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
+    workers: Annotated[int, typer.Option(help="API processes")] = 1,
 ) -> None:
     """Run the API server."""
     import uvicorn
@@ -109,6 +110,18 @@ def serve(
     host = host or settings.api_host
     port = port or settings.api_port
     typer.echo(f"control plane API on http://{host}:{port}  (OpenAPI: http://{host}:{port}/docs)")
+    if workers > 1:
+        # Separate processes (each with its own group-commit writer) read settings from the
+        # environment, so they are built from the factory's import path.
+        uvicorn.run(
+            "controlplane.app:create_app",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level="warning",
+        )
+        return
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
 
@@ -141,7 +154,7 @@ def demo() -> None:
     """Start the API on the embedded default (SQLite under ./var) and say where it listens."""
     settings = get_settings()
     typer.echo(f"database: {settings.database_url}")
-    serve(host=None, port=None)
+    serve(host=None, port=None, workers=1)
 
 
 def _speculation_body(
