@@ -37,6 +37,7 @@ from controlplane.db.models import (
 from controlplane.deployments.service import active_drafter, resource_name
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS
 from controlplane.drift import policy as drift_policy
+from controlplane.drift.mix_monitor import MixMonitor
 from controlplane.drift.mixture_sr import MixtureSR
 from controlplane.drift.observation import RequestObservation
 from controlplane.errors import ConflictError, NotFoundError
@@ -58,6 +59,50 @@ def new_detector(policy: drift_policy.DriftPolicy, *, n_positions: int) -> Mixtu
 
 def evidence_of(detector: MixtureSR) -> dict[str, Any]:
     return {"detector": DETECTOR_NAME, **detector.evidence().to_dict()}
+
+
+@dataclass(slots=True)
+class DetectorPair:
+    """The main detector and the workload-mix side monitor, persisted together.
+
+    The main detector is risk-adjusted per category, so a pure mix change does not fire it; the
+    side monitor says whether the mix moved and how much of a pooled hit-rate change the new mix
+    explains, which every drift event records as its attribution.
+    """
+
+    main: MixtureSR
+    mix: MixMonitor
+
+    @classmethod
+    def new(cls, policy: drift_policy.DriftPolicy, *, n_positions: int) -> DetectorPair:
+        return cls(
+            new_detector(policy, n_positions=n_positions),
+            MixMonitor(arl0=float(policy.arl0_requests), min_drop=policy.min_drop),
+        )
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], policy: drift_policy.DriftPolicy) -> DetectorPair:
+        if "main" in state:
+            return cls(MixtureSR.from_state(state["main"]), MixMonitor.from_state(state["mix"]))
+        # A state saved before the side monitor existed: keep the main detector, start the side one.
+        return cls(
+            MixtureSR.from_state(state),
+            MixMonitor(arl0=float(policy.arl0_requests), min_drop=policy.min_drop),
+        )
+
+    def to_state(self) -> dict[str, Any]:
+        return {"main": self.main.to_state(), "mix": self.mix.to_state()}
+
+    def update(self, observation: RequestObservation) -> None:
+        self.main.update(observation)
+        self.mix.update(observation)
+
+    def evidence(self) -> dict[str, Any]:
+        return {
+            **evidence_of(self.main),
+            "mix_shift_detected": self.mix.drift_detected,
+            "mix_attribution": self.mix.attribution().to_dict(),
+        }
 
 
 @dataclass(slots=True)
@@ -139,11 +184,12 @@ def advance_monitor(
         or (state.policy != policy.as_dict())
     )
     n_positions = max(1, min(deployment.draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS))
-    detector = (
-        new_detector(policy, n_positions=n_positions)
+    detectors = (
+        DetectorPair.new(policy, n_positions=n_positions)
         if restart
-        else MixtureSR.from_state(state.detector_state or {})
+        else DetectorPair.from_state(state.detector_state or {}, policy)
     )
+    detector = detectors.main
     settled = state.pending_horizon_record_id
     rows = session.execute(
         select(
@@ -184,14 +230,14 @@ def advance_monitor(
         if detector.drift_detected and open_event is None:
             # The last alarm's event was dismissed or resolved: re-arm on the same baseline.
             detector.reset()
-        detector.update(observation)
+        detectors.update(observation)
         examined += 1
         if not detector.drift_detected:
             continue
         cooling = last_alarm is not None and _aware(last_alarm) + timedelta(seconds=policy.cooldown_s) > now
         if open_event is not None or cooling:
             continue  # latched: one open event per deployment, and a quiet period after each
-        evidence = evidence_of(detector)
+        evidence = detectors.evidence()
         event = DriftEvent(
             deployment_id=deployment_id,
             detected_at=now,
@@ -218,7 +264,7 @@ def advance_monitor(
         update(DriftMonitorState)
         .where(DriftMonitorState.deployment_id == deployment_id, DriftMonitorState.version == state.version)
         .values(
-            detector_state=detector.to_state(),
+            detector_state=detectors.to_state(),
             watermark_record_id=new_watermark,
             pending_horizon_record_id=horizon_now if new_watermark == settled else settled,
             active_drafter_version=active_version,
@@ -343,11 +389,11 @@ def monitor_status(*, session: Session, deployment: Deployment, settings: Settin
         "detector": None,
     }
     if state is not None and state.detector_state:
-        detector = MixtureSR.from_state(state.detector_state)
+        detectors = DetectorPair.from_state(state.detector_state, policy)
         status["detector"] = {
-            **evidence_of(detector),
-            "in_reference_window": detector.in_reference,
-            "drift_detected": detector.drift_detected,
+            **detectors.evidence(),
+            "in_reference_window": detectors.main.in_reference,
+            "drift_detected": detectors.main.drift_detected,
         }
     return status
 

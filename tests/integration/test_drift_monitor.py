@@ -105,6 +105,7 @@ def test_a_drop_raises_one_event_with_evidence_and_a_stable_stream_none(
     assert event["state"] == "open" and event["detector"] == "mixture_sr"
     assert event["baseline_rate"] > event["current_rate"] and event["drop"] > 0.1
     assert event["statistic"] >= event["threshold"]
+    assert "verdict" in event["evidence"]["mix_attribution"]  # the side monitor's view is recorded
     # Detected within the drop, not on the stable part: the alarm came after the change point.
     session = db.new_session()
     stable_last = session.scalar(select(func.max(DriftMonitorState.watermark_record_id)))
@@ -119,6 +120,31 @@ def test_a_drop_raises_one_event_with_evidence_and_a_stable_stream_none(
     assert dismissed.status_code == 200 and dismissed.json()["state"] == "dismissed"
     again = client.post(f"{base}/drift-events/{raised[0]}:dismiss", headers=acme.headers(Role.admin))
     assert again.status_code == 409
+
+
+def test_a_pure_mix_shift_raises_no_event(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database, settings: Settings, svc_deployment: None
+) -> None:
+    """Traffic moves from mostly prose to mostly code (the drafter is as good as ever on each):
+    the pooled hit rate falls, the risk-adjusted detector stays quiet, the side monitor sees it."""
+    acme, _ = tenants
+    rng = random.Random(17)
+
+    def mixed(i: int, code_share: float) -> dict[str, Any]:
+        code = rng.random() < code_share
+        record = request_record(i, rng, 0.55 if code else 0.85)
+        record["category"] = "code" if code else "prose"
+        return record
+
+    _ingest(client, acme, [mixed(i, 0.3) for i in range(1600)])
+    pk = _deployment_pk(db)
+    assert _run_monitor(db, pk, settings) == []
+    _ingest(client, acme, [mixed(5000 + i, 0.9) for i in range(1200)])
+    assert _run_monitor(db, pk, settings) == []
+    base = f"/v1/accounts/{acme.name}/deployments/svc"
+    status = client.get(f"{base}/drift-status", headers=acme.headers(Role.viewer)).json()
+    assert status["open_events"] == 0
+    assert status["detector"]["mix_shift_detected"] is True
 
 
 def test_policy_changes_are_validated_and_audited(
