@@ -385,7 +385,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--records", type=int, default=400_000, help="records sent through the batch API")
-    parser.add_argument("--connections", type=int, default=2)
+    parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--server-workers", type=int, default=1, help="API processes (uvicorn workers)")
     parser.add_argument("--stats-records", type=int, default=10_000_000)
