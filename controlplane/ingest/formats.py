@@ -940,24 +940,9 @@ def _from_vllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     if sd is None:
         return None
     p = f"{path}." if path else ""
-    names = _Names(
-        f"{p}num_draft_tokens",
-        f"{p}num_accepted_draft_tokens",
-        f"{p}num_spec_steps",
-        f"{p}acceptance_histogram",
+    names, steps, accepted, drafted, k, hist = _spec_counts(
+        sd, p, "num_draft_tokens", "num_accepted_draft_tokens", errs
     )
-    steps = _count(sd.get("num_spec_steps", _MISSING), names.steps, errs)
-    accepted = _count(sd.get("num_accepted_draft_tokens", _MISSING), names.accepted, errs)
-    drafted = _count(sd.get("num_draft_tokens", _MISSING), names.drafted, errs)
-    k = _opt_count(sd.get("num_spec_tokens"), f"{p}num_spec_tokens", errs)
-
-    hist: list[int] | None = None
-    if sd.get("acceptance_histogram") is not None:
-        hist = _histogram(sd["acceptance_histogram"], f"{p}acceptance_histogram", errs)
-        if hist is not None and not _check_histogram(
-            hist, steps, accepted, k, f"{p}acceptance_histogram", names, errs
-        ):
-            hist = None  # already reported; deriving positions from it would only repeat the problem
     per_step = _vllm_per_step(sd, p, steps, accepted, drafted, names, errs)
     if hist is None and per_step is not None:
         hist = per_step  # detailed mode alone determines the histogram exactly
@@ -1110,23 +1095,9 @@ def _from_trtllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     if sd is None:
         return None
     p = f"{path}." if path else ""
-    names = _Names(
-        f"{p}total_draft_tokens",
-        f"{p}total_accepted_draft_tokens",
-        f"{p}num_spec_steps",
-        f"{p}acceptance_histogram",
+    names, steps, accepted, drafted, k, hist = _spec_counts(
+        sd, p, "total_draft_tokens", "total_accepted_draft_tokens", errs
     )
-    steps = _count(sd.get("num_spec_steps", _MISSING), names.steps, errs)
-    accepted = _count(sd.get("total_accepted_draft_tokens", _MISSING), names.accepted, errs)
-    drafted = _count(sd.get("total_draft_tokens", _MISSING), names.drafted, errs)
-    k = _opt_count(sd.get("num_spec_tokens"), f"{p}num_spec_tokens", errs)
-    hist: list[int] | None = None
-    if sd.get("acceptance_histogram") is not None:
-        hist = _histogram(sd["acceptance_histogram"], f"{p}acceptance_histogram", errs)
-        if hist is not None and not _check_histogram(
-            hist, steps, accepted, k, f"{p}acceptance_histogram", names, errs
-        ):
-            hist = None  # already reported; deriving positions from it would only repeat the problem
     width = k if k is not None else (len(hist) - 1 if hist else 0)
     positions = _positions_from_histogram(hist, width) if hist else []
     return _build(
@@ -1545,3 +1516,25 @@ _ADAPTERS: Final[dict[str, _Adapter]] = {
     "sglang": _from_sglang,
     "trtllm": _from_trtllm,
 }
+
+
+def _spec_counts(
+    sd: dict[str, Any], p: str, drafted_key: str, accepted_key: str, errs: _Errs
+) -> tuple[_Names, int | None, int | None, int | None, int | None, list[int] | None]:
+    """Totals and the acceptance histogram that vLLM and TensorRT-LLM report alike (only the
+    names of the two totals differ); an inconsistent histogram is reported and dropped."""
+    names = _Names(
+        f"{p}{drafted_key}", f"{p}{accepted_key}", f"{p}num_spec_steps", f"{p}acceptance_histogram"
+    )
+    steps = _count(sd.get("num_spec_steps", _MISSING), names.steps, errs)
+    accepted = _count(sd.get(accepted_key, _MISSING), names.accepted, errs)
+    drafted = _count(sd.get(drafted_key, _MISSING), names.drafted, errs)
+    k = _opt_count(sd.get("num_spec_tokens"), f"{p}num_spec_tokens", errs)
+    hist: list[int] | None = None
+    if sd.get("acceptance_histogram") is not None:
+        hist = _histogram(sd["acceptance_histogram"], f"{p}acceptance_histogram", errs)
+        if hist is not None and not _check_histogram(
+            hist, steps, accepted, k, f"{p}acceptance_histogram", names, errs
+        ):
+            hist = None  # already reported; deriving positions from it would only repeat the problem
+    return names, steps, accepted, drafted, k, hist
