@@ -40,7 +40,6 @@ class IngestBatcher:
         self._max_records = max_records
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task[None] | None = None
-        self.flushes = 0
 
     async def submit(self, deployment_id: int, records: Sequence[AcceptanceRecord]) -> IngestResult:
         """Store a batch; returns once it is committed (or raises what the flush raised)."""
@@ -82,7 +81,6 @@ class IngestBatcher:
 
     def _flush(self, group: list[_Pending]) -> list[IngestResult]:
         batches = [(item.deployment_id, item.records) for item in group]
-        self.flushes += 1
         for attempt in range(2):
             session = self._session_factory()
             try:
