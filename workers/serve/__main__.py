@@ -1,45 +1,90 @@
 """Run the reference server: `python -m workers.serve --config serving.json --port 8001`.
 
-The config file maps model names to serving-config entries (see `workers.serve.server`), or
-`--serving-config-url` reads them from the control plane per request.
+Serving config comes from one of:
+  --config FILE               a JSON file mapping model names to serving-config entries
+                              (see `workers.serve.server`);
+  --control-plane URL         the control plane: per model name (= deployment name) it reads
+                              URL/v1/accounts/ACCOUNT/deployments/{model}/serving-config and posts
+                              the acceptance records and sampled traces back to .../acceptance and
+                              .../traces (batched, from a background thread; --no-report: don't);
+  --serving-config-url T      any URL template with {model} (--report-url T: where to post, the
+                              deployment's base URL template, also with {model}).
+The API key is read from --api-key-file (kept out of the process list) or --api-key.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 import torch
 import uvicorn
 
+from workers.serve.reporter import ControlPlaneReporter
 from workers.serve.server import ServerConfig, create_app, http_serving_config
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m workers.serve", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m workers.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", type=Path, help='JSON file: {"models": {name: entry}} or {name: entry}')
-    src.add_argument(
-        "--serving-config-url", help="URL template with {model}, e.g. .../v1/{model}/serving-config"
+    src.add_argument("--control-plane", help="control plane base URL, e.g. http://127.0.0.1:8600")
+    src.add_argument("--serving-config-url", help="URL template with {model}")
+    ap.add_argument("--account", default="default", help="account name (with --control-plane)")
+    ap.add_argument("--report-url", default=None, help="deployment base URL template with {model} to post to")
+    ap.add_argument("--no-report", action="store_true", help="do not post records and traces")
+    ap.add_argument("--api-key", default=None, help="bearer key for the control plane")
+    ap.add_argument("--api-key-file", type=Path, default=None, help="file holding the bearer key")
+    ap.add_argument(
+        "--trace-sample-rate",
+        type=float,
+        default=0.0,
+        help="share of requests whose prompt and completion are posted as traces, when the serving "
+        "config does not give the deployment's own trace_sample_rate",
     )
-    ap.add_argument("--api-key", default=None, help="bearer key for --serving-config-url")
+    ap.add_argument(
+        "--config-ttl", type=float, default=1.0, help="seconds a fetched serving config is reused"
+    )
     ap.add_argument("--model", action="append", default=[], help="model names to list in /v1/models")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    api_key = args.api_key_file.read_text().strip() if args.api_key_file is not None else args.api_key
+    report_url: str | None = args.report_url
     if args.config is not None:
         raw = json.loads(args.config.read_text())
         config = ServerConfig(serving_config=raw.get("models", raw), model_names=args.model)
     else:
+        url = args.serving_config_url
+        if args.control_plane is not None:
+            base = f"{args.control_plane.rstrip('/')}/v1/accounts/{args.account}/deployments/{{model}}"
+            url = f"{base}/serving-config"
+            report_url = report_url or base
         config = ServerConfig(
-            serving_config=http_serving_config(args.serving_config_url, args.api_key), model_names=args.model
+            serving_config=http_serving_config(url, api_key, ttl_s=args.config_ttl), model_names=args.model
         )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+    config.trace_sample_rate = args.trace_sample_rate
+    reporter = None
+    if report_url and not args.no_report:
+        reporter = ControlPlaneReporter(report_url, api_key=api_key)
+        config.on_record = reporter.record
+        config.on_trace = reporter.trace
+    try:
+        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+    finally:
+        if reporter is not None:
+            reporter.close(timeout_s=5.0)  # what completed before the stop still reaches the control plane
 
 
 if __name__ == "__main__":

@@ -1,16 +1,37 @@
 """The reference OpenAI-compatible completions server on top of the engine.
 
 Owns `create_app(config)`: POST /v1/completions (prompt, max_tokens, temperature, top_p, seed,
-stream, Fireworks' `prediction` and `perf_metrics_in_response`) and GET /v1/models, with
-OpenAI-shaped 4xx errors. Which target, drafter and k serve a model name is read per request from a
+stream, Fireworks' `prediction` and `perf_metrics_in_response`, and a non-standard `category`, the
+traffic label copied into the acceptance record and trace), GET /v1/models and GET /healthz, with
+OpenAI-shaped 4xx errors. Which target, drafters and k serve a model name is read per request from a
 pluggable serving-config source (a static dict, or any callable such as `http_serving_config`,
-which reads the control plane's `GET .../serving-config`), so a promotion takes effect on the next
-request without a restart. Loaded models are cached by folder path; decoders by their full setup.
+which reads the control plane's `GET .../serving-config` and caches it for a second), so a
+promotion or a new canary split takes effect within seconds, without a restart. Loaded models are
+cached by folder path; decoders by their full setup.
 
-Serving-config entry (one per model name):
-    {"target_path": str, "speculation": "draft_model" | "ngram" | "disabled",
-     "drafter_path": str | None, "k": int, "ngram_length": int,
-     optional: "target_sha256", "drafter_sha256", "drafter_version", "arm", "max_len"}
+Serving config of one model name, the control plane's shape (a live canary has three arms):
+    {"model": "<deployment name>", "config_version": "<opaque>", "target_path": str,
+     "target_sha256": str | None, "trace_sample_rate": float (optional), "max_len": int (optional),
+     "arms": [{"arm": "live", "weight": 0.8, "speculation": "draft_model" | "ngram" | "disabled",
+               "drafter_path": str | None, "drafter_sha256": str | None,
+               "drafter_version": int | None, "k": int, "ngram_length": int},
+              {"arm": "canary:<version>", "weight": 0.1, ...},
+              {"arm": "baseline", "weight": 0.1, "speculation": "disabled", ...}]}
+Without a canary there is one arm, "live", with weight 1.0. An arm's keys override the top-level
+ones (so an arm may name its own target_path). The older flat entry is still accepted and is one
+implicit arm (named by its "arm" key, default "live"):
+    {"target_path": str, "speculation": ..., "drafter_path": str | None, "k": int,
+     "ngram_length": int, optional: "target_sha256", "drafter_sha256", "drafter_version", "arm",
+     "max_len", "trace_sample_rate"}
+
+Arm assignment is deterministic per request id (the `x-request-id` header, else a fresh id): the
+first 8 bytes of sha256(request id) as a number in [0, 1), scaled by the total weight, picked off
+the cumulative weights in the listed order. The same id gets the same arm in every process, and the
+share of ids per arm converges to its weight. The emitted acceptance record carries the arm and the
+arm's drafter version. Traces (prompt + completion text) are sampled by the same kind of hash of
+"trace:" + request id, at the config's `trace_sample_rate` (else `ServerConfig.trace_sample_rate`).
+Records and traces go to `on_record` / `on_trace` sinks, in production a `ControlPlaneReporter`
+(workers.serve.reporter) that batches them to the control plane from a background thread.
 
 Generation holds one lock: on a CPU box requests would only contend for the same cores, and a
 decoder's KV caches belong to one request at a time.
@@ -19,6 +40,7 @@ decoder's KV caches belong to one request at a time.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 import time
@@ -43,6 +65,8 @@ from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer
 
 ServingConfigSource = Callable[[str], Mapping[str, Any] | None]
 RecordSink = Callable[[str, dict[str, Any]], None]
+# (model name, prompt, completion, category)
+TraceSink = Callable[[str, str, str, str | None], None]
 SPECULATION_MODES = ("draft_model", "ngram", "disabled")
 
 
@@ -55,6 +79,10 @@ class ServerConfig:
     # Called with (model name, native acceptance record) after every request, e.g. to post it to
     # the control plane's ingest API. Exceptions are swallowed: metrics must not fail a completion.
     on_record: RecordSink | None = None
+    # Called with (model name, prompt, completion, category) for the sampled requests.
+    on_trace: TraceSink | None = None
+    # Trace sample rate when the serving config does not carry `trace_sample_rate`.
+    trace_sample_rate: float = 0.0
     max_decoders: int = 8
 
 
@@ -93,6 +121,8 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     prediction: Prediction | None = None
     perf_metrics_in_response: bool = False
+    # Not OpenAI: the traffic label (e.g. a workload domain) the acceptance record and trace carry.
+    category: str | None = Field(default=None, max_length=100)
 
 
 @dataclass(frozen=True)
@@ -134,6 +164,74 @@ class Deployment:
         )
 
 
+def unit_interval(key: str) -> float:
+    """A number in [0, 1) from sha256 of `key`: the same in every process and on every machine."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    weight: float
+    deployment: Deployment
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """A model name's arms with their routing weights, parsed from one serving-config object."""
+
+    model: str
+    arms: tuple[Arm, ...]
+    config_version: str | None = None
+    trace_sample_rate: float | None = None
+
+    @classmethod
+    def parse(cls, name: str, raw: Mapping[str, Any]) -> ServingPlan:
+        rate = raw.get("trace_sample_rate")
+        if rate is not None and not 0.0 <= float(rate) <= 1.0:
+            raise ValueError(f"model {name!r}: trace_sample_rate {rate!r} is not within [0, 1]")
+        version = raw.get("config_version")
+        common = {key: value for key, value in raw.items() if key != "arms"}
+        if "arms" not in raw:  # the flat entry: one implicit arm
+            dep = Deployment.parse(name, common)
+            arms: tuple[Arm, ...] = (Arm(dep.arm, 1.0, dep),)
+        else:
+            listed = raw["arms"]
+            if not isinstance(listed, list) or not listed:
+                raise ValueError(f"model {name!r}: serving config has no arms")
+            parsed = []
+            for entry in listed:
+                arm_name = str(entry.get("arm") or "live")
+                weight = float(entry.get("weight", 1.0))
+                if not weight >= 0.0:
+                    raise ValueError(f"model {name!r}: arm {arm_name!r} has a negative weight")
+                parsed.append(
+                    Arm(arm_name, weight, Deployment.parse(name, {**common, **entry, "arm": arm_name}))
+                )
+            arms = tuple(parsed)
+            if len({a.name for a in arms}) != len(arms):
+                raise ValueError(f"model {name!r}: arm names repeat")
+            if sum(a.weight for a in arms) <= 0.0:
+                raise ValueError(f"model {name!r}: arm weights sum to zero")
+        return cls(
+            model=str(raw.get("model") or name),
+            arms=arms,
+            config_version=str(version) if version is not None else None,
+            trace_sample_rate=float(rate) if rate is not None else None,
+        )
+
+    def assign(self, request_id: str) -> Arm:
+        """The arm of a request: its hash's place on the cumulative weights (see the module doc)."""
+        total = sum(a.weight for a in self.arms)
+        point = unit_interval(request_id) * total
+        cumulative = 0.0
+        for arm in self.arms:
+            cumulative += arm.weight
+            if point < cumulative and arm.weight > 0.0:
+                return arm
+        return next(a for a in reversed(self.arms) if a.weight > 0.0)  # rounding at the top end
+
+
 class ModelStore:
     """Loaded models by folder path (a drafter shared by deployments is loaded once)."""
 
@@ -157,7 +255,7 @@ class Engine:
         self._decoders: OrderedDict[Deployment, SpeculativeDecoder] = OrderedDict()
         self.lock = threading.Lock()
 
-    def resolve(self, name: str) -> Deployment:
+    def resolve(self, name: str) -> ServingPlan:
         source = self.config.serving_config
         try:
             raw = source(name) if callable(source) else source.get(name)
@@ -166,9 +264,9 @@ class Engine:
         if raw is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         try:
-            return Deployment.parse(name, raw)
-        except ValueError as exc:
-            raise APIError(500, str(exc), "server_error") from exc
+            return ServingPlan.parse(name, raw)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise APIError(500, f"bad serving config: {exc}", "server_error") from exc
 
     def model_names(self) -> list[str]:
         source = self.config.serving_config
@@ -294,13 +392,32 @@ def create_app(config: ServerConfig) -> FastAPI:
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg"))
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
-    def emit(model: str, res: GenerationResult, dep: Deployment, request_id: str) -> None:
-        if config.on_record is None:
-            return
-        try:
-            config.on_record(model, res.metrics.to_native(request_id, dep.arm, dep.drafter_version))
-        except Exception:  # a metrics sink must never fail a completion
-            pass
+    def emit(
+        req: CompletionRequest,
+        prompt: str,
+        res: GenerationResult,
+        dep: Deployment,
+        request_id: str,
+        rate: float,
+    ) -> None:
+        # Sinks must never fail a completion (the production sink only enqueues).
+        if config.on_record is not None:
+            record = res.metrics.to_native(request_id, dep.arm, dep.drafter_version)
+            if req.category is not None:
+                record["category"] = req.category
+            try:
+                config.on_record(req.model, record)
+            except Exception:
+                pass
+        if config.on_trace is not None and rate > 0.0 and unit_interval("trace:" + request_id) < rate:
+            try:
+                config.on_trace(req.model, prompt, res.text, req.category)
+            except Exception:
+                pass
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -316,14 +433,17 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
         prompt = _validate(req)
-        dep = engine.resolve(req.model)
+        # Off the event loop: an HTTP source may have to ask the control plane.
+        plan = await run_in_threadpool(engine.resolve, req.model)
         request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        dep = plan.assign(request_id).deployment
+        rate = plan.trace_sample_rate if plan.trace_sample_rate is not None else config.trace_sample_rate
         created = int(time.time())
         base = {"id": request_id, "object": "text_completion", "created": created, "model": req.model}
 
         if not req.stream:
             res = await run_in_threadpool(engine.run, dep, req, prompt, None)
-            emit(req.model, res, dep, request_id)
+            emit(req, prompt, res, dep, request_id, rate)
             choice = {"text": res.text, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}
             return JSONResponse({**base, "choices": [choice], **_response_extras(req, res, dep, request_id)})
 
@@ -353,7 +473,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                     yield f"data: {json.dumps(body)}\n\n"
                 chunk = await queue.get()
             res = await task
-            emit(req.model, res, dep, request_id)
+            emit(req, prompt, res, dep, request_id, rate)
             tail = res.text[stream.sent :]  # whatever was held back as an incomplete character
             final = {
                 **base,
@@ -369,24 +489,42 @@ def create_app(config: ServerConfig) -> FastAPI:
 
 
 def http_serving_config(
-    url_template: str, api_key: str | None = None, ttl_s: float = 5.0, timeout_s: float = 5.0
+    url_template: str,
+    api_key: str | None = None,
+    ttl_s: float = 1.0,
+    timeout_s: float = 5.0,
+    stale_s: float = 60.0,
+    client: Any = None,
 ) -> ServingConfigSource:
     """A serving-config source that GETs `url_template.format(model=name)` (the control plane's
-    `/v1/accounts/{a}/deployments/{d}/serving-config`), cached for `ttl_s` seconds per model.
-    A 404 means an unknown model."""
+    `/v1/accounts/{a}/deployments/{d}/serving-config`), cached for `ttl_s` seconds per model, so a
+    promotion reaches the server within about a second. A 404 means an unknown model. When the
+    control plane cannot be reached, a cached answer up to `stale_s` old keeps serving (and the
+    error is raised only without one): a control-plane restart must not stop completions."""
     import httpx
 
+    http = client if client is not None else httpx.Client(timeout=timeout_s)
     cache: dict[str, tuple[float, Mapping[str, Any] | None]] = {}
+    lock = threading.Lock()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def source(name: str) -> Mapping[str, Any] | None:
-        hit = cache.get(name)
         now = time.monotonic()
+        with lock:
+            hit = cache.get(name)
         if hit is not None and now - hit[0] < ttl_s:
             return hit[1]
-        resp = httpx.get(url_template.format(model=name), headers=headers, timeout=timeout_s)
-        value: Mapping[str, Any] | None = None if resp.status_code == 404 else resp.raise_for_status().json()
-        cache[name] = (now, value)
+        try:
+            resp = http.get(url_template.format(model=name), headers=headers)
+            value: Mapping[str, Any] | None = (
+                None if resp.status_code == 404 else resp.raise_for_status().json()
+            )
+        except (httpx.HTTPError, ValueError):
+            if hit is not None and now - hit[0] < stale_s:
+                return hit[1]
+            raise
+        with lock:
+            cache[name] = (now, value)
         return value
 
     return source
