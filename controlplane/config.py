@@ -55,6 +55,15 @@ class Settings(BaseSettings):
     canary_alpha: float = Field(default=0.05, gt=0, lt=1)
     canary_min_samples_per_arm: int = Field(default=50, ge=1)
 
+    # Realignment. Redis re-delivers an unacknowledged task (its worker died) only after this
+    # long, so it must exceed the longest job; tests shorten it to see a redelivery quickly.
+    celery_visibility_timeout_s: int = Field(default=6 * 3600, ge=1)
+    # A realign job still queued (never started) this long after its message was sent gets its
+    # message sent again by the beat sweeper (the first send failed, or the broker lost it).
+    realign_resend_after_s: float = Field(default=120.0, gt=0)
+    # Training time budget of a job whose params do not set one (None: the worker's default).
+    realign_time_budget_s: float | None = Field(default=None, ge=1, le=24 * 3600)
+
     @model_validator(mode="after")
     def _refuse_unsafe_defaults(self) -> Settings:
         if self.environment == "production" and self.secret_key == DEFAULT_SECRET:

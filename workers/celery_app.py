@@ -22,10 +22,27 @@ log = logging.getLogger(__name__)
 
 QUEUE_GPU = "gpu"
 QUEUE_DEFAULT = "default"
-# Longer than the longest job (realignment is budgeted at minutes; canary replay likewise), so
-# Redis never re-delivers a task that is still running.
+# The default of Settings.celery_visibility_timeout_s: longer than the longest job (realignment
+# is budgeted at minutes; canary replay likewise), so Redis never re-delivers a task that is
+# still running. It is also how long a task whose worker was killed waits to be re-delivered.
 VISIBILITY_TIMEOUT_S = 6 * 3600
 DRIFT_MONITOR_INTERVAL_S = 5.0
+# How often beat looks for realign jobs whose message was lost (Settings.realign_resend_after_s
+# says when a queued job counts as lost).
+JOB_SWEEP_INTERVAL_S = 30.0
+
+
+def transport_options(visibility_timeout_s: int) -> dict[str, Any]:
+    """Redis transport options. A worker looks for messages left unacknowledged by a dead worker
+    every ``unacked_restore_interval`` s times ``unacked_restore_throttle`` (100 s by default),
+    which only matters when the visibility timeout itself is that short (tests)."""
+    options: dict[str, Any] = {"visibility_timeout": visibility_timeout_s}
+    if visibility_timeout_s < 600:
+        options |= {
+            "unacked_restore_interval": max(1, visibility_timeout_s // 2),
+            "unacked_restore_throttle": 1,
+        }
+    return options
 
 
 def make_celery() -> Celery:
@@ -46,7 +63,7 @@ def make_celery() -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_transport_options=transport_options(settings.celery_visibility_timeout_s),
         broker_connection_retry_on_startup=True,
         task_serializer="json",
         result_serializer="json",
@@ -55,6 +72,7 @@ def make_celery() -> Celery:
         beat_schedule={
             "drift-monitor": {"task": "drift.monitor_all", "schedule": DRIFT_MONITOR_INTERVAL_S},
             "trace-retention": {"task": "traces.apply_retention", "schedule": 3600.0},
+            "realign-resend": {"task": "jobs.resend_stale_queued", "schedule": JOB_SWEEP_INTERVAL_S},
         },
         timezone="UTC",
     )

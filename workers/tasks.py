@@ -30,10 +30,17 @@ from controlplane.db.session import unit_of_work
 from controlplane.deployments.service import active_drafter
 from controlplane.drift.service import advance_monitor, deployments_with_new_records
 from controlplane.errors import ConflictError
-from controlplane.jobs.service import fail_job, finish_job, report_progress, start_job
+from controlplane.jobs.handoff import TaskMessage, on_realign_succeeded
+from controlplane.jobs.service import (
+    claim_stale_queued_realigns,
+    fail_job,
+    finish_job,
+    report_progress,
+    start_job,
+)
 from controlplane.jobs.states import TERMINAL
 from controlplane.traces.service import apply_retention
-from workers.celery_app import InstrumentedTask, TransientError, celery_app
+from workers.celery_app import QUEUE_GPU, InstrumentedTask, TransientError, celery_app
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +78,61 @@ def monitor_deployment(deployment_id: int) -> dict[str, Any]:
         monitor_deployment.apply_async((deployment_id,), countdown=SETTLE_INTERVAL_S)
     if outcome.events_raised:
         log.warning("drift detected on deployment %s: events %s", deployment_id, outcome.events_raised)
+    # The jobs committed with their events; a send that fails leaves them queued for the sweeper.
+    for job_id in outcome.realign_jobs:
+        send_realign(job_id)
     return {
         "deployment_id": deployment_id,
         "records_consumed": outcome.records_consumed,
         "events_raised": outcome.events_raised,
+        "realign_jobs": outcome.realign_jobs,
         "skipped": outcome.skipped,
     }
+
+
+def send_realign(job_id: int) -> bool:
+    """Send ``realign.run(job_id)`` to the gpu queue; False (logged) when the broker refused it.
+
+    Only ever called after the job row committed. A lost send is not an error here: the job stays
+    queued, and ``jobs.resend_stale_queued`` sends it again once it is overdue.
+    """
+    try:
+        run_realign.apply_async((job_id,), queue=QUEUE_GPU)
+    except Exception:
+        log.warning("could not enqueue realign job %s; the sweeper will re-send it", job_id, exc_info=True)
+        return False
+    return True
+
+
+def _send_after_commit(messages: list[TaskMessage]) -> None:
+    for message in messages:
+        try:
+            celery_app.send_task(
+                message.task, args=list(message.args), kwargs=message.kwargs, queue=message.queue
+            )
+        except Exception:
+            log.warning("could not send %s%s", message.task, message.args, exc_info=True)
+
+
+@celery_app.task(name="jobs.resend_stale_queued", base=InstrumentedTask, ignore_result=True)
+def resend_stale_queued() -> list[int]:
+    """Beat entry point: re-send realign jobs queued too long without a worker starting them.
+
+    Each overdue job is claimed (its ``enqueued_at`` moves to now) and committed before its
+    message goes out, so the next sweep waits a full threshold again. A duplicate message is
+    harmless: ``realign.run`` skips a job that another delivery runs or that already finished.
+    """
+    settings = get_settings()
+    cutoff = utcnow() - timedelta(seconds=settings.realign_resend_after_s)
+    try:
+        with unit_of_work(settings.database_url) as session:
+            job_ids = claim_stale_queued_realigns(session=session, older_than=cutoff)
+    except OperationalError as exc:
+        raise TransientError(str(exc)) from exc
+    for job_id in job_ids:
+        log.warning("realign job %s was queued without starting; sending it again", job_id)
+        send_realign(job_id)
+    return job_ids
 
 
 @celery_app.task(name="traces.apply_retention", base=InstrumentedTask)
@@ -117,6 +173,7 @@ def _model_folder(name: str | None, fallback: Path) -> Path:
 @dataclass
 class _RealignInputs:
     deployment_id: int
+    target_model: str
     target_folder: Path
     incumbent_folder: Path
     incumbent_sha256: str | None
@@ -166,6 +223,7 @@ def _realign_inputs(session: Session, job: Job) -> _RealignInputs:
         incumbent_sha = None
     return _RealignInputs(
         deployment_id=deployment.id,
+        target_model=deployment.target_model,
         target_folder=_model_folder(deployment.target_model, REFERENCE_MODELS / "target"),
         incumbent_folder=incumbent,
         incumbent_sha256=incumbent_sha,
@@ -214,6 +272,16 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
                 }
             if job.state in TERMINAL:
                 return {"job_id": job_id, "skipped": f"job is {job.state.value}"}
+            if (
+                job.state == JobState.running
+                and job.celery_task_id
+                and self.request.id
+                and job.celery_task_id != self.request.id
+            ):
+                # A second message for a job that another delivery runs (the sweeper re-sent it
+                # while the first waited in the queue). A redelivery after a worker died carries
+                # the same task id as the run it replaces, and does restart.
+                return {"job_id": job_id, "skipped": "running under another delivery"}
             start_job(session=session, job_id=job_id, celery_task_id=self.request.id)
             inputs = _realign_inputs(session, job)
     except OperationalError as exc:
@@ -255,13 +323,18 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
             traffic_window_end=inputs.window_end,
             artifact_path=str(artifact.path),
             artifact_sha256=artifact.sha256,
+            target_model=inputs.target_model,
             state=DrafterState.candidate,
             training_metrics=metrics,
             eval_metrics={},
         )
         session.add(version)
         session.flush()
-        return {"job_id": job_id, **_succeed_with(session, job, version)}
+        outcome = {"job_id": job_id, **_succeed_with(session, job, version)}
+        # Once per job: a redelivery finds the version above and never reaches this line.
+        messages = on_realign_succeeded(session, job, version)
+    _send_after_commit(messages)
+    return outcome
 
 
 class _Stopped(Exception):
@@ -284,6 +357,7 @@ def _train_and_save(
     )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    default_budget = get_settings().realign_time_budget_s or DEFAULT_TIME_BUDGET_S
     target, tokenizer = load_hf_folder(inputs.target_folder, device=device)
     incumbent, incumbent_tok = load_hf_folder(
         inputs.incumbent_folder, device=device, expected_sha256=inputs.incumbent_sha256
@@ -293,7 +367,7 @@ def _train_and_save(
     params = inputs.params
     cfg = RealignConfig(
         seed=int(params.get("seed", 0)),
-        time_budget_s=float(params.get("time_budget_s", DEFAULT_TIME_BUDGET_S)),
+        time_budget_s=float(params.get("time_budget_s", default_budget)),
         device=device,
     )
     if params.get("replay_share") is not None:

@@ -49,6 +49,8 @@ class DeploymentCreate(SpeculationFields):
 
 
 class DeploymentUpdate(SpeculationFields):
+    # Serving another target makes drafters trained for the old one stale (drafter_stale).
+    target_model: str | None = Field(default=None, min_length=1, max_length=500)
     display_name: str | None = Field(default=None, max_length=200)
     auto_realign: bool | None = None
     trace_sample_rate: float | None = None
@@ -93,6 +95,7 @@ def update(
         name=deployment,
         changes=DeploymentChanges(
             speculation=body.speculation(),
+            target_model=body.target_model,
             display_name=body.display_name,
             auto_realign=body.auto_realign,
             trace_sample_rate=body.trace_sample_rate,

@@ -196,6 +196,9 @@ class DrafterVersion(Base):
     traffic_window_end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     artifact_path: Mapped[str] = mapped_column(String(1000))
     artifact_sha256: Mapped[str] = mapped_column(String(64))
+    # The target model the drafter was trained against (the deployment's target_model then): when
+    # the deployment's target changes, versions trained for another target are stale.
+    target_model: Mapped[str | None] = mapped_column(String(500))
     state: Mapped[DrafterState] = mapped_column(_enum(DrafterState, "drafter_state"))
     training_metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     eval_metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
@@ -378,6 +381,9 @@ class Job(Base):
     result: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # When a message for the job was last sent to the workers; the sweeper re-sends a job that is
+    # still queued long after it.
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 

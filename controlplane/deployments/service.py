@@ -31,6 +31,8 @@ class DeploymentChanges:
 
     speculation: SpeculationRequest
     display_name: str | None = None
+    # A new target makes every drafter trained for the old one stale (see drafter_staleness).
+    target_model: str | None = None
     auto_realign: bool | None = None
     trace_sample_rate: float | None = None
     trace_retention_days: int | None = None
@@ -65,10 +67,39 @@ def active_drafter(*, session: Session, deployment_id: int) -> DrafterVersion | 
     )
 
 
+def drafter_staleness(deployment: Deployment, version: DrafterVersion) -> str | None:
+    """Why ``version`` is stale for the deployment's current target, or None when it is not.
+
+    A version records the target it was distilled from (``target_model``); once the deployment
+    serves another target, the drafter's acceptance no longer says anything about the new one.
+    A version without a recorded target (none exist after migration 0003) is not judged.
+    """
+    if version.target_model is None or version.target_model == deployment.target_model:
+        return None
+    return (
+        f"drafter version {version.version} was trained for target {version.target_model!r}; "
+        f"the deployment now serves {deployment.target_model!r}"
+    )
+
+
+def stale_versions(*, session: Session, deployment: Deployment) -> list[DrafterVersion]:
+    """The deployment's live versions (candidate, canary, active) trained for another target."""
+    rows = session.scalars(
+        select(DrafterVersion)
+        .where(
+            DrafterVersion.deployment_id == deployment.id,
+            DrafterVersion.state.in_([DrafterState.candidate, DrafterState.canary, DrafterState.active]),
+        )
+        .order_by(DrafterVersion.version)
+    )
+    return [v for v in rows if drafter_staleness(deployment, v) is not None]
+
+
 def describe(*, session: Session, deployment: Deployment, account_name: str) -> dict[str, Any]:
     """The deployment as the API shows it."""
     config = speculation_of(deployment)
     active = active_drafter(session=session, deployment_id=deployment.id)
+    stale_reason = drafter_staleness(deployment, active) if active is not None else None
     return {
         "name": resource_name(account_name, deployment.name),
         "deployment_id": deployment.name,
@@ -80,6 +111,9 @@ def describe(*, session: Session, deployment: Deployment, account_name: str) -> 
         "effective_draft_token_count": config.effective_draft_token_count,
         "ngram_speculation_length": config.ngram_speculation_length,
         "active_drafter_version": active.version if active else None,
+        # The active drafter was trained for another target than the one now served.
+        "drafter_stale": stale_reason is not None,
+        "drafter_stale_reason": stale_reason,
         "auto_realign": deployment.auto_realign,
         "drift_policy": deployment.drift_policy,
         "trace_sample_rate": deployment.trace_sample_rate,
@@ -205,6 +239,11 @@ def update_deployment(
     except SpeculationConfigError as exc:
         raise ValidationProblem(str(exc)) from exc
     _apply(deployment, config)
+    old_target = deployment.target_model
+    if changes.target_model is not None:
+        if not changes.target_model.strip():
+            raise ValidationProblem("target_model must not be empty")
+        deployment.target_model = changes.target_model
     if changes.display_name is not None:
         deployment.display_name = changes.display_name
     if changes.auto_realign is not None:
@@ -233,7 +272,44 @@ def update_deployment(
         before=before,
         after=after,
     )
+    if deployment.target_model != old_target:
+        _flag_stale_drafters(
+            session=session, principal=principal, deployment=deployment, old_target=old_target
+        )
     return deployment
+
+
+def _flag_stale_drafters(
+    *, session: Session, principal: Principal, deployment: Deployment, old_target: str
+) -> None:
+    """The target changed: versions trained for the old one are stale from now on (audited).
+
+    Staleness is derived from each version's recorded target, so a change back to the old target
+    makes them current again; a version with no recorded target is given the old one here.
+    """
+    untagged = session.scalars(
+        select(DrafterVersion).where(
+            DrafterVersion.deployment_id == deployment.id, DrafterVersion.target_model.is_(None)
+        )
+    )
+    for version in untagged:
+        version.target_model = old_target
+    session.flush()
+    stale = stale_versions(session=session, deployment=deployment)
+    if not stale:
+        return
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action="drafter.stale",
+        resource=resource_name(principal.account_name, deployment.name),
+        before={"target_model": old_target},
+        after={
+            "target_model": deployment.target_model,
+            "stale_versions": [{"version": v.version, "state": v.state.value} for v in stale],
+        },
+    )
 
 
 def delete_deployment(*, session: Session, principal: Principal, name: str) -> None:

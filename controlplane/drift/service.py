@@ -16,7 +16,7 @@ re-estimates its baseline on a fresh reference window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -41,6 +41,7 @@ from controlplane.drift.mix_monitor import MixMonitor
 from controlplane.drift.mixture_sr import MixtureSR
 from controlplane.drift.observation import RequestObservation
 from controlplane.errors import ConflictError, NotFoundError
+from controlplane.jobs.service import realign_on_drift
 
 MONITORED_ARM = "live"
 DEFAULT_BATCH_LIMIT = 20_000
@@ -113,6 +114,9 @@ class MonitorOutcome:
     skipped: str | None = None
     # Records exist past the watermark that a later run (once they settle) will consume.
     pending: bool = False
+    # Realign jobs created for this run's events (auto_realign), in the same transaction: the
+    # caller sends ``realign.run`` for each once it has committed.
+    realign_jobs: list[int] = field(default_factory=list)
 
 
 def _observation(row: Any) -> RequestObservation | None:
@@ -213,6 +217,7 @@ def advance_monitor(
     ).all()
     now = utcnow()
     events: list[int] = []
+    realign_jobs: list[int] = []
     examined = state.records_examined if not restart else 0
     open_event = session.scalar(
         select(DriftEvent.id).where(
@@ -259,6 +264,9 @@ def advance_monitor(
         events.append(event.id)
         open_event = event.id
         last_alarm = now
+        realign = realign_on_drift(session=session, deployment=deployment, event=event)
+        if realign is not None and realign.created:
+            realign_jobs.append(realign.job.id)
     new_watermark = rows[-1].id if len(rows) == batch_limit else settled
     result = session.execute(
         update(DriftMonitorState)
@@ -278,7 +286,9 @@ def advance_monitor(
     )
     if result.rowcount != 1:  # type: ignore[attr-defined]
         raise ConflictError(f"deployment {deployment_id}: another monitor advanced it concurrently")
-    return MonitorOutcome(deployment_id, len(rows), events, pending=horizon_now > new_watermark)
+    return MonitorOutcome(
+        deployment_id, len(rows), events, pending=horizon_now > new_watermark, realign_jobs=realign_jobs
+    )
 
 
 def _aware(value: datetime) -> datetime:

@@ -12,14 +12,24 @@ lands between two progress reports is seen at the next one instead of being over
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import record_change
-from controlplane.db.models import Account, Deployment, Job, JobKind, JobState, utcnow
+from controlplane.db.models import (
+    Account,
+    Deployment,
+    DriftEvent,
+    Job,
+    JobKind,
+    JobState,
+    SpeculationMode,
+    utcnow,
+)
 from controlplane.deployments.service import resource_name
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
 from controlplane.jobs.states import ACTIVE, TERMINAL, IllegalTransitionError, transition
@@ -87,6 +97,8 @@ def request_realign(
         progress_message="queued",
         params=validate_realign_params(params or {}),
         result={},
+        # The caller sends the message right after its commit (see controlplane.jobs.queue).
+        enqueued_at=utcnow(),
     )
     try:
         with session.begin_nested():
@@ -107,6 +119,57 @@ def request_realign(
         after={"kind": job.kind.value, "drift_event_id": drift_event_id, "params": job.params},
     )
     return RealignRequest(job, created=True)
+
+
+# Modes whose drafter is a model that realignment can train; an n-gram or disabled deployment has none.
+REALIGNABLE_MODES = frozenset({SpeculationMode.default, SpeculationMode.draft_model})
+
+
+def realign_on_drift(*, session: Session, deployment: Deployment, event: DriftEvent) -> RealignRequest | None:
+    """The automatic response to a drift event: queue a realignment if the deployment wants one.
+
+    Runs in the transaction that records the event (outbox style): the event and its job commit
+    together or not at all, and the caller sends ``realign.run`` only after that commit. When a
+    realignment is already queued or running (another event, a manual request), that job is
+    returned instead (``created`` False): two simultaneous events start one job. The event names
+    its job in its evidence (``realign_job_id``) and stays ``open``: dismissing it, and the
+    drift status's open-event count, keep working as before. None when the deployment does not
+    realign automatically (``auto_realign`` off, or a speculation mode without a drafter model).
+    """
+    if not deployment.auto_realign or deployment.speculation_mode not in REALIGNABLE_MODES:
+        return None
+    outcome = request_realign(
+        session=session, deployment=deployment, actor=f"drift-event:{event.id}", drift_event_id=event.id
+    )
+    event.evidence = {**(event.evidence or {}), "realign_job_id": outcome.job.id}
+    return outcome
+
+
+def claim_stale_queued_realigns(*, session: Session, older_than: datetime, limit: int = 100) -> list[int]:
+    """Realign jobs still queued whose last message was sent before ``older_than``: the message
+    was lost (the send after commit failed, or the broker dropped it). Each is claimed by moving
+    its ``enqueued_at`` to now, with a compare-and-set so two sweepers never both take one; the
+    caller commits, then sends ``realign.run`` for the returned ids.
+    """
+    stale = (
+        Job.kind == JobKind.realign,
+        Job.state == JobState.queued,
+        or_(Job.enqueued_at.is_(None), Job.enqueued_at < older_than),
+    )
+    job_ids = session.scalars(select(Job.id).where(*stale).order_by(Job.id).limit(limit)).all()
+    now = utcnow()
+    claimed: list[int] = []
+    for job_id in job_ids:
+        # Still stale at the update: another sweeper that claimed it first moved enqueued_at.
+        result = session.execute(
+            update(Job)
+            .where(Job.id == job_id, *stale)
+            .values(enqueued_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        if getattr(result, "rowcount", 0) == 1:
+            claimed.append(int(job_id))
+    return claimed
 
 
 def get_job(*, session: Session, deployment_id: int, job_id: int) -> Job:
@@ -224,6 +287,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "result": job.result,
         "error": job.error,
         "created_at": job.created_at.isoformat() if job.created_at else None,
+        "enqueued_at": job.enqueued_at.isoformat() if job.enqueued_at else None,
         "started_at": job.started_at.isoformat() if job.started_at else None,
         "finished_at": job.finished_at.isoformat() if job.finished_at else None,
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from workers import tasks  # noqa: F401  (registers the tasks)
 from workers.celery_app import QUEUE_DEFAULT, QUEUE_GPU, VISIBILITY_TIMEOUT_S, celery_app
 
@@ -18,3 +20,24 @@ def test_tasks_survive_worker_loss() -> None:
     assert conf.worker_prefetch_multiplier == 1
     assert conf.broker_transport_options["visibility_timeout"] == VISIBILITY_TIMEOUT_S >= 3600
     assert {q.name for q in conf.task_queues} == {QUEUE_DEFAULT, QUEUE_GPU}
+
+
+def test_beat_resends_lost_realign_jobs() -> None:
+    entries = {entry["task"]: entry["schedule"] for entry in celery_app.conf.beat_schedule.values()}
+    assert "jobs.resend_stale_queued" in entries and 10 <= entries["jobs.resend_stale_queued"] <= 60
+    assert celery_app.tasks["jobs.resend_stale_queued"].name == "jobs.resend_stale_queued"
+
+
+def test_the_visibility_timeout_comes_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane.config import get_settings
+    from workers.celery_app import make_celery
+
+    monkeypatch.setenv("CONTROLPLANE_CELERY_VISIBILITY_TIMEOUT_S", "4")
+    get_settings.cache_clear()
+    try:
+        options = make_celery().conf.broker_transport_options
+    finally:
+        get_settings.cache_clear()
+    assert options["visibility_timeout"] == 4
+    # A short timeout is only useful if abandoned messages are looked for as often.
+    assert options["unacked_restore_interval"] <= 4 and options["unacked_restore_throttle"] == 1
