@@ -495,6 +495,7 @@ def http_serving_config(
     timeout_s: float = 5.0,
     stale_s: float = 60.0,
     client: Any = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> ServingConfigSource:
     """A serving-config source that GETs `url_template.format(model=name)` (the control plane's
     `/v1/accounts/{a}/deployments/{d}/serving-config`), cached for `ttl_s` seconds per model, so a
@@ -509,7 +510,7 @@ def http_serving_config(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def source(name: str) -> Mapping[str, Any] | None:
-        now = time.monotonic()
+        now = clock()
         with lock:
             hit = cache.get(name)
         if hit is not None and now - hit[0] < ttl_s:
