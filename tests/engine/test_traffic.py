@@ -1,0 +1,212 @@
+"""The traffic driver: scenario parsing, deterministic prompt order, aggregation, callbacks, and a tiny
+scenario against the reference server with the committed reference models."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from workers.serve.traffic import (
+    Callbacks,
+    Phase,
+    PhaseReport,
+    RequestResult,
+    Scenario,
+    TrafficDriver,
+    plan_requests,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT / "workers" / "models" / "reference"
+
+TINY = """
+[server]
+url = "http://server.test"
+model = "svc"
+
+[defaults]
+max_tokens = 8
+concurrency = 2
+
+[[phase]]
+name = "prose"
+mix = { prose = 1.0 }
+requests = 6
+seed = 1
+
+[[phase]]
+name = "shift"
+mix = { structured = 3, tool = 1, prose = 0 }
+requests = 8
+seed = 2
+temperature = 0.7
+"""
+
+
+def test_default_scenario_parses() -> None:
+    scenario = Scenario.load(ROOT / "scenarios" / "demo.toml")
+    assert scenario.model and scenario.url.startswith("http")
+    assert len(scenario.phases) >= 2 and all(p.split == "test" for p in scenario.phases)
+
+
+def test_scenario_keys_and_mix(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text(TINY)
+    scenario = Scenario.load(path)
+    prose, shift = scenario.phases
+    assert (prose.max_tokens, prose.concurrency, prose.requests) == (8, 2, 6)
+    assert shift.mix == {"structured": 1.0} and shift.temperature == 0.7
+    for bad, message in [
+        ("[[phase]]\nmix = { poetry = 1 }\nrequests = 1\n", "unknown domain"),
+        ("[[phase]]\nmix = { prose = 1 }\n", "requests"),
+        ("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nrps = 3\n", "unknown key"),
+        ("[server]\n", "at least one"),
+    ]:
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=message):
+            Scenario.load(path)
+
+
+def test_prompt_order_is_fixed_by_the_seed() -> None:
+    phase = Phase(name="mix", mix={"prose": 0.5, "structured": 0.5}, requests=60, seed=3)
+
+    def first(n: int, p: Phase) -> list[tuple[str, str]]:
+        it = plan_requests(p)
+        return [(r.domain, r.prompt) for r in (next(it) for _ in range(n))]
+
+    a, b = first(60, phase), first(60, phase)
+    assert a == b
+    assert first(60, Phase(name="mix", mix=phase.mix, requests=60, seed=4)) != a
+    shares = sum(d == "prose" for d, _ in a) / len(a)
+    assert 0.3 < shares < 0.7
+    # More requests than the prose test split has documents: the stream cycles with new cuts.
+    prose = first(60, Phase(name="p", mix={"prose": 1.0}, requests=60, seed=1))
+    assert len(prose) == 60 and len(set(prose)) > 40
+
+
+def _fake_server(requests: list[dict[str, Any]]) -> httpx.MockTransport:
+    lock = threading.Lock()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        rid = request.headers["x-request-id"]
+        with lock:
+            requests.append({**body, "id": rid})
+        if body["prompt"].startswith("FAIL"):
+            return httpx.Response(500, json={"error": {"message": "boom"}})
+        structured = body["category"] == "structured"
+        record = {
+            "request_id": rid,
+            "drafted_tokens": 10,
+            "accepted_tokens": 2 if structured else 8,
+            "generated_tokens": 8,
+            "arm": "canary:2" if structured else "live",
+            "drafter_version": 2 if structured else 1,
+        }
+        return httpx.Response(
+            200,
+            json={
+                "id": rid,
+                "choices": [{"text": "x", "index": 0, "finish_reason": "length"}],
+                "usage": {"completion_tokens": 8, "prompt_tokens": 5},
+                "perf_metrics": {"speculation-generated-tokens": 10, "server-time-to-first-token": 0.01},
+                "speculation_record": record,
+            },
+        )
+
+    return httpx.MockTransport(handler)
+
+
+def test_driver_sends_in_order_aggregates_and_calls_back(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text(TINY)
+    scenario = Scenario.load(path)
+    sent: list[dict[str, Any]] = []
+    events: list[tuple[str, Any]] = []
+    driver = TrafficDriver(scenario.url, scenario.model, run_id="run1", transport=_fake_server(sent))
+    reports = driver.run(
+        scenario.phases,
+        Callbacks(
+            on_phase_start=lambda n, p: events.append(("start", p.name)),
+            on_result=lambda n, p, r: events.append(("result", r.request_id)),
+            on_phase_end=lambda n, p, rep: events.append(("end", rep.requests)),
+        ),
+    )
+    prose, shift = reports
+    assert isinstance(prose, PhaseReport) and (prose.requests, shift.requests) == (6, 8)
+    assert prose.hit_rate == pytest.approx(0.8) and shift.hit_rate == pytest.approx(0.2)
+    assert shift.by_arm["canary:2"].requests == 8 and prose.by_domain["prose"].requests == 6
+    assert prose.completion_tokens == 48 and prose.tokens_per_s > 0
+    assert prose.latency_p50_s is not None and prose.latency_p95_s is not None
+    assert prose.latency_p50_s <= prose.latency_p95_s
+    assert events[0] == ("start", "prose") and events[7] == ("end", 6) and events[-1] == ("end", 8)
+    ids = sorted(r["id"] for r in sent)
+    assert ids == sorted([f"run1-p0-{i}" for i in range(6)] + [f"run1-p1-{i}" for i in range(8)])
+    first = {r["id"]: r for r in sent}
+    assert first["run1-p0-0"]["perf_metrics_in_response"] is True
+    assert "seed" not in first["run1-p0-0"] and "seed" in first["run1-p1-0"]  # sampled: reproducible
+    # The same scenario and run id send the same prompts to the same request ids.
+    again: list[dict[str, Any]] = []
+    TrafficDriver(scenario.url, scenario.model, run_id="run1", transport=_fake_server(again)).run(
+        scenario.phases
+    )
+    assert {r["id"]: r["prompt"] for r in again} == {r["id"]: r["prompt"] for r in sent}
+
+
+def test_duration_rate_and_stop() -> None:
+    sent: list[dict[str, Any]] = []
+    driver = TrafficDriver("http://s", "m", transport=_fake_server(sent))
+    # 20 requests/s for 0.5 s: about 10 are sent, never the 1,000 asked for.
+    (report,) = driver.run([Phase(name="r", mix={"prose": 1.0}, requests=1000, duration_s=0.5, rate=20.0)])
+    assert 5 <= report.requests <= 12
+    stop_after: list[RequestResult] = []
+    reports = driver.run(
+        [Phase(name="a", mix={"code": 1.0}, requests=50), Phase(name="b", mix={"code": 1.0}, requests=50)],
+        Callbacks(on_result=lambda n, p, r: stop_after.append(r)),
+        should_stop=lambda: len(stop_after) >= 3,
+    )
+    assert len(reports) == 1 and reports[0].requests == 3
+
+
+def test_errors_are_counted_not_raised() -> None:
+    def failing(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "down"}})
+
+    driver = TrafficDriver("http://s", "m", transport=httpx.MockTransport(failing))
+    (report,) = driver.run([Phase(name="x", mix={"prose": 1.0}, requests=3)])
+    assert report.errors == 3 and report.hit_rate is None and report.latency_p50_s is None
+
+
+def test_tiny_scenario_against_the_reference_server() -> None:
+    """The real server app (reference target + generic drafter) in-process over ASGI."""
+    from workers.serve.server import ServerConfig, create_app
+
+    entry = {
+        "target_path": str(REFERENCE / "target"),
+        "arms": [
+            {
+                "arm": "live",
+                "weight": 1.0,
+                "speculation": "draft_model",
+                "drafter_path": str(REFERENCE / "generic-drafter"),
+                "drafter_version": 1,
+                "k": 4,
+            }
+        ],
+    }
+    records: list[dict[str, Any]] = []
+    app = create_app(ServerConfig(serving_config={"demo": entry}, on_record=lambda m, r: records.append(r)))
+    driver = TrafficDriver("http://ref", "demo", run_id="tiny", transport=httpx.ASGITransport(app=app))
+    (report,) = driver.run(
+        [Phase(name="mixed", mix={"prose": 1.0, "structured": 1.0}, requests=4, max_tokens=12, concurrency=2)]
+    )
+    assert report.requests == 4 and report.errors == 0
+    assert report.hit_rate is not None and 0.0 <= report.hit_rate <= 1.0
+    assert report.completion_tokens > 0 and report.by_arm["live"].requests == 4
+    assert sorted(r["request_id"] for r in records) == [f"tiny-p0-{i}" for i in range(4)]
+    assert {r["category"] for r in records} <= {"prose", "structured"}
