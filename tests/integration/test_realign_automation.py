@@ -1,0 +1,515 @@
+"""Automatic realignment, end to end with a real Redis and a real Celery worker process.
+
+- a drift event on an ``auto_realign`` deployment queues a job in the event's transaction; the
+  worker trains it into a candidate version whose artifact matches its checksum;
+- a worker SIGKILLed mid-job, then a new worker: the message is re-delivered (acks_late, a short
+  visibility timeout for the test workers) and the job ends with exactly one candidate;
+- two simultaneous drift events start one job;
+- a lost message is re-sent by the beat sweeper, and a cancel during training ends the job
+  cancelled with no version;
+- a new target model flags the deployment's drafter stale (API, both dialects).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+from celery import Celery
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane.config import Settings
+from controlplane.db.migrate import upgrade_to_head
+from controlplane.db.models import (
+    AuditEntry,
+    Deployment,
+    DrafterState,
+    DrafterVersion,
+    DriftEvent,
+    DriftState,
+    Job,
+    JobState,
+    Role,
+    SpeculationMode,
+    Trace,
+    TraceSource,
+    utcnow,
+)
+from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.drift.service import advance_monitor
+from controlplane.ingest.formats import parse_batch
+from controlplane.ingest.service import store_records
+from controlplane.jobs.service import (
+    cancel_job,
+    claim_stale_queued_realigns,
+    realign_on_drift,
+    request_realign,
+)
+from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, recreate_pg_database
+from tests.integration.test_drift_monitor import request_record
+from workers.engine.hf_io import load_hf_folder, save_hf_folder
+from workers.engine.model import ModelConfig, build_model
+from workers.engine.tokenizer import Tokenizer
+from workers.training.realign import verify_artifact
+
+# A Redis database of its own: other test modules flush 13 and 14.
+BROKER = "redis://127.0.0.1:6379/9"
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT / "workers" / "models" / "reference"
+# Redis hands a dead worker's task to another after this long (production: hours).
+VISIBILITY_TIMEOUT_S = 3
+LINES = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    total += i\n",
+    "if x is None:\n    raise ValueError('x')\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "with open(path) as f:\n    data = f.read()\n",
+    "import os\nprint(os.getcwd())\n",
+]
+
+
+# ------------------------------------------------------------------------------------ the stack
+
+
+class Worker:
+    """One ``celery worker -Q default,gpu -P solo`` process in its own process group."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env = env
+        self.log_dir = log_dir
+        self.started = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.started += 1
+        log = (self.log_dir / f"worker-{self.started}.log").open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "workers.celery_app",
+                "worker",
+                "-Q",
+                "default,gpu",
+                "-P",
+                "solo",
+                "-n",
+                f"realign-auto-{self.started}@%h",
+                "--loglevel=INFO",
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so a SIGKILL takes all of it
+        )
+        log.close()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self) -> str:
+        logs = sorted(self.log_dir.glob("worker-*.log"))
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in logs)
+
+
+@dataclass
+class Stack:
+    url: str
+    sessions: sessionmaker[Session]
+    worker: Worker
+    producer: Celery
+    tenant: Tenant
+    models: Path
+
+    def deployment(self, name: str, *, traces: int = 160) -> int:
+        """A draft-model deployment on the tiny target and drafter, with ``traces`` recent traces."""
+        with self.sessions() as session:
+            deployment = Deployment(
+                account_id=self.tenant.account_id,
+                name=name,
+                target_model=str(self.models / "target"),
+                speculation_mode=SpeculationMode.draft_model,
+                draft_model=str(self.models / "drafter"),
+                draft_token_count=4,
+                drift_policy={},
+                canary_policy={},
+            )
+            session.add(deployment)
+            session.flush()
+            for i in range(traces):
+                a, b = LINES[i % len(LINES)], LINES[(i * 5 + 1) % len(LINES)]
+                session.add(
+                    Trace(
+                        deployment_id=deployment.id,
+                        source=TraceSource.sampled,
+                        prompt=f"{a}# {i}\n",
+                        completion=b + LINES[(i + 2) % len(LINES)],
+                    )
+                )
+            session.commit()
+            return deployment.id
+
+    def job(self, job_id: int) -> Job:
+        with self.sessions() as session:
+            return session.get_one(Job, job_id)
+
+    def wait_for(self, what: str, predicate: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}\n{self.worker.log_tail()}")
+
+    def versions(self, job_id: int) -> list[DrafterVersion]:
+        with self.sessions() as session:
+            return list(
+                session.scalars(select(DrafterVersion).where(DrafterVersion.training_job_id == job_id))
+            )
+
+
+def _tiny_models(folder: Path) -> Path:
+    """A peaked tiny target (random 0.02-std weights would be near-uniform: nothing to learn)
+    and, as the incumbent drafter, a perturbed copy of it."""
+    tokenizer = Tokenizer.from_file(REFERENCE / "target")
+    config = ModelConfig(
+        vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=256
+    )
+    target = build_model(config, seed=1)
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.ndim >= 2:
+                p.mul_(25.0)
+    drafter = build_model(config, seed=1)
+    drafter.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.ndim >= 2:
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.6)
+    save_hf_folder(target, tokenizer, folder / "target")
+    save_hf_folder(drafter, tokenizer, folder / "drafter")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("realign-auto")
+    url = recreate_pg_database("controlplane_realign_auto")
+    upgrade_to_head(url)
+    redis.Redis.from_url(BROKER).flushdb()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")},
+        "CONTROLPLANE_DATABASE_URL": url,
+        "CONTROLPLANE_BROKER_URL": BROKER,
+        "CONTROLPLANE_RESULT_BACKEND_URL": BROKER,
+        "CONTROLPLANE_SECRET_KEY": TEST_SECRET,
+        "CONTROLPLANE_ENVIRONMENT": "test",
+        "CONTROLPLANE_ARTIFACT_DIR": str(tmp / "artifacts"),
+        "CONTROLPLANE_CELERY_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S),
+        # Jobs started by drift events carry no params: keep their training short.
+        "CONTROLPLANE_REALIGN_TIME_BUDGET_S": "4",
+        "OMP_NUM_THREADS": "1",
+    }
+    sessions = get_sessionmaker(url)
+    with sessions() as session:
+        tenant = make_tenant(session, "acme")
+        session.commit()
+    worker = Worker(env, tmp)
+    worker.start()
+    producer = Celery("test-producer", broker=BROKER, backend=BROKER)
+    try:
+        yield Stack(url, sessions, worker, producer, tenant, _tiny_models(tmp / "models"))
+    finally:
+        worker.stop()
+        producer.close()
+        get_engine(url).dispose()
+
+
+# --------------------------------------------------------------------- through the worker process
+
+
+def test_a_drift_event_becomes_a_job_and_the_job_a_candidate(stack: Stack) -> None:
+    deployment_id = stack.deployment("drifting")
+    with stack.sessions() as session:
+        rng = random.Random(21)
+        records = [request_record(i, rng, 0.8) for i in range(1500)]
+        records += [request_record(5000 + i, rng, 0.5) for i in range(400)]
+        store_records(session=session, deployment_id=deployment_id, records=parse_batch({"records": records}))
+        session.commit()
+    # As beat would: the monitor comes back by itself until the records settle.
+    stack.producer.send_task("drift.monitor_all", queue="default")
+
+    def the_job() -> Job | None:
+        with stack.sessions() as session:
+            return session.scalar(select(Job).where(Job.deployment_id == deployment_id))
+
+    job = stack.wait_for("the drift event's job", the_job)
+    with stack.sessions() as session:
+        events = list(session.scalars(select(DriftEvent).where(DriftEvent.deployment_id == deployment_id)))
+    assert len(events) == 1 and job.drift_event_id == events[0].id
+    assert job.requested_by == f"drift-event:{events[0].id}" and job.params == {}
+    assert events[0].evidence["realign_job_id"] == job.id and events[0].state == DriftState.open
+    done = stack.wait_for("the job to finish", lambda: (j := stack.job(job.id)).finished_at and j, 90)
+    assert done.state == JobState.succeeded, (done.error, stack.worker.log_tail())
+    assert done.attempts == 1 and done.result["drafter_version"] == 1
+    [version] = stack.versions(job.id)
+    assert version.state == DrafterState.candidate and version.target_model == str(stack.models / "target")
+    assert version.training_metrics["time_budget_s"] == 4.0  # the settings' budget for param-less jobs
+    load_hf_folder(version.artifact_path, expected_sha256=version.artifact_sha256)
+    assert verify_artifact(version.artifact_path)
+    with stack.sessions() as session:
+        handed = session.scalar(
+            select(func.count()).where(
+                AuditEntry.action == "drafter_version.candidate",
+                AuditEntry.resource.endswith("/deployments/drifting/drafter-versions/1"),
+            )
+        )
+    assert handed == 1  # the handoff hook ran once, in the registering transaction
+
+
+def test_a_worker_killed_mid_job_leaves_exactly_one_candidate(stack: Stack) -> None:
+    deployment_id = stack.deployment("killed", traces=240)
+    with stack.sessions() as session:
+        job = request_realign(
+            session=session,
+            deployment=session.get_one(Deployment, deployment_id),
+            params={"time_budget_s": 8},
+        ).job
+        session.commit()
+        job_id = job.id
+    stack.producer.send_task("realign.run", args=[job_id], queue="gpu")
+    # Mid-job: training under way (past the dataset, the target pass and the first step).
+    stack.wait_for(
+        "training to start",
+        lambda: (j := stack.job(job_id)).state == JobState.running and j.progress >= 0.1,
+    )
+    stack.worker.kill()
+    assert stack.job(job_id).state == JobState.running and not stack.versions(job_id)
+    stack.worker.start()  # Redis re-delivers the unacknowledged message to it
+    done = stack.wait_for("the redelivered job", lambda: (j := stack.job(job_id)).finished_at and j, 90)
+    assert done.state == JobState.succeeded, (done.error, stack.worker.log_tail())
+    assert done.attempts == 2  # the killed run, then the restart
+    versions = stack.versions(job_id)
+    assert len(versions) == 1 and versions[0].state == DrafterState.candidate
+    load_hf_folder(versions[0].artifact_path, expected_sha256=versions[0].artifact_sha256)
+    with stack.sessions() as session:
+        total = session.scalar(
+            select(func.count())
+            .select_from(DrafterVersion)
+            .where(DrafterVersion.deployment_id == deployment_id)
+        )
+    assert total == 1
+
+
+def test_two_simultaneous_drift_events_start_one_job(stack: Stack) -> None:
+    deployment_id = stack.deployment("racing", traces=0)
+    barrier = threading.Barrier(2, timeout=20)
+    outcomes: dict[int, tuple[int, int, bool]] = {}
+    errors: list[BaseException] = []
+
+    def raise_event(n: int) -> None:
+        try:
+            with stack.sessions() as session:
+                deployment = session.get_one(Deployment, deployment_id)
+                event = DriftEvent(
+                    deployment_id=deployment_id, detector=f"test-{n}", state=DriftState.open, evidence={}
+                )
+                session.add(event)
+                session.flush()
+                barrier.wait()  # both events exist, neither is committed
+                outcome = realign_on_drift(session=session, deployment=deployment, event=event)
+                assert outcome is not None
+                session.commit()
+                outcomes[n] = (event.id, outcome.job.id, outcome.created)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=raise_event, args=(n,)) for n in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert sorted(created for _, _, created in outcomes.values()) == [False, True]
+    assert len({job_id for _, job_id, _ in outcomes.values()}) == 1
+    with stack.sessions() as session:
+        jobs = list(session.scalars(select(Job).where(Job.deployment_id == deployment_id)))
+        evidence = [session.get_one(DriftEvent, e).evidence for e, _, _ in outcomes.values()]
+        assert len(jobs) == 1 and jobs[0].state == JobState.queued
+        assert all(e["realign_job_id"] == jobs[0].id for e in evidence)  # both events name it
+        # Nothing was sent for it: cancel, so that no later sweep picks it up.
+        cancel_job(
+            session=session,
+            deployment=session.get_one(Deployment, deployment_id),
+            job_id=jobs[0].id,
+            actor="t",
+        )
+        session.commit()
+
+
+def test_a_lost_message_is_resent_by_the_sweeper_and_a_cancel_stops_training(stack: Stack) -> None:
+    deployment_id = stack.deployment("lost", traces=240)
+    with stack.sessions() as session:
+        deployment = session.get_one(Deployment, deployment_id)
+        fresh = request_realign(session=session, deployment=deployment, params={"time_budget_s": 60}).job
+        session.commit()
+        job_id = fresh.id
+        # Not overdue yet: the message may simply still be on its way.
+        assert claim_stale_queued_realigns(session=session, older_than=utcnow() - timedelta(minutes=2)) == []
+        # The send after commit never happened (say the broker was down): the job is overdue.
+        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow() - timedelta(hours=1)))
+        session.commit()
+    stack.producer.send_task("jobs.resend_stale_queued", queue="default")
+    stack.wait_for(
+        "the re-sent job to train",
+        lambda: (j := stack.job(job_id)).state == JobState.running and j.progress >= 0.1,
+    )
+    with stack.sessions() as session:
+        # Claimed by the sweep: the next one does not send it again.
+        assert claim_stale_queued_realigns(session=session, older_than=utcnow() - timedelta(minutes=2)) == []
+        cancel_job(
+            session=session, deployment=session.get_one(Deployment, deployment_id), job_id=job_id, actor="t"
+        )
+        session.commit()
+    # The worker sees the cancel at its next progress checkpoint, stops and registers nothing.
+    job = stack.job(job_id)
+    assert job.celery_task_id is not None
+    outcome = stack.producer.AsyncResult(job.celery_task_id).get(timeout=60)
+    assert outcome["stopped"].startswith("cancelled at"), outcome
+    job = stack.job(job_id)
+    assert job.state == JobState.cancelled and job.attempts == 1
+    assert stack.versions(job_id) == []
+
+
+# ----------------------------------------------------------------------- in process, both dialects
+
+
+def _svc(client: TestClient, tenant: Tenant, **extra: Any) -> None:
+    response = client.post(
+        f"/v1/accounts/{tenant.name}/deployments",
+        json={
+            "target_model": "m",
+            "deployment_id": "svc",
+            "draft_model": "d",
+            "draft_token_count": 4,
+            **extra,
+        },
+        headers=tenant.headers(Role.admin),
+    )
+    assert response.status_code == 201, response.text
+
+
+def _drift(db: Database, settings: Settings) -> tuple[int, list[int], list[int]]:
+    session = db.new_session()
+    deployment_id = int(session.scalar(select(Deployment.id).where(Deployment.name == "svc")) or 0)
+    rng = random.Random(11)
+    records = [request_record(i, rng, 0.8) for i in range(1600)]
+    records += [request_record(5000 + i, rng, 0.5) for i in range(400)]
+    store_records(session=session, deployment_id=deployment_id, records=parse_batch({"records": records}))
+    session.commit()
+    events: list[int] = []
+    jobs: list[int] = []
+    for _ in range(3):
+        outcome = advance_monitor(session=session, deployment_id=deployment_id, settings=settings)
+        session.commit()
+        events += outcome.events_raised
+        jobs += outcome.realign_jobs
+    session.close()
+    return deployment_id, events, jobs
+
+
+def test_the_event_and_its_job_commit_together(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database, settings: Settings
+) -> None:
+    acme, _ = tenants
+    _svc(client, acme)
+    deployment_id, events, jobs = _drift(db, settings)
+    assert len(events) == 1 and len(jobs) == 1
+    got = client.get(
+        f"/v1/accounts/acme/deployments/svc/jobs/{jobs[0]}", headers=acme.headers(Role.viewer)
+    ).json()
+    assert got["state"] == "queued" and got["drift_event_id"] == events[0] and got["enqueued_at"]
+
+
+def test_no_job_without_auto_realign(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database, settings: Settings
+) -> None:
+    acme, _ = tenants
+    _svc(client, acme, auto_realign=False)
+    deployment_id, events, jobs = _drift(db, settings)
+    assert len(events) == 1 and jobs == []
+    session = db.new_session()
+    assert (
+        session.scalar(select(func.count()).select_from(Job).where(Job.deployment_id == deployment_id)) == 0
+    )
+    session.close()
+
+
+def test_a_new_target_flags_the_drafter_stale(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, _ = tenants
+    admin = acme.headers(Role.admin)
+    _svc(client, acme)
+    session = db.new_session()
+    deployment_id = int(session.scalar(select(Deployment.id).where(Deployment.name == "svc")) or 0)
+    for n, state in ((1, DrafterState.active), (2, DrafterState.candidate), (3, DrafterState.retired)):
+        session.add(
+            DrafterVersion(
+                deployment_id=deployment_id,
+                version=n,
+                artifact_path="x",
+                artifact_sha256="0" * 64,
+                target_model="m",
+                state=state,
+            )
+        )
+    session.commit()
+    session.close()
+    base = "/v1/accounts/acme/deployments/svc"
+    before = client.get(base, headers=admin).json()
+    assert before["drafter_stale"] is False and before["drafter_stale_reason"] is None
+    changed = client.patch(base, json={"target_model": "m-v2"}, headers=admin)
+    assert changed.status_code == 200, changed.text
+    body = changed.json()
+    assert body["target_model"] == "m-v2" and body["drafter_stale"] is True
+    assert "'m'" in body["drafter_stale_reason"] and "'m-v2'" in body["drafter_stale_reason"]
+    assert client.get(base, headers=acme.headers(Role.viewer)).json()["drafter_stale"] is True
+    audit = client.get("/v1/accounts/acme/audit?deployment=svc", headers=admin).json()["entries"]
+    stale = [e for e in audit if e["action"] == "drafter.stale"]
+    assert len(stale) == 1
+    assert [v["version"] for v in stale[0]["after"]["stale_versions"]] == [1, 2]  # not the retired one
+    assert client.patch(base, json={"target_model": ""}, headers=admin).status_code == 422
+    back = client.patch(base, json={"target_model": "m"}, headers=admin).json()
+    assert back["drafter_stale"] is False  # derived from the recorded target, not a sticky flag
