@@ -175,7 +175,6 @@ class Evaluation:
     comparisons: dict[str, RelativeDifference]
     p_values: dict[str, npt.NDArray[np.float64]]
     rejected: dict[str, npt.NDArray[np.bool_]]
-    levels: dict[str, npt.NDArray[np.float64]]  # the level each test was held to (Holm-adjusted)
     ready: npt.NDArray[np.bool_]
     exhausted: npt.NDArray[np.bool_]
 
@@ -211,18 +210,13 @@ def decision_codes(
         for t in TESTS
     }
     rejected: dict[str, npt.NDArray[np.bool_]] = {}
-    levels: dict[str, npt.NDArray[np.float64]] = {}
-    for family, family_alpha in (("better", policy.alpha), ("harm", policy.effective_harm_alpha)):
+    for family, family_alpha in _family_alpha(policy).items():
         names = [t.name for t in TESTS if t.family == family]
-        stacked = np.stack([p_values[n] for n in names], axis=-1)
-        family_rejected = holm_reject(stacked, family_alpha)
-        family_levels = holm_levels(stacked, family_alpha)
+        family_rejected = holm_reject(np.stack([p_values[n] for n in names], axis=-1), family_alpha)
         for i, name in enumerate(names):
             rejected[name] = family_rejected[..., i]
-            levels[name] = family_levels[..., i]
     for t in TESTS:
         if t.family == "promote":
-            levels[t.name] = np.full_like(p_values[t.name], policy.alpha)
             rejected[t.name] = p_values[t.name] <= policy.alpha
 
     harm = (
@@ -234,7 +228,25 @@ def decision_codes(
     promote = rejected["non_inferior_tokens_per_step"] & rejected["faster_than_no_speculation"] & better
     undecided = np.where(exhausted, INCONCLUSIVE, CONTINUE)
     codes = np.where(ready, np.where(harm, REJECT, np.where(promote, PROMOTE, undecided)), undecided)
-    return Evaluation(codes.astype(np.int64), comparisons, p_values, rejected, levels, ready, exhausted)
+    return Evaluation(codes.astype(np.int64), comparisons, p_values, rejected, ready, exhausted)
+
+
+def _family_alpha(policy: CanaryPolicy) -> dict[str, float]:
+    return {"better": policy.alpha, "harm": policy.effective_harm_alpha}
+
+
+def held_levels(evaluation: Evaluation, policy: CanaryPolicy) -> dict[str, npt.NDArray[np.float64]]:
+    """The level each test was held to: Holm's ``alpha / (m - rank)`` in a family, ``alpha`` alone."""
+    levels: dict[str, npt.NDArray[np.float64]] = {}
+    for family, family_alpha in _family_alpha(policy).items():
+        names = [t.name for t in TESTS if t.family == family]
+        family_levels = holm_levels(np.stack([evaluation.p_values[n] for n in names], axis=-1), family_alpha)
+        for i, name in enumerate(names):
+            levels[name] = family_levels[..., i]
+    for t in TESTS:
+        if t.family == "promote":
+            levels[t.name] = np.full_like(evaluation.p_values[t.name], policy.alpha)
+    return levels
 
 
 # ---------------------------------------------------------------------------------- one canary
@@ -380,6 +392,7 @@ def _arm_figures(accumulators: Mapping[str, ArmAccumulator], policy: CanaryPolic
 def _comparison_figures(evaluation: Evaluation, policy: CanaryPolicy) -> dict[str, Any]:
     """Per comparison: relative estimate, a two-sided 1 - alpha confidence sequence, and each test on it."""
     out: dict[str, Any] = {}
+    levels = held_levels(evaluation, policy)
     for c in COMPARISONS:
         diff = evaluation.comparisons[c.name]
         est, se, n_eff = float(diff.estimate), float(diff.se), float(diff.n_eff)
@@ -390,7 +403,7 @@ def _comparison_figures(evaluation: Evaluation, policy: CanaryPolicy) -> dict[st
         for t in TESTS:
             if t.comparison != c.name:
                 continue
-            level = float(evaluation.levels[t.name])
+            level = float(levels[t.name])
             t_low, t_high = confidence_bounds(
                 est, se, n_eff, level, tuning_n=policy.tuning_requests, alpha=policy.alpha
             )

@@ -329,26 +329,38 @@ def mean_confidence_interval(
 # ----------------------------------------------------------------------------------- multiplicity
 
 
+def _ranks(p: FloatArray) -> npt.NDArray[np.int64]:
+    """Rank of each p-value on the last axis (0 = smallest; ties broken by position).
+
+    Pairwise comparisons rather than a sort: the families here have two or three hypotheses and
+    the benchmark evaluates millions of them, where broadcasting beats ``argsort``.
+    """
+    m = p.shape[-1]
+    earlier = np.tri(m, m, -1, dtype=bool).T  # earlier[j, i]: j comes before i
+    smaller = (p[..., :, None] < p[..., None, :]) | ((p[..., :, None] == p[..., None, :]) & earlier)
+    result: npt.NDArray[np.int64] = smaller.sum(axis=-2)
+    return result
+
+
 def holm_reject(p_values: npt.ArrayLike, alpha: float) -> BoolArray:
-    """Holm's step-down over the last axis: which hypotheses are rejected at family-wise ``alpha``."""
+    """Holm's step-down over the last axis: which hypotheses are rejected at family-wise ``alpha``.
+
+    Via Holm-adjusted p-values: ``p_adj(i) = max over j ranked at or before i of (m - rank_j) p_j``.
+    """
     p = np.asarray(p_values, dtype=np.float64)
     m = p.shape[-1]
-    order = np.argsort(p, axis=-1, kind="stable")
-    sorted_p = np.take_along_axis(p, order, axis=-1)
-    thresholds = alpha / (m - np.arange(m))
-    # Step-down: the i-th smallest is rejected only if it and every smaller one pass.
-    passed = np.cumprod(sorted_p <= thresholds, axis=-1).astype(bool)
-    rejected = np.zeros_like(passed)
-    np.put_along_axis(rejected, order, passed, axis=-1)
+    ranks = _ranks(p)
+    scaled = (m - ranks) * p
+    before = ranks[..., :, None] <= ranks[..., None, :]  # [j, i]: j ranked at or before i
+    adjusted = np.max(np.where(before, scaled[..., :, None], 0.0), axis=-2)
+    rejected: BoolArray = adjusted <= alpha
     return rejected
 
 
 def holm_levels(p_values: npt.ArrayLike, alpha: float) -> FloatArray:
     """The level Holm compares each p-value with: ``alpha / (m - rank)`` (rank 0 = smallest p)."""
     p = np.asarray(p_values, dtype=np.float64)
-    m = p.shape[-1]
-    ranks = np.argsort(np.argsort(p, axis=-1, kind="stable"), axis=-1)
-    result: FloatArray = alpha / (m - ranks)
+    result: FloatArray = alpha / (p.shape[-1] - _ranks(p))
     return result
 
 
