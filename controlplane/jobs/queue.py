@@ -1,8 +1,9 @@
 """Handing a job to the Celery workers, by task name (the control plane never imports workers/).
 
 The job row is written and committed first; the message only names its id, so a lost message
-leaves a queued job that re-enqueueing (or a manual ``:realign``, which returns the same job)
-recovers, and a duplicated message is absorbed by the task's idempotence.
+leaves a queued job that the beat sweeper (``jobs.resend_stale_queued``, after
+``Settings.realign_resend_after_s``) sends again, and a duplicated message is absorbed by the
+task's idempotence.
 """
 
 from __future__ import annotations
