@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     result_backend_url: str = f"db+sqlite:///{VAR_DIR}/celery-results.db"
     var_dir: Path = VAR_DIR
     artifact_dir: Path = VAR_DIR / "artifacts"
+    # Where loosely named models ("target", "generic-drafter") resolve for serving and canaries.
+    reference_models_dir: Path = Path(__file__).resolve().parents[1] / "workers" / "models" / "reference"
     # Peppers the API-key hash so a leaked database alone cannot be brute-forced offline.
     secret_key: str = DEFAULT_SECRET
     api_host: str = "127.0.0.1"

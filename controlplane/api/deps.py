@@ -157,6 +157,8 @@ IngestBatcherDep = Annotated[IngestBatcher, Depends(get_ingest_batcher)]
 READ_ROLES = frozenset({Role.admin, Role.viewer})
 WRITE_DATA_ROLES = frozenset({Role.admin, Role.ingest})
 ADMIN_ROLES = frozenset({Role.admin})
+# The serving fleet holds an ingest key and must read what to serve with it.
+SERVING_ROLES = frozenset({Role.admin, Role.viewer, Role.ingest})
 
 
 def check_access(principal: Principal, account: str, allowed: frozenset[Role]) -> None:
@@ -181,6 +183,7 @@ def _access(allowed: frozenset[Role]) -> object:
 Reader = Annotated[Principal, _access(READ_ROLES)]
 DataWriter = Annotated[Principal, _access(WRITE_DATA_ROLES)]
 Admin = Annotated[Principal, _access(ADMIN_ROLES)]
+ServingReader = Annotated[Principal, _access(SERVING_ROLES)]
 
 
 async def read_body_limited(request: Request, limit: int) -> bytes:

@@ -1,0 +1,431 @@
+"""The canary automation: record a shadow replay, judge a live split from ingested records, watch a
+promotion, and apply the guardrails. Each function runs in the caller's transaction and is safe
+to run again (the beat task calls ``evaluate_deployment`` every few seconds).
+
+Per-request observations come from acceptance records, labelled by arm: ``live`` (the incumbent),
+``canary:<version>`` (the candidate) and ``baseline`` (no speculation). The two primary metrics are
+tokens per verify step (generated ÷ verify steps: exact, noise-free of the machine's load) and
+latency per output token in ms (what users feel).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controlplane.audit.service import record_change
+from controlplane.canary import policy as decision_policy
+from controlplane.canary.service import (
+    DECISION_INCONCLUSIVE,
+    DECISION_PROMOTE,
+    DECISION_REJECT,
+    PHASE_CLOSED,
+    PHASE_LIVE,
+    PHASE_SHADOW,
+    PHASE_WATCHING,
+    _latest_record_id,
+    _resource,
+    canary_policy,
+    end_inconclusive,
+    open_canary,
+    promote,
+    reject,
+    rollback,
+)
+from controlplane.canary.statistics import ArmAccumulator
+from controlplane.config import Settings
+from controlplane.db.models import (
+    AcceptanceRecordRow,
+    Canary,
+    Deployment,
+    DrafterVersion,
+    SpeculationMode,
+    utcnow,
+)
+from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
+from controlplane.tuning.draft_length import plan_draft_length
+
+log = logging.getLogger(__name__)
+
+# Arm names of the decision statistics vs the record labels.
+INCUMBENT, CANDIDATE, BASELINE = "incumbent", "candidate", "baseline"
+
+
+@dataclass
+class ArmObservations:
+    """Per-request primary metrics of one arm, plus the counts behind its hit rate."""
+
+    tokens_per_step: list[float] = field(default_factory=list)
+    ms_per_token: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    verify_steps: int = 0
+
+    def add(self, row: Any) -> None:
+        generated = int(row.generated_tokens or 0)
+        steps = int(row.verify_steps or 0)
+        if generated <= 0:
+            return
+        self.tokens_per_step.append(generated / steps if steps > 0 else 1.0)
+        latency = _ms_per_token(row.inter_token_ms, row.total_ms, row.ttft_ms, generated)
+        if latency is not None:
+            self.ms_per_token.append(latency)
+        self.drafted += int(row.drafted_tokens or 0)
+        self.accepted += int(row.accepted_tokens or 0)
+        self.verify_steps += steps
+        per_position = list(row.accepted_per_position or [])
+        if len(per_position) > len(self.accepted_per_position):
+            self.accepted_per_position += [0] * (len(per_position) - len(self.accepted_per_position))
+        for i, count in enumerate(per_position):
+            self.accepted_per_position[i] += int(count)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def _ms_per_token(
+    inter: float | None, total: float | None, ttft: float | None, generated: int
+) -> float | None:
+    # Decode latency per token: the inter-token figure when the engine reports it; else the total
+    # spread over the tokens after the first (TTFT is prefill, the same for every arm).
+    if inter is not None and inter > 0:
+        return float(inter)
+    if total is not None and generated > 1:
+        return max(0.0, float(total) - float(ttft or 0.0)) / (generated - 1)
+    return None
+
+
+def live_observations(session: Session, canary: Canary, *, max_requests: int) -> dict[str, ArmObservations]:
+    """Records since the canary went live, by decision arm."""
+    candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
+    labels = {
+        ARM_LIVE: INCUMBENT,
+        f"{ARM_CANARY_PREFIX}{candidate.version}": CANDIDATE,
+        ARM_BASELINE: BASELINE,
+    }
+    since = int(canary.arms.get("live_since_record_id") or 0)
+    rows = session.execute(
+        select(
+            AcceptanceRecordRow.arm,
+            AcceptanceRecordRow.generated_tokens,
+            AcceptanceRecordRow.verify_steps,
+            AcceptanceRecordRow.drafted_tokens,
+            AcceptanceRecordRow.accepted_tokens,
+            AcceptanceRecordRow.accepted_per_position,
+            AcceptanceRecordRow.inter_token_ms,
+            AcceptanceRecordRow.total_ms,
+            AcceptanceRecordRow.ttft_ms,
+        )
+        .where(
+            AcceptanceRecordRow.deployment_id == canary.deployment_id,
+            AcceptanceRecordRow.id > since,
+            AcceptanceRecordRow.arm.in_(list(labels)),
+        )
+        .order_by(AcceptanceRecordRow.id)
+        .limit(max_requests)
+    ).all()
+    arms = {name: ArmObservations() for name in (INCUMBENT, CANDIDATE, BASELINE)}
+    for row in rows:
+        arms[labels[row.arm]].add(row)
+    return arms
+
+
+def arm_figures(arms: dict[str, ArmObservations]) -> dict[str, dict[str, Any]]:
+    """Plain per-arm figures for the canary row (the decision adds its confidence intervals)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, obs in arms.items():
+        n = len(obs.tokens_per_step)
+        out[name] = {
+            "requests": n,
+            "hit_rate": round(obs.hit_rate, 4) if obs.hit_rate is not None else None,
+            "tokens_per_step": round(sum(obs.tokens_per_step) / n, 4) if n else None,
+            "ms_per_token": round(sum(obs.ms_per_token) / len(obs.ms_per_token), 4)
+            if obs.ms_per_token
+            else None,
+            "accepted_per_position": obs.accepted_per_position,
+            "verify_steps": obs.verify_steps,
+        }
+    return out
+
+
+def record_shadow_result(
+    *, session: Session, canary_id: int, result: dict[str, Any], settings: Settings
+) -> str:
+    """Store a shadow replay on the canary and move it on: broken or harmful → reject; else go live
+    (or decide now, when the deployment cannot split live traffic). Returns the canary's phase.
+    """
+    canary = session.get_one(Canary, canary_id)
+    if canary.phase != PHASE_SHADOW:
+        return canary.phase  # a redelivered replay after the canary moved on
+    deployment = session.get_one(Deployment, canary.deployment_id)
+    policy = canary_policy(
+        deployment, alpha=settings.canary_alpha, min_samples=settings.canary_min_samples_per_arm
+    )
+    canary.arms = {**canary.arms, "shadow": result}
+    broken = [arm for arm, figures in result.get("arms", {}).items() if figures.get("broken")]
+    if CANDIDATE in broken:
+        reject(
+            session=session,
+            canary=canary,
+            actor="system",
+            reason="candidate broken: its greedy output differs from no speculation "
+            f"({result['arms'][CANDIDATE].get('broken')})",
+            figures={"shadow": result},
+        )
+        return canary.phase
+    outcome = decision_policy.decide(shadow_accumulators(result), _decision_policy(policy))
+    canary.arms = {**canary.arms, "shadow_decision": outcome.as_dict()}
+    if outcome.decision == DECISION_REJECT:
+        reject(
+            session=session,
+            canary=canary,
+            actor="system",
+            reason=f"shadow replay: {outcome.reason}",
+            figures=outcome.figures,
+        )
+        return canary.phase
+    if not policy["live_canary"]:
+        _apply_decision(session, canary, outcome, policy, source="shadow replay", arms=None)
+        return canary.phase
+    canary.phase = PHASE_LIVE
+    canary.routing_weights = {"candidate": policy["candidate_weight"], "baseline": policy["baseline_weight"]}
+    canary.arms = {
+        **canary.arms,
+        "live_since_record_id": _latest_record_id(session, canary.deployment_id),
+        "live_started_at": utcnow().isoformat(),
+    }
+    record_change(
+        session=session,
+        account_id=deployment.account_id,
+        actor="system",
+        action="canary.live",
+        resource=f"{_resource(session, deployment)}/canaries/{canary.id}",
+        before=None,
+        after={"routing_weights": canary.routing_weights, "shadow_decision": outcome.decision},
+    )
+    return canary.phase
+
+
+def shadow_accumulators(result: dict[str, Any]) -> dict[str, ArmAccumulator]:
+    """The replay's per-prompt figures as the decision's running state (paired prompts fed as
+    independent arms: valid, only conservative)."""
+    out: dict[str, ArmAccumulator] = {}
+    for arm, per_prompt in (result.get("per_prompt") or {}).items():
+        if arm not in (INCUMBENT, CANDIDATE, BASELINE):
+            continue
+        acc = ArmAccumulator()
+        for tokens_per_step, ms_per_token in zip(
+            per_prompt.get("tokens_per_step", []), per_prompt.get("ms_per_token", []), strict=False
+        ):
+            acc.add(tokens_per_step=float(tokens_per_step), latency_ms_per_token=float(ms_per_token))
+        out[arm] = acc
+    return out
+
+
+def live_accumulators(arms: dict[str, ArmObservations]) -> dict[str, ArmAccumulator]:
+    out: dict[str, ArmAccumulator] = {}
+    for name, obs in arms.items():
+        acc = ArmAccumulator()
+        for tokens_per_step, ms_per_token in zip(obs.tokens_per_step, obs.ms_per_token, strict=False):
+            acc.add(tokens_per_step=tokens_per_step, latency_ms_per_token=ms_per_token)
+        out[name] = acc
+    return out
+
+
+def _decision_policy(policy: dict[str, Any]) -> decision_policy.CanaryPolicy:
+    return decision_policy.CanaryPolicy.from_mapping(policy)
+
+
+def _chosen_k(canary: Canary, arms: dict[str, ArmObservations] | None) -> tuple[int | None, dict[str, Any]]:
+    """The tuner's best k for the candidate, from its per-position acceptance and measured costs."""
+    shadow = canary.arms.get("shadow") or {}
+    costs = shadow.get("costs") or {}
+    cost_ratio = costs.get("cost_ratio")
+    if arms is not None and arms[CANDIDATE].verify_steps > 0:
+        per_position, steps = arms[CANDIDATE].accepted_per_position, arms[CANDIDATE].verify_steps
+    else:
+        figures = (shadow.get("arms") or {}).get(CANDIDATE) or {}
+        per_position, steps = (
+            list(figures.get("accepted_per_position") or []),
+            int(figures.get("verify_steps") or 0),
+        )
+    if not isinstance(cost_ratio, int | float) or steps <= 0 or not per_position:
+        return None, {"note": "no cost measurement or acceptance counts: k unchanged"}
+    verify_cost = costs.get("verify_cost")
+    plan = plan_draft_length(
+        per_position,
+        steps,
+        float(cost_ratio),
+        verify_cost={int(k): float(v) for k, v in verify_cost.items()}
+        if isinstance(verify_cost, dict)
+        else None,
+    )
+    return plan.best_k, plan.as_dict()
+
+
+def _apply_decision(
+    session: Session,
+    canary: Canary,
+    outcome: decision_policy.Decision,
+    policy: dict[str, Any],
+    *,
+    source: str,
+    arms: dict[str, ArmObservations] | None,
+) -> str:
+    figures = {**outcome.figures, "source": source}
+    if arms is not None:
+        figures["arm_counts"] = arm_figures(arms)
+    if outcome.decision == DECISION_PROMOTE:
+        best_k, tuning = _chosen_k(canary, arms)
+        figures["draft_length"] = tuning
+        candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
+        promote(
+            session=session,
+            deployment_id=canary.deployment_id,
+            version_number=candidate.version,
+            actor="system",
+            reason=f"{source}: {outcome.reason}",
+            canary=canary,
+            figures=figures,
+            draft_token_count=best_k if policy.get("tune_draft_length") else None,
+        )
+    elif outcome.decision == DECISION_REJECT:
+        reject(
+            session=session,
+            canary=canary,
+            actor="system",
+            reason=f"{source}: {outcome.reason}",
+            figures=figures,
+        )
+    elif outcome.decision == DECISION_INCONCLUSIVE:
+        end_inconclusive(
+            session=session, canary=canary, reason=f"{source}: {outcome.reason}", figures=figures
+        )
+    else:
+        canary.arms = {**canary.arms, "live": figures}
+    return outcome.decision
+
+
+def evaluate_deployment(*, session: Session, deployment_id: int, settings: Settings) -> dict[str, Any] | None:
+    """One tick of the automation for a deployment: judge its live canary or watch its promotion,
+    and apply the guardrails. Returns what happened (None: nothing to do)."""
+    canary = open_canary(session=session, deployment_id=deployment_id)
+    if canary is None or canary.phase == PHASE_SHADOW:
+        return None
+    deployment = session.get_one(Deployment, deployment_id)
+    policy = canary_policy(
+        deployment, alpha=settings.canary_alpha, min_samples=settings.canary_min_samples_per_arm
+    )
+    if canary.phase == PHASE_WATCHING:
+        return _watch(session, canary, policy)
+    arms = live_observations(session, canary, max_requests=int(policy["max_requests"]))
+    weights = canary.routing_weights or {}
+    routing = {
+        INCUMBENT: 1.0 - float(weights.get("candidate", 0)) - float(weights.get("baseline", 0)),
+        CANDIDATE: float(weights.get("candidate", 0)),
+        BASELINE: float(weights.get("baseline", 0)),
+    }
+    started = canary.arms.get("live_started_at")
+    elapsed = (utcnow() - _parse(started)).total_seconds() if started else 0.0
+    outcome = decision_policy.decide(
+        live_accumulators(arms), _decision_policy(policy), elapsed_s=elapsed, routing_weights=routing
+    )
+    findings = _guardrails(arms, deployment)
+    if findings:
+        canary.arms = {**canary.arms, "guardrails": [f.as_dict() for f in findings]}
+    decision = _apply_decision(session, canary, outcome, policy, source="live canary", arms=arms)
+    if decision in (DECISION_REJECT, DECISION_INCONCLUSIVE):
+        _act_on_guardrails(session, deployment, findings)
+    return {"canary_id": canary.id, "decision": decision, "reason": outcome.reason}
+
+
+def _parse(value: str) -> Any:
+    from datetime import UTC, datetime
+
+    parsed = datetime.fromisoformat(value)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _guardrails(
+    arms: dict[str, ArmObservations], deployment: Deployment
+) -> list[decision_policy.GuardrailFinding]:
+    incumbent = arms[INCUMBENT]
+    return decision_policy.guardrail_check(
+        live_accumulators({INCUMBENT: incumbent})[INCUMBENT],
+        live_accumulators({BASELINE: arms[BASELINE]})[BASELINE],
+        speculation_mode=deployment.speculation_mode.value,
+        drafted_tokens=incumbent.drafted,
+        accepted_tokens=incumbent.accepted,
+        verify_steps=incumbent.verify_steps,
+    )
+
+
+def _act_on_guardrails(
+    session: Session, deployment: Deployment, findings: list[decision_policy.GuardrailFinding]
+) -> None:
+    """The incumbent stays, but it was measured slower than no speculation: stop paying for it
+    until a drafter that pays is promoted (a promotion switches back to the drafter)."""
+    for finding in findings:
+        if finding.kind != "speculation_slower" or finding.severity != "critical":
+            continue
+        before = {"speculation_mode": deployment.speculation_mode.value}
+        if finding.action == "switch_to_ngram":
+            deployment.speculation_mode = SpeculationMode.ngram
+            deployment.ngram_speculation_length = deployment.ngram_speculation_length or 3
+        else:
+            deployment.speculation_mode = SpeculationMode.disabled
+        deployment.row_version += 1
+        record_change(
+            session=session,
+            account_id=deployment.account_id,
+            actor="system",
+            action="guardrail.speculation_slower",
+            resource=_resource(session, deployment),
+            before=before,
+            after={"speculation_mode": deployment.speculation_mode.value, "reason": finding.reason},
+        )
+        return
+
+
+def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str, Any]:
+    """After a promotion: roll back if the live hit rate falls significantly short of the canary's."""
+    watch = dict(canary.arms.get("watch") or {})
+    candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
+    expected = watch.get("expected_hit_rate")
+    rows = session.execute(
+        select(AcceptanceRecordRow.drafted_tokens, AcceptanceRecordRow.accepted_tokens)
+        .where(
+            AcceptanceRecordRow.deployment_id == canary.deployment_id,
+            AcceptanceRecordRow.id > int(watch.get("since_record_id") or 0),
+            AcceptanceRecordRow.arm == ARM_LIVE,
+            AcceptanceRecordRow.drafter_version == candidate.version,
+        )
+        .limit(int(policy["watch_requests"]) * 4 or 1)
+    ).all()
+    drafted = sum(int(r.drafted_tokens or 0) for r in rows)
+    accepted = sum(int(r.accepted_tokens or 0) for r in rows)
+    if not isinstance(expected, int | float) or not 0 < expected < 1:
+        canary.phase = PHASE_CLOSED
+        canary.arms = {
+            **canary.arms,
+            "watch": {**watch, "closed": "no canary hit-rate estimate to watch against"},
+        }
+        return {"canary_id": canary.id, "watch": "closed"}
+    verdict = decision_policy.rollback_check(
+        float(expected), drafted, accepted, len(rows), watch_requests=int(policy["watch_requests"])
+    )
+    watch.update({"requests": len(rows), "verdict": verdict.as_dict()})
+    canary.arms = {**canary.arms, "watch": watch}
+    if verdict.rollback:
+        rollback(session=session, deployment_id=canary.deployment_id, actor="system", reason=verdict.reason)
+        return {"canary_id": canary.id, "watch": "rolled back", "reason": verdict.reason}
+    if not verdict.watching:
+        canary.phase = PHASE_CLOSED
+        return {"canary_id": canary.id, "watch": "closed", "reason": verdict.reason}
+    return {"canary_id": canary.id, "watch": "watching", "reason": verdict.reason}

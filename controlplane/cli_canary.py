@@ -1,0 +1,154 @@
+"""`controlplane drafter ...` and `controlplane canary ...`: versions, canaries, promotion, rollback.
+
+Thin verbs over the REST API (admin key for the changing ones); registered onto the main app by
+``controlplane.cli``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from controlplane.config import get_settings
+
+drafter_app = typer.Typer(
+    no_args_is_help=True, help="Drafter versions: list, get, promote, canary, rollback."
+)
+canary_app = typer.Typer(no_args_is_help=True, help="Canaries: list, get, promote, reject.")
+
+
+def _client() -> Any:
+    from controlplane.cli import ApiClient  # the main CLI module owns the HTTP client
+
+    return ApiClient(get_settings())
+
+
+def _show(data: Any) -> None:
+    from controlplane.cli import _show as show
+
+    show(data)
+
+
+def _base(client: Any, deployment_id: str) -> str:
+    return f"/v1/accounts/{client.account}/deployments/{deployment_id}"
+
+
+@drafter_app.command("list")
+def drafter_list(deployment_id: Annotated[str, typer.Argument()]) -> None:
+    """List a deployment's drafter versions, newest first."""
+    client = _client()
+    rows = client.request("GET", f"{_base(client, deployment_id)}/drafter-versions")["drafter_versions"]
+    for row in rows:
+        hit = (row.get("training_metrics") or {}).get("held_out_after", {}).get("expected_acceptance")
+        typer.echo(f"{row['version']}\t{row['state']}\t{row['created_at']}\theld-out acceptance {hit}")
+    if not rows:
+        typer.echo("no drafter versions", err=True)
+
+
+@drafter_app.command("get")
+def drafter_get(
+    deployment_id: Annotated[str, typer.Argument()], version: Annotated[int, typer.Argument()]
+) -> None:
+    """Show one version: state, lineage, checksum, training metrics."""
+    client = _client()
+    _show(client.request("GET", f"{_base(client, deployment_id)}/drafter-versions/{version}"))
+
+
+@drafter_app.command("promote")
+def drafter_promote(
+    deployment_id: Annotated[str, typer.Argument()],
+    version: Annotated[int, typer.Argument()],
+    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+) -> None:
+    """Promote a candidate now, without a canary (admin)."""
+    client = _client()
+    _show(
+        client.request(
+            "POST", f"{_base(client, deployment_id)}/drafter-versions/{version}:promote", {"reason": reason}
+        )
+    )
+
+
+@drafter_app.command("canary")
+def drafter_canary(
+    deployment_id: Annotated[str, typer.Argument()],
+    version: Annotated[int, typer.Argument()],
+    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+) -> None:
+    """Start a canary for a candidate (shadow replay, then the live split) (admin)."""
+    client = _client()
+    _show(
+        client.request(
+            "POST", f"{_base(client, deployment_id)}/drafter-versions/{version}:canary", {"reason": reason}
+        )
+    )
+
+
+@drafter_app.command("rollback")
+def drafter_rollback(
+    deployment_id: Annotated[str, typer.Argument()],
+    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+) -> None:
+    """Undo the last promotion: the previous drafter and its k serve again (admin)."""
+    client = _client()
+    _show(client.request("POST", f"{_base(client, deployment_id)}:rollback", {"reason": reason}))
+
+
+@canary_app.command("list")
+def canary_list(deployment_id: Annotated[str, typer.Argument()]) -> None:
+    """List a deployment's canaries, newest first."""
+    client = _client()
+    rows = client.request("GET", f"{_base(client, deployment_id)}/canaries")["canaries"]
+    for row in rows:
+        typer.echo(
+            f"{row['canary_id']}\tv{row['candidate_version']} vs v{row['incumbent_version']}\t"
+            f"{row['phase']}\t"
+            f"{row['decision'] or '-'}\t{row['reason'] or ''}"
+        )
+    if not rows:
+        typer.echo("no canaries", err=True)
+
+
+@canary_app.command("get")
+def canary_get(
+    deployment_id: Annotated[str, typer.Argument()], canary_id: Annotated[int, typer.Argument()]
+) -> None:
+    """Show one canary: arms, figures, decision and why."""
+    client = _client()
+    _show(client.request("GET", f"{_base(client, deployment_id)}/canaries/{canary_id}"))
+
+
+@canary_app.command("promote")
+def canary_promote(
+    deployment_id: Annotated[str, typer.Argument()],
+    canary_id: Annotated[int, typer.Argument()],
+    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+) -> None:
+    """Promote the canary's candidate now (admin)."""
+    client = _client()
+    _show(
+        client.request(
+            "POST", f"{_base(client, deployment_id)}/canaries/{canary_id}:promote", {"reason": reason}
+        )
+    )
+
+
+@canary_app.command("reject")
+def canary_reject(
+    deployment_id: Annotated[str, typer.Argument()],
+    canary_id: Annotated[int, typer.Argument()],
+    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+) -> None:
+    """Reject the canary's candidate; the incumbent keeps serving (admin)."""
+    client = _client()
+    _show(
+        client.request(
+            "POST", f"{_base(client, deployment_id)}/canaries/{canary_id}:reject", {"reason": reason}
+        )
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(drafter_app, name="drafter")
+    app.add_typer(canary_app, name="canary")

@@ -1,0 +1,322 @@
+"""Canary, promotion and rollback through the API and the services, on real PostgreSQL and SQLite:
+exactly one active version under concurrent promotions, rollback restores the previous version
+and its k, a broken candidate never promotes, and the serving config follows every move."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import delete, func, select
+
+from controlplane.api.canaries import get_canary_queue
+from controlplane.canary.evaluate import record_shadow_result
+from controlplane.canary.service import promote, start_canary
+from controlplane.config import Settings
+from controlplane.db.models import (
+    Account,
+    AuditEntry,
+    Canary,
+    Deployment,
+    DrafterState,
+    DrafterVersion,
+    Role,
+    SpeculationMode,
+)
+from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.errors import ConflictError
+from tests.conftest import Database, Tenant, make_tenant
+
+BASE = "/v1/accounts/acme/deployments"
+
+
+class RecordingQueue:
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def enqueue_shadow_replay(self, job_id: int) -> None:
+        self.sent.append(job_id)
+
+
+@pytest.fixture
+def queue(client: TestClient) -> RecordingQueue:
+    recording = RecordingQueue()
+    client.app.dependency_overrides[get_canary_queue] = lambda: recording  # type: ignore[attr-defined]
+    return recording
+
+
+def _deployment(client: TestClient, tenant: Tenant, k: int = 4) -> None:
+    response = client.post(
+        BASE,
+        json={
+            "target_model": "target",
+            "deployment_id": "svc",
+            "draft_model": "generic-drafter",
+            "draft_token_count": k,
+        },
+        headers=tenant.headers(Role.admin),
+    )
+    assert response.status_code == 201, response.text
+
+
+def _add_version(db: Database, number: int, parent_id: int | None = None) -> int:
+    with db.new_session() as session:
+        deployment = session.scalars(select(Deployment).where(Deployment.name == "svc")).one()
+        version = DrafterVersion(
+            deployment_id=deployment.id,
+            version=number,
+            parent_version_id=parent_id,
+            artifact_path=f"/artifacts/v{number}",
+            artifact_sha256=f"{number:064d}",
+            state=DrafterState.candidate,
+            training_metrics={"seed": 0},
+            eval_metrics={},
+        )
+        session.add(version)
+        session.commit()
+        return version.id
+
+
+def test_promote_then_rollback_restores_the_previous_version_and_its_k(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant]
+) -> None:
+    acme, globex = tenants
+    admin, viewer = acme.headers(Role.admin), acme.headers(Role.viewer)
+    _deployment(client, acme, k=4)
+    _add_version(db, 1)
+    _add_version(db, 2)
+
+    config = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.ingest)).json()
+    assert [a["arm"] for a in config["arms"]] == ["live"]
+    assert config["arms"][0]["drafter_version"] is None
+    assert config["arms"][0]["drafter_path"].endswith("generic-drafter")  # resolved to the reference folder
+
+    # Viewers read but never change; another account does not see the deployment at all.
+    assert client.post(f"{BASE}/svc/drafter-versions/1:promote", headers=viewer).status_code == 403
+    assert (
+        client.post(
+            "/v1/accounts/globex/deployments/svc/drafter-versions/1:promote",
+            headers=globex.headers(Role.admin),
+        ).status_code
+        == 404
+    )
+
+    first = client.post(f"{BASE}/svc/drafter-versions/1:promote", headers=admin, json={"reason": "test"})
+    assert first.status_code == 200 and first.json()["state"] == "active"
+    # Change k while v1 serves, then promote v2: rollback must bring back v1 with k = 6.
+    assert client.patch(f"{BASE}/svc", json={"draft_token_count": 6}, headers=admin).status_code == 200
+    assert client.post(f"{BASE}/svc/drafter-versions/2:promote", headers=admin).status_code == 200
+    states = {
+        v["version"]: v["state"]
+        for v in client.get(f"{BASE}/svc/drafter-versions", headers=viewer).json()["drafter_versions"]
+    }
+    assert states == {1: "retired", 2: "active"}
+    config = client.get(f"{BASE}/svc/serving-config", headers=viewer).json()
+    assert config["arms"][0]["drafter_version"] == 2 and config["arms"][0]["drafter_path"] == "/artifacts/v2"
+
+    assert client.post(f"{BASE}/svc:rollback", headers=viewer).status_code == 403
+    back = client.post(f"{BASE}/svc:rollback", headers=admin, json={"reason": "bad"})
+    assert back.status_code == 200, back.text
+    assert back.json() == {"active_version": 1, "draft_token_count": 6, "speculation_mode": "draft_model"}
+    states = {
+        v["version"]: v["state"]
+        for v in client.get(f"{BASE}/svc/drafter-versions", headers=viewer).json()["drafter_versions"]
+    }
+    assert states == {1: "active", 2: "rejected"}
+    config = client.get(f"{BASE}/svc/serving-config", headers=viewer).json()
+    assert config["arms"][0]["drafter_version"] == 1
+    actions = [
+        e["action"]
+        for e in client.get("/v1/accounts/acme/audit?deployment=svc", headers=viewer).json()["entries"]
+    ]
+    assert actions[:3] == ["drafter.rollback", "drafter.promote", "deployment.update"]
+
+
+def test_rollback_after_a_canary_promotion_restores_version_and_k(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], queue: RecordingQueue
+) -> None:
+    acme = tenants[0]
+    admin = acme.headers(Role.admin)
+    _deployment(client, acme, k=4)
+    _add_version(db, 1)
+    v2_id = _add_version(db, 2)
+    assert client.post(f"{BASE}/svc/drafter-versions/1:promote", headers=admin).status_code == 200
+    started = client.post(f"{BASE}/svc/drafter-versions/2:canary", headers=admin)
+    assert started.status_code == 202, started.text
+    canary = started.json()
+    assert canary["phase"] == "shadow" and canary["incumbent_version"] == 1 and len(queue.sent) == 1
+    # The canary's decision promotes v2 and sets k = 7 (the tuner's choice).
+    with db.new_session() as session:
+        row = session.get_one(Canary, canary["canary_id"])
+        deployment = session.get_one(Deployment, row.deployment_id)
+        promote(
+            session=session,
+            deployment_id=deployment.id,
+            version_number=2,
+            actor="system",
+            reason="canary won",
+            canary=row,
+            draft_token_count=7,
+        )
+        session.commit()
+    got = client.get(f"{BASE}/svc/canaries/{canary['canary_id']}", headers=admin).json()
+    assert got["decision"] == "promote" and got["phase"] == "watching"
+    assert client.get(f"{BASE}/svc", headers=admin).json()["draft_token_count"] == 7
+    back = client.post(f"{BASE}/svc:rollback", headers=admin, json={"reason": "live hit rate fell"})
+    assert back.status_code == 200, back.text
+    assert back.json() == {"active_version": 1, "draft_token_count": 4, "speculation_mode": "draft_model"}
+    with db.new_session() as session:
+        assert session.get_one(DrafterVersion, v2_id).state == DrafterState.rejected
+        assert session.get_one(Canary, canary["canary_id"]).phase == "rolled_back"
+    # Nothing left to roll back to a version: the configured drafter serves; a second rollback is 409.
+    assert client.post(f"{BASE}/svc:rollback", headers=admin).status_code == 200
+    assert client.post(f"{BASE}/svc:rollback", headers=admin).status_code == 409
+
+
+def test_a_broken_candidate_is_rejected_and_cannot_be_promoted(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
+) -> None:
+    acme = tenants[0]
+    _deployment(client, acme)
+    v1 = _add_version(db, 1)
+    with db.new_session() as session:
+        canary, _job = start_canary(session=session, version=session.get_one(DrafterVersion, v1))
+        session.commit()
+        canary_id = canary.id
+    shadow: dict[str, Any] = {
+        "arms": {
+            "baseline": {"hit_rate": None, "broken": None},
+            "incumbent": {"hit_rate": 0.3, "broken": None},
+            "candidate": {"hit_rate": 0.9, "broken": "prompt 3: token 17 differs from no speculation"},
+        },
+        "paired": {},
+    }
+    with db.new_session() as session:
+        phase = record_shadow_result(session=session, canary_id=canary_id, result=shadow, settings=settings)
+        session.commit()
+    assert phase == "decided"
+    got = client.get(f"{BASE}/svc/canaries/{canary_id}", headers=acme.headers(Role.viewer)).json()
+    assert got["decision"] == "reject" and "broken" in got["reason"]
+    refused = client.post(f"{BASE}/svc/drafter-versions/1:promote", headers=acme.headers(Role.admin))
+    assert refused.status_code == 409
+    with db.new_session() as session:
+        with pytest.raises(ConflictError):
+            promote(
+                session=session,
+                deployment_id=session.get_one(Canary, canary_id).deployment_id,
+                version_number=1,
+                actor="x",
+                reason="x",
+            )
+
+
+def test_canary_policy_validation_names_every_bad_field(
+    client: TestClient, tenants: tuple[Tenant, Tenant]
+) -> None:
+    acme = tenants[0]
+    _deployment(client, acme)
+    admin = acme.headers(Role.admin)
+    bad = client.patch(
+        f"{BASE}/svc/canary-policy", json={"alpha": 2, "bogus": 1, "min_samples_per_arm": "x"}, headers=admin
+    )
+    assert bad.status_code == 422
+    message = bad.json()["error"]["message"]
+    assert "alpha" in message and "bogus" in message and "min_samples_per_arm" in message
+    assert client.get(f"{BASE}/svc/canary-policy", headers=admin).json()["alpha"] == 0.05  # nothing stored
+    good = client.patch(
+        f"{BASE}/svc/canary-policy", json={"candidate_weight": 0.3, "baseline_weight": 0.3}, headers=admin
+    )
+    assert good.status_code == 200 and good.json()["candidate_weight"] == 0.3
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_concurrent_promotions_of_two_candidates_leave_exactly_one_active(
+    dialect: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    if dialect == "sqlite":
+        template: Path = request.getfixturevalue("sqlite_template")
+        shutil.copy(template, tmp_path / "race.db")
+        url = f"sqlite:///{tmp_path / 'race.db'}"
+    else:
+        url = request.getfixturevalue("migrated_pg_url")
+    sessions = get_sessionmaker(url)
+    with sessions() as session:
+        tenant = make_tenant(session, f"promo{dialect}")
+        deployment = Deployment(
+            account_id=tenant.account_id,
+            name="svc",
+            target_model="target",
+            speculation_mode=SpeculationMode.draft_model,
+            draft_model="generic-drafter",
+            draft_token_count=4,
+            drift_policy={},
+            canary_policy={},
+        )
+        session.add(deployment)
+        session.flush()
+        for n in (1, 2):
+            session.add(
+                DrafterVersion(
+                    deployment_id=deployment.id,
+                    version=n,
+                    artifact_path=f"/a/{n}",
+                    artifact_sha256="0" * 64,
+                    state=DrafterState.candidate,
+                    training_metrics={},
+                    eval_metrics={},
+                )
+            )
+        session.commit()
+        deployment_id = deployment.id
+    try:
+        barrier = threading.Barrier(2)
+        outcomes: list[str] = []
+
+        def promote_one(number: int) -> None:
+            with sessions() as session:
+                barrier.wait(10)
+                try:
+                    promote(
+                        session=session,
+                        deployment_id=deployment_id,
+                        version_number=number,
+                        actor=f"t{number}",
+                        reason="race",
+                    )
+                    session.commit()
+                    outcomes.append(f"promoted {number}")
+                except Exception as exc:  # a refused promotion is fine; two actives are not
+                    session.rollback()
+                    outcomes.append(f"refused {number}: {type(exc).__name__}")
+
+        threads = [threading.Thread(target=promote_one, args=(n,)) for n in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(outcomes) == 2, outcomes
+        with sessions() as session:
+            active = session.scalar(
+                select(func.count())
+                .select_from(DrafterVersion)
+                .where(
+                    DrafterVersion.deployment_id == deployment_id, DrafterVersion.state == DrafterState.active
+                )
+            )
+            promotions = session.scalar(
+                select(func.count())
+                .select_from(AuditEntry)
+                .where(AuditEntry.action == "drafter.promote", AuditEntry.account_id == tenant.account_id)
+            )
+        assert active == 1
+        assert promotions == sum(o.startswith("promoted") for o in outcomes)
+    finally:
+        with sessions() as session:
+            session.execute(delete(Account).where(Account.id == tenant.account_id))
+            session.commit()
+        if dialect == "sqlite":
+            get_engine(url).dispose()
