@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
+# Debian's Chromium for the dashboard's browser test (Playwright drives it; no browser download).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install demo test lint typecheck unit bench clean
 
@@ -16,7 +19,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[workers,dev]' $(TORCH)
 	touch $(STAMP)
 
-install: $(STAMP)
+$(CHROMIUM):
+	@echo "installing Debian's chromium for the dashboard's browser test"
+	@$(SUDO) apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null
+
+install: $(STAMP) $(CHROMIUM)
 
 demo: install
 	$(BIN)/controlplane demo

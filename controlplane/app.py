@@ -10,13 +10,15 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from controlplane.api import acceptance, deployments, drift, health, jobs, keys, traces
+from controlplane.api import acceptance, canaries, deployments, drift, health, jobs, keys, traces
 from controlplane.api.deps import DeploymentIdCache, PrincipalCache
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
+from controlplane.dashboard import routes as dashboard
 from controlplane.db.session import get_sessionmaker
 from controlplane.errors import DomainError
 from controlplane.ingest.batcher import IngestBatcher
+from controlplane.observability import routes as observability
 from controlplane.task_queue import TaskSender
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         details = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
         return _error(422, "ValidationProblem", "request is invalid", details)
 
-    for module in (health, keys, deployments, acceptance, drift, traces, jobs):
+    for module in (health, keys, deployments, acceptance, drift, traces, jobs, canaries):
         app.include_router(module.router)
+    app.include_router(dashboard.api)
+    app.include_router(dashboard.pages)
+    app.include_router(observability.router)
     return app

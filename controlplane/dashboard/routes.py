@@ -1,0 +1,192 @@
+"""Routes of the web dashboard: the page shells, their static assets, and the JSON they read.
+
+Pages and assets carry no data and need no key: each page's script reads the API key the login
+page kept in ``sessionStorage`` and sends it as ``Authorization: Bearer`` to the JSON routes below,
+which are ordinary account-scoped API routes (viewer or admin, another account's is a 404). The key
+never appears in a URL, and no cookie carries it, so there is no cross-site request to forge.
+Charts use plotly.js from the installed ``plotly`` package; the Content-Security-Policy allows
+this origin only, so no page can fetch anything from elsewhere.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, status
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
+
+from controlplane.api.deps import Reader, SessionDep
+from controlplane.dashboard.service import (
+    DEFAULT_RANGE,
+    account_jobs,
+    canaries_view,
+    deployment_view,
+    overview,
+    promotion_history,
+)
+from controlplane.deployments.service import get_deployment
+from controlplane.errors import ValidationProblem
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+STATIC_DIR = PACKAGE_DIR / "static"
+# Served by name only (no path from the URL touches the file system).
+STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; connect-src 'self'; img-src 'self' data: blob:; "
+    # plotly.js sets inline styles on the elements it draws and injects one <style> sheet.
+    "style-src 'self' 'unsafe-inline'; font-src 'self'; object-src 'none'; base-uri 'none'; "
+    "form-action 'self'; frame-ancestors 'none'"
+)
+PAGE_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+}
+PAGE_TITLES = {
+    "login": "Sign in",
+    "overview": "Deployments",
+    "deployment": "Deployment",
+    "canary": "Canary",
+    "jobs": "Jobs",
+    "audit": "Audit and promotion history",
+}
+
+pages = APIRouter(prefix="/dashboard", include_in_schema=False)
+api = APIRouter(prefix="/v1/accounts/{account}/dashboard", tags=["dashboard"])
+
+
+@lru_cache(maxsize=1)
+def _page_template() -> Template:
+    return Template((PACKAGE_DIR / "templates" / "page.html").read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=1)
+def plotly_bundle() -> Path:
+    """plotly.min.js as shipped inside the installed plotly package (the build installs it)."""
+    bundle = Path(str(resources.files("plotly") / "package_data" / "plotly.min.js"))
+    if not bundle.is_file():
+        raise RuntimeError(f"plotly.js is missing from the plotly package (looked at {bundle})")
+    return bundle
+
+
+def _page(page: str) -> HTMLResponse:
+    html = _page_template().substitute(page=page, title=PAGE_TITLES[page])
+    return HTMLResponse(html, headers=PAGE_HEADERS)
+
+
+@pages.get("")
+def overview_page() -> HTMLResponse:
+    return _page("overview")
+
+
+@pages.get("/")
+def overview_page_slash() -> RedirectResponse:
+    return RedirectResponse("/dashboard", status_code=status.HTTP_308_PERMANENT_REDIRECT)
+
+
+@pages.get("/login")
+def login_page() -> HTMLResponse:
+    return _page("login")
+
+
+@pages.get("/deployments/{deployment}")
+def deployment_page(deployment: str) -> HTMLResponse:
+    return _page("deployment")
+
+
+@pages.get("/deployments/{deployment}/canary")
+def canary_page(deployment: str) -> HTMLResponse:
+    return _page("canary")
+
+
+@pages.get("/jobs")
+def jobs_page() -> HTMLResponse:
+    return _page("jobs")
+
+
+@pages.get("/audit")
+def audit_page() -> HTMLResponse:
+    return _page("audit")
+
+
+@pages.get("/static/vendor/plotly.min.js")
+def plotly_js() -> FileResponse:
+    # Versioned by the installed package; a day of caching keeps later page loads light.
+    return FileResponse(
+        plotly_bundle(), media_type="text/javascript", headers={"Cache-Control": "public, max-age=86400"}
+    )
+
+
+@pages.get("/static/{name}")
+def static_file(name: str) -> FileResponse:
+    media_type = STATIC_FILES.get(name)
+    if media_type is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no static file {name!r}")
+    return FileResponse(STATIC_DIR / name, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _parse_end(value: str | None) -> datetime | None:
+    if value is None or value == "":
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise ValidationProblem(f"end must be an ISO-8601 time, got {value!r}") from exc
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+@api.get("/overview")
+def overview_data(account: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+    """Every deployment with mode, active drafter, k, current hit rate, speed-up, drift and jobs."""
+    return overview(session=session, account_id=principal.account_id, account_name=account, now=_now())
+
+
+@api.get("/deployments/{deployment}")
+def deployment_data(
+    account: str,
+    deployment: str,
+    principal: Reader,
+    session: SessionDep,
+    range_name: Annotated[str, Query(alias="range")] = DEFAULT_RANGE,
+    end: str | None = None,
+) -> dict[str, Any]:
+    """Hit rate, latency and throughput over time with markers, and per-position acceptance."""
+    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+    return deployment_view(
+        session=session,
+        deployment=target,
+        account_name=account,
+        range_name=range_name,
+        end=_parse_end(end),
+        now=_now(),
+    )
+
+
+@api.get("/deployments/{deployment}/canaries")
+def canaries_data(account: str, deployment: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+    """The deployment's canaries as stored, and per-arm series over the newest one's window."""
+    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+    return canaries_view(session=session, deployment=target, now=_now())
+
+
+@api.get("/deployments/{deployment}/promotions")
+def promotions_data(account: str, deployment: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+    """The deployment's drafter versions and its promotion and rollback history."""
+    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+    return promotion_history(session=session, deployment=target, account_name=account)
+
+
+@api.get("/jobs")
+def jobs_data(account: str, principal: Reader, session: SessionDep, limit: int = 200) -> dict[str, Any]:
+    """The account's jobs across deployments, queued and running first."""
+    return account_jobs(session=session, account_id=principal.account_id, limit=limit)

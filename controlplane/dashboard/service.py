@@ -1,0 +1,503 @@
+"""Read models for the web dashboard: one query function per page, all scoped to one account.
+
+Every figure comes from the per-minute rollups and their coarser tiers (through
+``controlplane.stats.service``), never from the raw acceptance table, so a page costs the same over
+ten records as over ten million. Canaries are read straight from the ``canaries`` table and their
+``arms`` JSON is handed on as stored: the page renders whatever the canary service put there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from controlplane.audit.service import entry_summary
+from controlplane.db.models import (
+    AcceptanceRollupRow,
+    AuditEntry,
+    Canary,
+    Deployment,
+    DrafterVersion,
+    DriftEvent,
+    DriftState,
+    Job,
+    JobState,
+)
+from controlplane.deployments.service import describe, resource_name
+from controlplane.errors import ValidationProblem
+from controlplane.jobs.service import job_summary
+from controlplane.stats.service import acceptance_series
+
+
+@dataclass(frozen=True, slots=True)
+class TimeRange:
+    """A range the deployment page offers, and the bucket that keeps it to a few hundred points."""
+
+    seconds: int
+    bucket_seconds: int
+
+
+# Buckets are multiples of a rollup tier (60 s, 5 min, 1 h, 1 day) so that each is read as a few
+# whole rollup rows; 30 days in 6-hour buckets reads hourly rows, still a few hundred.
+RANGES: dict[str, TimeRange] = {
+    "1h": TimeRange(3600, 60),
+    "6h": TimeRange(6 * 3600, 300),
+    "24h": TimeRange(24 * 3600, 300),
+    "7d": TimeRange(7 * 86400, 3600),
+    "30d": TimeRange(30 * 86400, 6 * 3600),
+}
+DEFAULT_RANGE = "24h"
+CURRENT_WINDOW = timedelta(hours=1)
+# Until the draft-length tuner reports a measured drafter/target step-time ratio, the overview's
+# speed-up estimate assumes a small drafter costs 5% of a target step (Leviathan et al.'s c).
+ASSUMED_DRAFT_COST_RATIO = 0.05
+BASELINE_ARM = "baseline"
+# Audit actions that move the active drafter (written by the canary service).
+PROMOTION_ACTION_WORDS = ("promote", "activate")
+ROLLBACK_ACTION_WORDS = ("rollback",)
+MAX_MARKERS_PER_KIND = 200
+SERIES_FIELDS = (
+    "start",
+    "requests",
+    "hit_rate",
+    "mean_accepted_length",
+    "inter_token_latency_ms_p50",
+    "inter_token_latency_ms_p95",
+    "total_latency_ms_p50",
+    "total_latency_ms_p95",
+    "throughput_tokens_per_s",
+    "decode_tokens_per_s",
+)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _iso(value: datetime | None) -> str | None:
+    aware = _utc(value)
+    return aware.isoformat() if aware else None
+
+
+def resolve_range(*, name: str, end: datetime | None, now: datetime) -> tuple[datetime, datetime, int]:
+    """(start, end, bucket seconds) for a named range ending at ``end`` (default: now).
+
+    The end is rounded up to the bucket grid so that buckets line up with the rollup tiers (the
+    fast path) and the current, partial bucket is included.
+    """
+    chosen = RANGES.get(name)
+    if chosen is None:
+        raise ValidationProblem(f"unknown range {name!r}; choose one of {sorted(RANGES)}")
+    anchor = (_utc(end) or now).timestamp()
+    grid = chosen.bucket_seconds
+    end_at = datetime.fromtimestamp(math.ceil(anchor / grid) * grid, tz=UTC)
+    if end is None and end_at.timestamp() == anchor:
+        end_at += timedelta(seconds=grid)  # "now" exactly on the grid: keep the current bucket
+    return end_at - timedelta(seconds=chosen.seconds), end_at, grid
+
+
+def speedup_estimate(*, hit_rate: float | None, k: int | None, cost_ratio: float) -> float | None:
+    """Leviathan et al.'s expected speed-up from the hit rate, k and the drafter's cost ratio c.
+
+    The per-token acceptance α is recovered from the hit rate by inverting
+    hit = α(1 − α^k) / (k(1 − α)) (monotone in α, so bisection), then
+    speed-up = (1 − α^(k+1)) / ((1 − α)(1 + k·c)).
+    """
+    if hit_rate is None or not k:
+        return None
+    target = min(max(hit_rate, 0.0), 0.999999)
+
+    def hit_of(alpha: float) -> float:
+        return alpha * (1 - alpha**k) / (k * (1 - alpha))
+
+    lo, hi = 0.0, 0.999999
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if hit_of(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    alpha = (lo + hi) / 2
+    tokens_per_step = (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens_per_step / (1 + k * cost_ratio)
+
+
+def _slim(bucket: dict[str, Any]) -> dict[str, Any]:
+    return {name: bucket.get(name) for name in SERIES_FIELDS}
+
+
+def overview(*, session: Session, account_id: int, account_name: str, now: datetime) -> dict[str, Any]:
+    """Every live deployment of the account with its current figures, open drift and running jobs."""
+    deployments = list(
+        session.scalars(
+            select(Deployment)
+            .where(Deployment.account_id == account_id, Deployment.deleted_at.is_(None))
+            .order_by(Deployment.name)
+        )
+    )
+    ids = [d.id for d in deployments]
+    open_drift = _count_by_deployment(
+        session, DriftEvent, ids, DriftEvent.state.in_([DriftState.open, DriftState.realigning])
+    )
+    running_jobs = _count_by_deployment(session, Job, ids, Job.state.in_([JobState.queued, JobState.running]))
+    rows = []
+    for deployment in deployments:
+        info = describe(session=session, deployment=deployment, account_name=account_name)
+        current = acceptance_series(
+            session=session,
+            deployment_id=deployment.id,
+            start=now - CURRENT_WINDOW,
+            end=now,
+            bucket_seconds=int(CURRENT_WINDOW.total_seconds()),
+        )["total"]
+        k = info["effective_draft_token_count"]
+        rows.append(
+            {
+                "deployment_id": deployment.name,
+                "display_name": deployment.display_name,
+                "target_model": deployment.target_model,
+                "speculation_mode": info["speculation_mode"],
+                "active_drafter_version": info["active_drafter_version"],
+                "k": k,
+                "requests_last_hour": current["requests"],
+                "hit_rate": current["hit_rate"],
+                "mean_accepted_length": current["mean_accepted_length"],
+                "speedup_estimate": speedup_estimate(
+                    hit_rate=current["hit_rate"], k=k, cost_ratio=ASSUMED_DRAFT_COST_RATIO
+                ),
+                "open_drift_events": open_drift.get(deployment.id, 0),
+                "running_jobs": running_jobs.get(deployment.id, 0),
+            }
+        )
+    return {
+        "account": account_name,
+        "generated_at": now.isoformat(),
+        "current_window_s": int(CURRENT_WINDOW.total_seconds()),
+        "assumed_draft_cost_ratio": ASSUMED_DRAFT_COST_RATIO,
+        "deployments": rows,
+    }
+
+
+def _count_by_deployment(session: Session, model: Any, ids: list[int], condition: Any) -> dict[int, int]:
+    if not ids:
+        return {}
+    query = (
+        select(model.deployment_id, func.count())
+        .where(model.deployment_id.in_(ids), condition)
+        .group_by(model.deployment_id)
+    )
+    return {deployment_id: int(count) for deployment_id, count in session.execute(query)}
+
+
+def deployment_view(
+    *,
+    session: Session,
+    deployment: Deployment,
+    account_name: str,
+    range_name: str,
+    end: datetime | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """The deployment page's data in one request: the series, markers and per-position acceptance."""
+    start_at, end_at, bucket_seconds = resolve_range(name=range_name, end=end, now=now)
+    series = acceptance_series(
+        session=session,
+        deployment_id=deployment.id,
+        start=start_at,
+        end=end_at,
+        bucket_seconds=bucket_seconds,
+    )
+    current = acceptance_series(
+        session=session,
+        deployment_id=deployment.id,
+        start=end_at - CURRENT_WINDOW,
+        end=end_at,
+        bucket_seconds=int(CURRENT_WINDOW.total_seconds()),
+    )["total"]
+    last_event = session.scalar(
+        select(DriftEvent).where(DriftEvent.deployment_id == deployment.id).order_by(DriftEvent.id.desc())
+    )
+    event_baseline = (last_event.evidence or {}).get("baseline_per_position") if last_event else None
+    return {
+        "deployment": describe(session=session, deployment=deployment, account_name=account_name),
+        "range": {
+            "name": range_name,
+            "start": start_at.isoformat(),
+            "end": end_at.isoformat(),
+            "bucket_seconds": bucket_seconds,
+        },
+        "series": [_slim(bucket) for bucket in series["buckets"]],
+        "total": _slim(series["total"]),
+        "positions": {
+            # Conditional per-trial acceptance, the same scale as the drift detector's baseline.
+            "current": current["per_position_conditional_acceptance"],
+            "current_window_s": int(CURRENT_WINDOW.total_seconds()),
+            "range": series["total"]["per_position_conditional_acceptance"],
+            "last_drift_event_baseline": event_baseline if isinstance(event_baseline, list) else None,
+        },
+        "markers": markers(
+            session=session,
+            deployment=deployment,
+            account_name=account_name,
+            start=start_at,
+            end=end_at,
+            now=now,
+        ),
+    }
+
+
+def markers(
+    *,
+    session: Session,
+    deployment: Deployment,
+    account_name: str,
+    start: datetime,
+    end: datetime,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """Drift events, jobs, canary windows, promotions and rollbacks that touch [start, end)."""
+    out: list[dict[str, Any]] = []
+    events = session.scalars(
+        select(DriftEvent)
+        .where(
+            DriftEvent.deployment_id == deployment.id,
+            DriftEvent.detected_at >= start,
+            DriftEvent.detected_at < end,
+        )
+        .order_by(DriftEvent.detected_at)
+        .limit(MAX_MARKERS_PER_KIND)
+    )
+    for event in events:
+        drop = f", drop {event.drop:.3f}" if event.drop is not None else ""
+        out.append(
+            {
+                "kind": "drift",
+                "at": _iso(event.detected_at),
+                "end": None,
+                "label": f"drift #{event.id} ({event.state.value}{drop})",
+            }
+        )
+    jobs = session.scalars(
+        select(Job)
+        .where(
+            Job.deployment_id == deployment.id,
+            Job.created_at < end,
+            func.coalesce(Job.finished_at, now) >= start,
+        )
+        .order_by(Job.created_at)
+        .limit(MAX_MARKERS_PER_KIND)
+    )
+    for job in jobs:
+        out.append(
+            {
+                "kind": "job",
+                "at": _iso(job.started_at or job.created_at),
+                "end": _iso(job.finished_at or now),
+                "label": f"{job.kind.value} job #{job.id} ({job.state.value}, {job.progress:.0%})",
+            }
+        )
+    canaries = session.scalars(
+        select(Canary)
+        .where(
+            Canary.deployment_id == deployment.id,
+            Canary.started_at < end,
+            func.coalesce(Canary.decided_at, now) >= start,
+        )
+        .order_by(Canary.started_at)
+        .limit(MAX_MARKERS_PER_KIND)
+    )
+    for canary in canaries:
+        out.append(
+            {
+                "kind": "canary",
+                "at": _iso(canary.started_at),
+                "end": _iso(canary.decided_at or now),
+                "label": f"canary #{canary.id} ({canary.phase}, {canary.decision or 'undecided'})",
+            }
+        )
+    for entry in _drafter_moves(
+        session,
+        account_id=deployment.account_id,
+        prefix=resource_name(account_name, deployment.name),
+        start=start,
+        end=end,
+    ):
+        action = entry.action.lower()
+        kind = "rollback" if any(word in action for word in ROLLBACK_ACTION_WORDS) else "promotion"
+        out.append(
+            {
+                "kind": kind,
+                "at": _iso(entry.created_at),
+                "end": None,
+                "label": f"{entry.action} by {entry.actor}",
+            }
+        )
+    return out
+
+
+def _drafter_moves(
+    session: Session,
+    *,
+    account_id: int,
+    prefix: str,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    limit: int = MAX_MARKERS_PER_KIND,
+) -> list[AuditEntry]:
+    """Audit rows that promoted or rolled back a drafter of one deployment, oldest first."""
+    words = PROMOTION_ACTION_WORDS + ROLLBACK_ACTION_WORDS
+    query = select(AuditEntry).where(
+        AuditEntry.account_id == account_id,
+        AuditEntry.resource.startswith(prefix, autoescape=True),
+        or_(*(func.lower(AuditEntry.action).contains(word, autoescape=True) for word in words)),
+    )
+    if start is not None:
+        query = query.where(AuditEntry.created_at >= start)
+    if end is not None:
+        query = query.where(AuditEntry.created_at < end)
+    rows = session.scalars(query.order_by(AuditEntry.id.desc()).limit(limit))
+    return sorted(rows, key=lambda row: row.id)
+
+
+def promotion_history(
+    *, session: Session, deployment: Deployment, account_name: str, limit: int = 100
+) -> dict[str, Any]:
+    """A deployment's drafter versions and every promotion or rollback, newest first."""
+    versions = session.scalars(
+        select(DrafterVersion)
+        .where(DrafterVersion.deployment_id == deployment.id)
+        .order_by(DrafterVersion.version.desc())
+    )
+    moves = _drafter_moves(
+        session,
+        account_id=deployment.account_id,
+        prefix=resource_name(account_name, deployment.name),
+        limit=limit,
+    )
+    return {
+        "versions": [
+            {
+                "version": v.version,
+                "state": v.state.value,
+                "created_at": _iso(v.created_at),
+                "activated_at": _iso(v.activated_at),
+                "training_job_id": v.training_job_id,
+            }
+            for v in versions
+        ],
+        "moves": [entry_summary(e) for e in reversed(moves)],
+    }
+
+
+def account_jobs(*, session: Session, account_id: int, limit: int = 200) -> dict[str, Any]:
+    """The account's jobs across deployments, active ones first, then the newest."""
+    rows = session.execute(
+        select(Job, Deployment.name)
+        .join(Deployment, Deployment.id == Job.deployment_id)
+        .where(Deployment.account_id == account_id)
+        .order_by(Job.state.in_([JobState.queued, JobState.running]).desc(), Job.id.desc())
+        .limit(max(1, min(limit, 500)))
+    )
+    return {"jobs": [{**job_summary(job), "deployment": name, "log": _job_log(job)} for job, name in rows]}
+
+
+def _job_log(job: Job) -> list[str]:
+    """The job's history as log lines, from the timestamps and messages the job row keeps."""
+    lines = [f"{_iso(job.created_at)} created by {job.requested_by}"]
+    if job.started_at:
+        lines.append(f"{_iso(job.started_at)} started (attempt {job.attempts})")
+    if job.progress_message:
+        lines.append(f"progress {job.progress:.0%}: {job.progress_message}")
+    if job.finished_at:
+        lines.append(f"{_iso(job.finished_at)} {job.state.value}")
+    if job.error:
+        lines.append(f"error: {job.error}")
+    return lines
+
+
+def canaries_view(
+    *, session: Session, deployment: Deployment, now: datetime, limit: int = 20
+) -> dict[str, Any]:
+    """The deployment's canaries, newest first, and per-arm series over the newest one's window."""
+    canaries = list(
+        session.scalars(
+            select(Canary)
+            .where(Canary.deployment_id == deployment.id)
+            .order_by(Canary.id.desc())
+            .limit(max(1, min(limit, 100)))
+        )
+    )
+    version_ids = {c.candidate_version_id for c in canaries} | {
+        c.incumbent_version_id for c in canaries if c.incumbent_version_id is not None
+    }
+    numbers = (
+        dict(
+            session.execute(
+                select(DrafterVersion.id, DrafterVersion.version).where(DrafterVersion.id.in_(version_ids))
+            )
+            .tuples()
+            .all()
+        )
+        if version_ids
+        else {}
+    )
+    summaries = [
+        {
+            "canary_id": c.id,
+            "phase": c.phase,
+            "candidate_version": numbers.get(c.candidate_version_id),
+            "incumbent_version": numbers.get(c.incumbent_version_id) if c.incumbent_version_id else None,
+            "job_id": c.job_id,
+            "routing_weights": c.routing_weights,
+            "arms": c.arms,
+            "decision": c.decision,
+            "reason": c.reason,
+            "started_at": _iso(c.started_at),
+            "decided_at": _iso(c.decided_at),
+        }
+        for c in canaries
+    ]
+    arm_series: dict[str, list[dict[str, Any]]] = {}
+    window: dict[str, Any] | None = None
+    if canaries:
+        newest = canaries[0]
+        started = _utc(newest.started_at) or now
+        finished = _utc(newest.decided_at) or now
+        arm_series, window = _arm_series(session, deployment.id, started, finished)
+    return {"canaries": summaries, "arm_series": arm_series, "arm_window": window}
+
+
+def _arm_series(
+    session: Session, deployment_id: int, started: datetime, finished: datetime
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """Hit rate, accepted length, tokens/s and latency per serving arm over a canary's window."""
+    start = started.replace(second=0, microsecond=0)
+    end = max(finished, start + timedelta(minutes=1))
+    span = (end - start).total_seconds()
+    # About 120 points whatever the window, in whole minutes.
+    bucket = max(60, math.ceil(span / 120 / 60) * 60)
+    end = start + timedelta(seconds=math.ceil(span / bucket) * bucket)
+    arms = session.scalars(
+        select(AcceptanceRollupRow.arm)
+        .where(
+            AcceptanceRollupRow.deployment_id == deployment_id,
+            AcceptanceRollupRow.resolution_s == 60,
+            AcceptanceRollupRow.bucket_start >= start,
+            AcceptanceRollupRow.bucket_start < end,
+        )
+        .distinct()
+    )
+    out = {}
+    for arm in sorted(arms):
+        series = acceptance_series(
+            session=session, deployment_id=deployment_id, start=start, end=end, bucket_seconds=bucket, arm=arm
+        )
+        out[arm] = [_slim(b) for b in series["buckets"]]
+    return out, {"start": start.isoformat(), "end": end.isoformat(), "bucket_seconds": bucket}

@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics computed from the database on each scrape."""
