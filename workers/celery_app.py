@@ -20,6 +20,8 @@ from controlplane.config import get_settings
 
 log = logging.getLogger(__name__)
 
+# Live canaries are judged on every tick: the decision rule is valid however often it looks.
+CANARY_EVALUATE_INTERVAL_S = 5.0
 QUEUE_GPU = "gpu"
 QUEUE_DEFAULT = "default"
 # The default of Settings.celery_visibility_timeout_s: longer than the longest job (realignment
@@ -52,7 +54,7 @@ def make_celery() -> Celery:
         "controlplane",
         broker=settings.broker_url,
         backend=settings.result_backend_url,
-        include=["workers.tasks"],
+        include=["workers.tasks", "workers.canary_tasks"],
     )
     app.conf.update(
         task_default_queue=QUEUE_DEFAULT,
@@ -73,6 +75,7 @@ def make_celery() -> Celery:
             "drift-monitor": {"task": "drift.monitor_all", "schedule": DRIFT_MONITOR_INTERVAL_S},
             "trace-retention": {"task": "traces.apply_retention", "schedule": 3600.0},
             "realign-resend": {"task": "jobs.resend_stale_queued", "schedule": JOB_SWEEP_INTERVAL_S},
+            "canary-evaluate": {"task": "canary.evaluate_all", "schedule": CANARY_EVALUATE_INTERVAL_S},
         },
         timezone="UTC",
     )

@@ -374,9 +374,14 @@ def _act_on_guardrails(
     for finding in findings:
         if finding.kind != "speculation_slower" or finding.severity != "critical":
             continue
-        before = {"speculation_mode": deployment.speculation_mode.value}
+        before = {
+            "speculation_mode": deployment.speculation_mode.value,
+            "draft_model": deployment.draft_model,
+            "ngram_speculation_length": deployment.ngram_speculation_length,
+        }
         if finding.action == "switch_to_ngram":
             deployment.speculation_mode = SpeculationMode.ngram
+            deployment.draft_model = None  # n-gram and a draft model are exclusive (a DB constraint)
             deployment.ngram_speculation_length = deployment.ngram_speculation_length or 3
         else:
             deployment.speculation_mode = SpeculationMode.disabled

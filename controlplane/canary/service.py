@@ -389,7 +389,9 @@ def promote(
     before = {
         "active_version": old.version if old else None,
         "speculation_mode": config.mode.value,
+        "draft_model": deployment.draft_model,
         "draft_token_count": deployment.draft_token_count,
+        "ngram_speculation_length": deployment.ngram_speculation_length,
     }
     if old is not None:
         old.state = DrafterState.retired
@@ -422,15 +424,7 @@ def promote(
         "draft_token_count": deployment.draft_token_count,
     }
     # The alarm that led here is answered: the drift detector re-baselines on the new version.
-    session.execute(
-        update(DriftEvent)
-        .where(
-            DriftEvent.deployment_id == deployment_id,
-            DriftEvent.state.in_([DriftState.open, DriftState.realigning]),
-        )
-        .values(state=DriftState.resolved, resolved_at=utcnow())
-        .execution_options(synchronize_session=False)
-    )
+    _answer_drift_events(session, deployment_id)
     if canary is not None:
         _decide(session, canary, DECISION_PROMOTE, reason, figures or canary.arms.get("decision_figures", {}))
         canary.phase = PHASE_WATCHING
@@ -455,6 +449,23 @@ def promote(
     return version
 
 
+def _answer_drift_events(session: Session, deployment_id: int) -> None:
+    """Close the deployment's open drift events: the canary that answered them has decided.
+
+    After a rejection or an inconclusive end the drift is still there; closing the event re-arms
+    the detector, which (after its cooldown) raises a new event and so a new realignment.
+    """
+    session.execute(
+        update(DriftEvent)
+        .where(
+            DriftEvent.deployment_id == deployment_id,
+            DriftEvent.state.in_([DriftState.open, DriftState.realigning]),
+        )
+        .values(state=DriftState.resolved, resolved_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
 def _expected_hit_rate(canary: Canary) -> float | None:
     figures = canary.arms.get("decision_figures") or {}
     for source in (
@@ -477,6 +488,7 @@ def reject(
         raise ConflictError(f"canary {canary.id} is {canary.phase}; only an undecided canary can be rejected")
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
     candidate.state = DrafterState.rejected
+    _answer_drift_events(session, deployment.id)
     _decide(session, canary, DECISION_REJECT, reason, figures or canary.arms.get("decision_figures", {}))
     record_change(
         session=session,
@@ -495,6 +507,7 @@ def end_inconclusive(*, session: Session, canary: Canary, reason: str, figures: 
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
     if candidate.state == DrafterState.canary:
         candidate.state = DrafterState.candidate
+    _answer_drift_events(session, deployment.id)
     _decide(session, canary, DECISION_INCONCLUSIVE, reason, figures)
     record_change(
         session=session,
@@ -538,6 +551,8 @@ def rollback(*, session: Session, deployment_id: int, actor: str, reason: str) -
             restore.get("speculation_mode", deployment.speculation_mode)
         )
         deployment.draft_token_count = restore.get("draft_token_count")
+        deployment.draft_model = restore.get("draft_model", deployment.draft_model)
+        deployment.ngram_speculation_length = restore.get("ngram_speculation_length")
     deployment.row_version += 1
     if promotion is not None:
         promotion.phase = PHASE_ROLLED_BACK

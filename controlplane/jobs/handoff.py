@@ -5,10 +5,10 @@ transaction that registers the new ``drafter_versions`` row and marks the job su
 whatever it writes commits with them, or not at all (a redelivered task finds the version
 already registered and does not call it again).
 
-For now it only records the candidate in the audit log and leaves the version in state
-``candidate`` (and the job's drift event in ``realigning``). The canary service extends it:
-it may create its own rows here and return task messages, which the caller sends only after
-the commit (outbox style: a message never names a row that is not yet visible).
+It records the candidate in the audit log and, on a deployment with ``auto_realign``, opens its
+canary (``controlplane.canary.service.start_canary``) and returns the shadow-replay message, which
+the caller sends only after the commit (outbox style: a message never names a row that is not
+yet visible). Without ``auto_realign`` the version stays a ``candidate`` for a person to judge.
 """
 
 from __future__ import annotations
@@ -58,4 +58,13 @@ def on_realign_succeeded(session: Session, job: Job, version: DrafterVersion) ->
             "artifact_sha256": version.artifact_sha256,
         },
     )
+    if deployment.auto_realign:
+        # No human in the loop: the candidate goes straight to its canary (shadow replay first).
+        from controlplane.canary.queue import GPU_QUEUE, SHADOW_REPLAY_TASK
+        from controlplane.canary.service import start_canary
+
+        _canary, canary_job = start_canary(
+            session=session, version=version, actor=f"job:{job.id}", reason=f"realign job {job.id} succeeded"
+        )
+        return [TaskMessage(SHADOW_REPLAY_TASK, (canary_job.id,), queue=GPU_QUEUE)]
     return []

@@ -4,6 +4,7 @@ and its k, a broken candidate never promotes, and the serving config follows eve
 
 from __future__ import annotations
 
+import random
 import shutil
 import threading
 from pathlib import Path
@@ -14,10 +15,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
 from controlplane.api.canaries import get_canary_queue
-from controlplane.canary.evaluate import record_shadow_result
+from controlplane.canary.evaluate import evaluate_deployment, record_shadow_result
 from controlplane.canary.service import promote, start_canary
 from controlplane.config import Settings
 from controlplane.db.models import (
+    AcceptanceRecordRow,
     Account,
     AuditEntry,
     Canary,
@@ -26,6 +28,7 @@ from controlplane.db.models import (
     DrafterVersion,
     Role,
     SpeculationMode,
+    utcnow,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.errors import ConflictError
@@ -320,3 +323,154 @@ def test_concurrent_promotions_of_two_candidates_leave_exactly_one_active(
             session.commit()
         if dialect == "sqlite":
             get_engine(url).dispose()
+
+
+def _shadow(candidate_tps: float, incumbent_tps: float, n: int = 30) -> dict[str, Any]:
+    """A shadow replay that neither breaks nor harms: per-prompt figures for the three arms."""
+    rng = random.Random(1)
+
+    def arm(tps: float, ms: float) -> dict[str, list[float]]:
+        return {
+            "tokens_per_step": [tps * rng.uniform(0.9, 1.1) for _ in range(n)],
+            "ms_per_token": [ms * rng.uniform(0.9, 1.1) for _ in range(n)],
+        }
+
+    return {
+        "arms": {"baseline": {}, "incumbent": {}, "candidate": {}},
+        "per_prompt": {
+            "baseline": arm(1.0, 5.0),
+            "incumbent": arm(incumbent_tps, 5.0 / incumbent_tps * 1.3),
+            "candidate": arm(candidate_tps, 5.0 / candidate_tps * 1.3),
+        },
+        "costs": {"cost_ratio": 0.07},
+    }
+
+
+def _records(
+    db: Database,
+    deployment_id: int,
+    arm: str,
+    n: int,
+    *,
+    tps: float,
+    ms: float,
+    hit: float,
+    version: int | None,
+    start: int,
+) -> None:
+    rng = random.Random(start)
+    with db.new_session() as session:
+        for i in range(n):
+            steps = 20
+            accepted_per_step = max(0.0, tps - 1.0)
+            generated = int(round(steps * tps * rng.uniform(0.92, 1.08)))
+            drafted = 0 if arm == "baseline" else steps * 4
+            accepted = 0 if arm == "baseline" else min(drafted, int(round(drafted * hit)))
+            session.add(
+                AcceptanceRecordRow(
+                    deployment_id=deployment_id,
+                    request_id=f"{arm}-{start + i}",
+                    created_at=utcnow(),
+                    arm=arm,
+                    drafter_version=version,
+                    k=0 if arm == "baseline" else 4,
+                    drafted_tokens=drafted,
+                    accepted_tokens=accepted,
+                    verify_steps=generated if arm == "baseline" else steps,
+                    generated_tokens=generated,
+                    accepted_per_position=[]
+                    if arm == "baseline"
+                    else [int(steps * accepted_per_step / 4)] * 4,
+                    inter_token_ms=ms * rng.uniform(0.9, 1.1),
+                    total_ms=None,
+                    ttft_ms=None,
+                )
+            )
+        session.commit()
+
+
+def _live_canary(db: Database, settings: Settings, shadow: dict[str, Any]) -> tuple[int, int]:
+    v1 = _add_version(db, 1)
+    with db.new_session() as session:
+        canary, _job = start_canary(session=session, version=session.get_one(DrafterVersion, v1))
+        session.commit()
+        canary_id, deployment_id = canary.id, canary.deployment_id
+    with db.new_session() as session:
+        phase = record_shadow_result(session=session, canary_id=canary_id, result=shadow, settings=settings)
+        session.commit()
+    assert phase == "live"
+    return canary_id, deployment_id
+
+
+def test_a_live_canary_that_wins_is_promoted_and_serving_follows(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
+) -> None:
+    acme = tenants[0]
+    viewer = acme.headers(Role.viewer)
+    _deployment(client, acme)
+    assert (
+        client.patch(
+            f"{BASE}/svc/canary-policy",
+            json={"candidate_weight": 0.3, "baseline_weight": 0.3, "tune_draft_length": True},
+            headers=acme.headers(Role.admin),
+        ).status_code
+        == 200
+    )
+    canary_id, deployment_id = _live_canary(db, settings, _shadow(3.0, 1.3))
+    arms = {
+        a["arm"]: a["weight"] for a in client.get(f"{BASE}/svc/serving-config", headers=viewer).json()["arms"]
+    }
+    assert arms == {"live": 0.4, "canary:1": 0.3, "baseline": 0.3}
+    # Too few requests: the rule waits.
+    _records(db, deployment_id, "live", 10, tps=1.3, ms=5.2, hit=0.1, version=None, start=0)
+    with db.new_session() as session:
+        outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
+        session.commit()
+    assert outcome is not None and outcome["decision"] == "continue"
+    # The candidate accepts far more per step and is faster than both the incumbent and no speculation.
+    _records(db, deployment_id, "live", 120, tps=1.3, ms=5.2, hit=0.1, version=None, start=100)
+    _records(db, deployment_id, "canary:1", 90, tps=3.0, ms=2.2, hit=0.6, version=1, start=1000)
+    _records(db, deployment_id, "baseline", 90, tps=1.0, ms=5.0, hit=0.0, version=None, start=2000)
+    with db.new_session() as session:
+        outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
+        session.commit()
+    assert outcome is not None and outcome["decision"] == "promote", outcome
+    got = client.get(f"{BASE}/svc/canaries/{canary_id}", headers=viewer).json()
+    assert got["decision"] == "promote" and got["phase"] == "watching"
+    figures = got["arms"]["decision_figures"]
+    assert figures["arms"]["candidate"]["n"] if "n" in figures["arms"]["candidate"] else figures["arm_counts"]
+    assert figures["draft_length"]["best_k"] >= 1
+    live = client.get(f"{BASE}/svc/serving-config", headers=viewer).json()["arms"]
+    assert [a["arm"] for a in live] == ["live"] and live[0]["drafter_version"] == 1
+    assert (
+        client.get(f"{BASE}/svc", headers=viewer).json()["draft_token_count"]
+        == figures["draft_length"]["best_k"]
+    )
+
+
+def test_a_slower_than_no_speculation_incumbent_is_switched_to_ngram_when_the_candidate_fails(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
+) -> None:
+    acme = tenants[0]
+    _deployment(client, acme)
+    canary_id, deployment_id = _live_canary(db, settings, _shadow(1.2, 1.2))
+    # Both drafters are slow (the seed's 29% case): latency per token well above no speculation's.
+    # Arm counts follow the default routing weights (80/10/10), so the split is not flagged.
+    _records(db, deployment_id, "live", 480, tps=1.2, ms=8.0, hit=0.05, version=None, start=0)
+    _records(db, deployment_id, "canary:1", 60, tps=1.0, ms=9.5, hit=0.01, version=1, start=1000)
+    _records(db, deployment_id, "baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=2000)
+    with db.new_session() as session:
+        outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
+        session.commit()
+    assert outcome is not None and outcome["decision"] == "reject", outcome
+    got = client.get(f"{BASE}/svc", headers=acme.headers(Role.viewer)).json()
+    assert got["speculation_mode"] == "ngram"
+    actions = [
+        e["action"]
+        for e in client.get(
+            "/v1/accounts/acme/audit?deployment=svc", headers=acme.headers(Role.viewer)
+        ).json()["entries"]
+    ]
+    assert "guardrail.speculation_slower" in actions and "drafter.reject" in actions
+    canary = client.get(f"{BASE}/svc/canaries/{canary_id}", headers=acme.headers(Role.viewer)).json()
+    assert canary["arms"]["guardrails"][0]["kind"] == "speculation_slower"
