@@ -150,6 +150,25 @@ def beat() -> None:
 
 
 @app.command()
+def up(
+    serve_port: Annotated[int, typer.Option(help="reference server port")] = 8601,
+    worker_concurrency: Annotated[int, typer.Option(help="worker processes (prefork)")] = 2,
+    trace_sample_rate: Annotated[float, typer.Option(help="when a deployment does not set one")] = 0.1,
+    grace: Annotated[float, typer.Option(help="seconds between SIGTERM and SIGKILL at stop")] = 10.0,
+) -> None:
+    """Run API, Celery worker (default + gpu queues), beat and the reference server; Ctrl-C stops all."""
+    from controlplane.supervisor import UpOptions, run_up
+
+    options = UpOptions(
+        serve_port=serve_port,
+        worker_concurrency=worker_concurrency,
+        trace_sample_rate=trace_sample_rate,
+        grace_s=grace,
+    )
+    raise typer.Exit(run_up(get_settings(), options, echo=typer.echo))
+
+
+@app.command()
 def demo() -> None:
     """Start the API on the embedded default (SQLite under ./var) and say where it listens."""
     settings = get_settings()

@@ -75,16 +75,13 @@ def main(argv: list[str] | None = None) -> None:
             serving_config=http_serving_config(url, api_key, ttl_s=args.config_ttl), model_names=args.model
         )
     config.trace_sample_rate = args.trace_sample_rate
-    reporter = None
     if report_url and not args.no_report:
         reporter = ControlPlaneReporter(report_url, api_key=api_key)
         config.on_record = reporter.record
         config.on_trace = reporter.trace
-    try:
-        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
-    finally:
-        if reporter is not None:
-            reporter.close(timeout_s=5.0)  # what completed before the stop still reaches the control plane
+        # What completed before the stop still reaches the control plane (bounded wait).
+        config.on_shutdown = lambda: reporter.close(timeout_s=5.0)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
 
 
 if __name__ == "__main__":

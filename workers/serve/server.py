@@ -47,6 +47,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -84,6 +85,9 @@ class ServerConfig:
     # Trace sample rate when the serving config does not carry `trace_sample_rate`.
     trace_sample_rate: float = 0.0
     max_decoders: int = 8
+    # Called once when the app shuts down (e.g. to flush a reporter): uvicorn re-raises SIGTERM
+    # after its graceful shutdown, so code after `uvicorn.run` would never run.
+    on_shutdown: Callable[[], None] | None = None
 
 
 class APIError(Exception):
@@ -375,7 +379,14 @@ def _response_extras(
 
 def create_app(config: ServerConfig) -> FastAPI:
     engine = Engine(config)
-    app = FastAPI(title="speculative-decoding reference server")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if config.on_shutdown is not None:
+            await run_in_threadpool(config.on_shutdown)
+
+    app = FastAPI(title="speculative-decoding reference server", lifespan=lifespan)
     app.state.engine = engine
 
     @app.exception_handler(APIError)

@@ -1,0 +1,140 @@
+"""`controlplane up` on the embedded default, as a user runs it: real API, Celery worker, beat and
+reference server processes on SQLite and the SQLAlchemy broker in a temporary directory; one
+completion through the reference server reaches the control plane as an acceptance record and a
+trace; Ctrl-C (SIGINT) stops every process, leaving none behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+CLI = [sys.executable, "-m", "controlplane"]
+START_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for(predicate: object, timeout_s: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}\n{log.read_text()[-4000:]}")
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_up_runs_everything_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
+    api_port, serve_port = _free_port(), _free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")},
+        "CONTROLPLANE_ENVIRONMENT": "development",
+        "CONTROLPLANE_API_PORT": str(api_port),
+        "CONTROLPLANE_API_URL": f"http://127.0.0.1:{api_port}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    out = tmp_path / "up.out"
+    started = time.monotonic()
+    with out.open("w") as sink:
+        up = subprocess.Popen(
+            [*CLI, "up", "--serve-port", str(serve_port), "--worker-concurrency", "1", "--grace", "15"],
+            cwd=tmp_path,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # as a terminal would have it: SIGINT goes to `up` alone below
+        )
+    try:
+        _wait_for(lambda: "all up in" in out.read_text() or up.poll() is not None, START_TIMEOUT_S, "all up", out)
+        text = out.read_text()
+        assert up.poll() is None and "all up in" in text, text
+        startup_s = time.monotonic() - started
+        pids = {name: int(pid) for name, pid in re.findall(r"^\s+(api|worker|beat|serve)\s+pid (\d+)", text, re.M)}
+        assert set(pids) == {"api", "worker", "beat", "serve"}, text
+        assert f"http://127.0.0.1:{api_port}/dashboard" in text
+
+        api = httpx.Client(
+            base_url=f"http://127.0.0.1:{api_port}",
+            headers={"Authorization": f"Bearer {(tmp_path / 'var' / 'admin.key').read_text().strip()}"},
+            timeout=30,
+        )
+        created = api.post(
+            "/v1/accounts/default/deployments",
+            json={
+                "target_model": "target",
+                "deployment_id": "svc",
+                "draft_model": "generic-drafter",
+                "draft_token_count": 4,
+            },
+        )
+        assert created.status_code == 201, created.text
+        sampled = api.patch("/v1/accounts/default/deployments/svc", json={"trace_sample_rate": 1.0})
+        assert sampled.status_code == 200, sampled.text
+
+        completion = httpx.post(
+            f"http://127.0.0.1:{serve_port}/v1/completions",
+            json={
+                "model": "svc",
+                "prompt": "The quick brown fox",
+                "max_tokens": 12,
+                "temperature": 0,
+                "perf_metrics_in_response": True,
+                "category": "prose",
+            },
+            headers={"x-request-id": "up-test-1"},
+            timeout=120,
+        )
+        assert completion.status_code == 200, completion.text
+        record = completion.json()["speculation_record"]
+        assert record["arm"] == "live" and record["drafted_tokens"] > 0
+
+        def arrived() -> bool:
+            total = api.get("/v1/accounts/default/deployments/svc/stats").json()["total"]
+            traces = api.get("/v1/accounts/default/deployments/svc/traces").json()["traces"]
+            return bool(total.get("requests") == 1 and traces)
+
+        _wait_for(arrived, 30, "the acceptance record and trace in the API", out)
+        total = api.get("/v1/accounts/default/deployments/svc/stats").json()["total"]
+        assert total["drafted_tokens"] == record["drafted_tokens"]
+        assert total["accepted_tokens"] == record["accepted_tokens"]
+        trace = api.get("/v1/accounts/default/deployments/svc/traces").json()["traces"][0]
+        assert trace["prompt"] == "The quick brown fox" and trace["completion"]
+        api.close()
+
+        stopping = time.monotonic()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0, out.read_text()
+        stop_s = time.monotonic() - stopping
+        text = out.read_text()
+        assert "SIGINT: stopping all processes" in text and "stopped: " in text, text
+        # Every child led its own process group; no member of any group may be left.
+        assert all(_group_gone(pid) for pid in pids.values()), text
+        print(f"\nup: all healthy after {startup_s:.1f} s; stopped in {stop_s:.1f} s")
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for pid in locals().get("pids", {}).values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
