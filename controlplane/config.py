@@ -54,6 +54,7 @@ class Settings(BaseSettings):
     drift_arl0_requests: int = Field(default=50_000, ge=100)
     drift_min_drop: float = Field(default=0.05, gt=0, lt=1)
     drift_cooldown_s: int = Field(default=600, ge=0)
+    drift_reference_requests: int = Field(default=1000, ge=50, le=100_000)
     canary_alpha: float = Field(default=0.05, gt=0, lt=1)
     canary_min_samples_per_arm: int = Field(default=50, ge=1)
 

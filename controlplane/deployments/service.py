@@ -22,7 +22,7 @@ from controlplane.deployments.spec import (
 )
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
 
-DRIFT_POLICY_KEYS = {"arl0_requests", "min_drop", "cooldown_s"}
+DRIFT_POLICY_KEYS = {"arl0_requests", "min_drop", "cooldown_s", "reference_requests"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,36 +10,52 @@ from controlplane.errors import ValidationProblem
 
 MIN_ARL0 = 100
 MAX_ARL0 = 10**9
+# Fewer reference requests than this estimate per-position rates too poorly to be worth arming.
+MIN_REFERENCE_REQUESTS = 50
+MAX_REFERENCE_REQUESTS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
 class DriftPolicy:
     """ARL0: mean requests between false alarms; min_drop: smallest hit-rate drop worth an alarm
-    (absolute, 0.05 = 5 points); cooldown_s: no new alarm this long after one."""
+    (absolute, 0.05 = 5 points); cooldown_s: no new alarm this long after one; reference_requests:
+    how many requests estimate the baseline after a start or a promotion (fewer: armed sooner,
+    with a noisier baseline, which the detector's tempering pays for in delay, not false alarms)."""
 
     arl0_requests: int
     min_drop: float
     cooldown_s: int
+    reference_requests: int = 1000
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def defaults(settings: Settings) -> DriftPolicy:
-    return DriftPolicy(settings.drift_arl0_requests, settings.drift_min_drop, settings.drift_cooldown_s)
+    return DriftPolicy(
+        settings.drift_arl0_requests,
+        settings.drift_min_drop,
+        settings.drift_cooldown_s,
+        settings.drift_reference_requests,
+    )
 
 
 def resolve(stored: dict[str, Any], settings: Settings) -> DriftPolicy:
     """The effective policy: stored overrides on top of the defaults."""
     base = defaults(settings).as_dict()
     base.update({k: v for k, v in stored.items() if k in base})
-    return DriftPolicy(int(base["arl0_requests"]), float(base["min_drop"]), int(base["cooldown_s"]))
+    return DriftPolicy(
+        int(base["arl0_requests"]),
+        float(base["min_drop"]),
+        int(base["cooldown_s"]),
+        int(base["reference_requests"]),
+    )
 
 
 def validate_changes(changes: dict[str, Any]) -> dict[str, Any]:
     """Check policy changes; every problem is reported at once."""
     problems = []
-    allowed = {"arl0_requests", "min_drop", "cooldown_s"}
+    allowed = {"arl0_requests", "min_drop", "cooldown_s", "reference_requests"}
     for key in changes:
         if key not in allowed:
             problems.append({"field": key, "message": f"unknown policy field (allowed: {sorted(allowed)})"})
@@ -59,6 +75,18 @@ def validate_changes(changes: dict[str, Any]) -> dict[str, Any]:
     ):
         problems.append(
             {"field": "cooldown_s", "message": "must be an integer number of seconds in [0, 604800]"}
+        )
+    reference = changes.get("reference_requests")
+    if reference is not None and (
+        isinstance(reference, bool)
+        or not isinstance(reference, int)
+        or not MIN_REFERENCE_REQUESTS <= reference <= MAX_REFERENCE_REQUESTS
+    ):
+        problems.append(
+            {
+                "field": "reference_requests",
+                "message": f"must be an integer in [{MIN_REFERENCE_REQUESTS}, {MAX_REFERENCE_REQUESTS}]",
+            }
         )
     if problems:
         raise ValidationProblem("invalid drift policy", details=problems)

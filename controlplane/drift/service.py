@@ -55,7 +55,12 @@ def new_detector(policy: drift_policy.DriftPolicy, *, n_positions: int) -> Mixtu
 
     The latch and cooldown are kept by the monitor (in wall time), not by the detector.
     """
-    return MixtureSR(arl0=float(policy.arl0_requests), min_drop=policy.min_drop, n_positions=n_positions)
+    return MixtureSR(
+        arl0=float(policy.arl0_requests),
+        min_drop=policy.min_drop,
+        n_positions=n_positions,
+        reference_size=policy.reference_requests,
+    )
 
 
 def evidence_of(detector: MixtureSR) -> dict[str, Any]:
