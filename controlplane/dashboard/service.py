@@ -437,17 +437,10 @@ def canaries_view(
     version_ids = {c.candidate_version_id for c in canaries} | {
         c.incumbent_version_id for c in canaries if c.incumbent_version_id is not None
     }
-    numbers = (
-        dict(
-            session.execute(
-                select(DrafterVersion.id, DrafterVersion.version).where(DrafterVersion.id.in_(version_ids))
-            )
-            .tuples()
-            .all()
-        )
-        if version_ids
-        else {}
-    )
+    numbers: dict[int, int] = {}
+    if version_ids:
+        query = select(DrafterVersion.id, DrafterVersion.version).where(DrafterVersion.id.in_(version_ids))
+        numbers = {row.id: row.version for row in session.execute(query)}
     summaries = [
         {
             "canary_id": c.id,

@@ -66,6 +66,11 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("GET", "/v1/accounts/{account}/api-keys", ADMIN, None),
     ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/dashboard/overview", READ, None),
+    ("GET", "/v1/accounts/{account}/dashboard/deployments/{deployment}", READ, None),
+    ("GET", "/v1/accounts/{account}/dashboard/deployments/{deployment}/canaries", READ, None),
+    ("GET", "/v1/accounts/{account}/dashboard/deployments/{deployment}/promotions", READ, None),
+    ("GET", "/v1/accounts/{account}/dashboard/jobs", READ, None),
 ]
 
 
