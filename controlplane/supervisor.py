@@ -226,6 +226,10 @@ class Supervisor:
                 _signal_group(child.pid, signal.SIGKILL)
                 killed.append(f"{child.spec.name} (left-over group members)")
             child.log_file.close()
+        # Killed orphans linger as zombies until init reaps them: wait (briefly) until they are gone.
+        deadline = time.monotonic() + 5.0
+        while any(_group_alive(c.pid) for c in self.children) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return killed
 
     def _stop(self, children: Sequence[Child]) -> list[str]:

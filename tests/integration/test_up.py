@@ -64,11 +64,15 @@ def test_up_runs_everything_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
             start_new_session=True,  # as a terminal would have it: SIGINT goes to `up` alone below
         )
     try:
-        _wait_for(lambda: "all up in" in out.read_text() or up.poll() is not None, START_TIMEOUT_S, "all up", out)
+        _wait_for(
+            lambda: "all up in" in out.read_text() or up.poll() is not None, START_TIMEOUT_S, "all up", out
+        )
         text = out.read_text()
         assert up.poll() is None and "all up in" in text, text
         startup_s = time.monotonic() - started
-        pids = {name: int(pid) for name, pid in re.findall(r"^\s+(api|worker|beat|serve)\s+pid (\d+)", text, re.M)}
+        pids = {
+            name: int(pid) for name, pid in re.findall(r"^\s+(api|worker|beat|serve)\s+pid (\d+)", text, re.M)
+        }
         assert set(pids) == {"api", "worker", "beat", "serve"}, text
         assert f"http://127.0.0.1:{api_port}/dashboard" in text
 
@@ -138,3 +142,99 @@ def test_up_runs_everything_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# ------------------------------------------------------------- the supervisor on tiny child processes
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+SLEEPER = "import time\nwhile True: time.sleep(0.1)"
+# Ignores SIGTERM and forks a grandchild that ignores it too: only SIGKILL to the group ends both.
+STUBBORN = (
+    "import os, signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "os.fork()\n"
+    "print('ready', flush=True)\n"
+    "while True: time.sleep(0.1)"
+)
+
+
+def test_a_child_that_dies_is_reported_and_everything_stops(tmp_path: Path) -> None:
+    from controlplane.supervisor import ChildSpec, Supervisor, SupervisorError
+
+    said: list[str] = []
+    sup = Supervisor(log_dir=tmp_path, env=dict(os.environ), grace_s=2.0, echo=said.append)
+    sleeper = sup.start(ChildSpec("sleeper", _py(SLEEPER), "-"))
+    sup.start(ChildSpec("crasher", _py("import sys, time; time.sleep(0.5); print('boom'); sys.exit(3)"), "-"))
+    try:
+        with_error = None
+        try:
+            sup.watch()
+        except SupervisorError as exc:
+            with_error = str(exc)
+        assert with_error is not None and "crasher" in with_error and "code 3" in with_error
+        assert "boom" in with_error  # the tail of its log
+    finally:
+        sup.stop_all()
+    assert sleeper.process.returncode == -signal.SIGTERM and _group_gone(sleeper.pid)
+
+
+def test_stop_kills_what_ignores_sigterm_and_leaves_no_group_member(tmp_path: Path) -> None:
+    from controlplane.supervisor import ChildSpec, Supervisor
+
+    sup = Supervisor(log_dir=tmp_path, env=dict(os.environ), grace_s=1.0, echo=lambda _: None)
+    first = sup.start(ChildSpec("first", _py(SLEEPER), "-"))
+    stubborn = sup.start(ChildSpec("stubborn", _py(STUBBORN), "-", ready_log="ready"))
+    sup.wait_ready([stubborn], timeout_s=30)
+    t0 = time.monotonic()
+    killed = sup.stop_all(first=("first",))
+    assert time.monotonic() - t0 < 10
+    assert "stubborn" in killed and "first" not in killed
+    assert first.process.returncode == -signal.SIGTERM
+    assert _group_gone(stubborn.pid) and _group_gone(first.pid)
+
+
+def test_start_up_fails_cleanly_when_a_child_never_gets_healthy(tmp_path: Path) -> None:
+    from controlplane.supervisor import ChildSpec, Supervisor, SupervisorError
+
+    sup = Supervisor(log_dir=tmp_path, env=dict(os.environ), grace_s=1.0, echo=lambda _: None)
+    child = sup.start(
+        ChildSpec("mute", _py(SLEEPER), "-", ready_url=f"http://127.0.0.1:{_free_port()}/healthz")
+    )
+    try:
+        try:
+            sup.wait_ready([child], timeout_s=1.5)
+            raise AssertionError("expected a start-up failure")
+        except SupervisorError as exc:
+            assert "not healthy after" in str(exc) and "mute" in str(exc)
+    finally:
+        sup.stop_all()
+    assert _group_gone(child.pid)
+
+
+def test_children_end_even_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+    """SIGKILL cannot be caught; the children's parent-death signal still ends them (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    script = (
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "from controlplane.supervisor import ChildSpec, Supervisor\n"
+        f"sup = Supervisor(log_dir=Path({str(tmp_path)!r}), env=dict(os.environ))\n"
+        f"child = sup.start(ChildSpec('sleeper', {_py(SLEEPER)!r}, '-'))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child_pid = int(parent.stdout.readline())
+    assert not _group_gone(child_pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while not _group_gone(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _group_gone(child_pid)
