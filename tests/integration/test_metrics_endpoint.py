@@ -3,7 +3,10 @@ drift → realign → canary → promotion history: names, types, labels and val
 
 from __future__ import annotations
 
+import json
+import re
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,6 +17,7 @@ from controlplane.db.models import Role
 from tests.conftest import TEST_SECRET, Database, make_tenant
 from tests.e2e.dashboard_seed import SeededHistory, seed_loop_history
 
+ROOT = Path(__file__).resolve().parents[2]
 RECORD = {
     "request_id": "fresh-1",
     "drafted_tokens": 8,
@@ -133,3 +137,13 @@ def test_metrics_need_a_reading_key_and_show_only_its_account(
     assert accounts == {"globex"}
     _, samples = families["specctl_acceptance_records"]
     assert samples == []
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exposed(
+    client: TestClient, seeded: SeededHistory
+) -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "specctl.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    queried = {name for expr in exprs for name in re.findall(r"specctl_[a-z0-9_]+", expr)}
+    exposed = {s.name for _, samples in _scrape(client, seeded.viewer_key).values() for s in samples}
+    assert queried and queried <= exposed, queried - exposed

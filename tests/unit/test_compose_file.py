@@ -3,6 +3,7 @@ it names exists in this package."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -52,3 +53,63 @@ def test_every_controlplane_command_in_compose_exists() -> None:
                 used.append(rest[0] if rest[0] in known else " ".join(rest[:2]))
     assert used, "compose names no controlplane command"
     assert set(used) <= known, set(used) - known
+
+
+DEPLOY = COMPOSE.parent / "deploy"
+
+
+def test_observability_services_are_provisioned_from_deploy_with_healthchecks() -> None:
+    spec = yaml.safe_load(COMPOSE.read_text())
+    services = spec["services"]
+    for name in ("flower", "prometheus", "grafana"):
+        assert "healthcheck" in services[name], name
+        assert services[name].get("depends_on"), name
+    assert services["flower"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert services["prometheus"]["depends_on"]["api"]["condition"] == "service_healthy"
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    text = COMPOSE.read_text()
+    for secret in ("FLOWER_BASIC_AUTH", "GRAFANA_ADMIN_PASSWORD", "PROMETHEUS_API_KEY_FILE"):
+        assert "${" + secret + ":?" in text, secret
+    # Every file compose mounts from the repository exists.
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (COMPOSE.parent / source).exists(), source
+    assert services["prometheus"]["secrets"] == ["prometheus_api_key"]
+    assert "prometheus_api_key" in spec["secrets"]
+
+
+def test_prometheus_scrapes_the_api_with_a_key_and_grafana_reads_prometheus() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "specctl"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["api:8600"]
+    assert job["authorization"]["credentials_file"] == "/run/secrets/prometheus_api_key"
+    datasources = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )
+    (source,) = datasources["datasources"]
+    assert source["url"] == "http://prometheus:9090" and source["uid"] == "specctl-prometheus"
+    providers = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "specctl.yml").read_text()
+    )
+    assert providers["providers"][0]["options"]["path"] == "/etc/grafana/dashboards"
+
+
+def test_grafana_dashboard_covers_hit_rate_accepted_length_drift_and_jobs() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "specctl.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    for metric in (
+        "specctl_accepted_tokens_total",
+        "specctl_drafted_tokens_total",
+        "specctl_accepted_length_tokens",
+        "specctl_drift_statistic",
+        "specctl_jobs",
+        "specctl_job_duration_seconds_bucket",
+    ):
+        assert metric in exprs, metric
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "specctl-prometheus", panel["title"]
