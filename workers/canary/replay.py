@@ -1,0 +1,540 @@
+"""Shadow replay: the same held-out prompts through every arm of a canary, paired per prompt.
+
+Owns :func:`shadow_replay` (and its :class:`ReplayResult`), the measurement the canary's first
+phase decides on, and :func:`measure_costs`, the step costs the draft-length tuner needs. Pure
+torch on top of ``workers.engine``: no database, no Celery (``workers.canary_tasks`` is the thin
+task around it).
+
+- Arms are named ("baseline", "incumbent", "candidate"); ``None`` is no speculation, a
+  ``Transformer`` is a draft model, any engine ``Proposer`` (n-gram, ...) is accepted too.
+- Arms are interleaved per prompt, in an order rotated from prompt to prompt (every arm runs
+  first, second, ... equally often), so the drift of a shared, noisy machine lands on every arm
+  alike; one untimed warm-up request per arm comes first.
+- Lossless check: with greedy decoding every arm must emit exactly the tokens of plain greedy
+  decoding with the target. The reference is computed by a separate minimal KV-cache loop that
+  shares no code with the decoder's scorer/verifier (``reference="independent"``), so a broken
+  verifier is caught even in the no-speculation arm. A difference whose two tokens are tied in the
+  target's logits to float rounding (a 1-token and a (k+1)-token forward round differently) is a
+  recorded ``tie``, not a failure; any other difference marks the arm ``broken`` with the prompt.
+- Figures per arm: hit rate (accepted / drafted), per-position acceptance (Fireworks-style
+  accepted_i / drafted_i, and the conditional rate the tuner uses), mean accepted length per
+  verify step (1 + accepted / steps), tokens/s, TTFT, and inter-token latency p50/p95, where a
+  request's inter-token latency is (last token time - first token time) / (tokens - 1), the
+  AIPerf / genai-perf definition, and the percentiles are taken over requests. Per prompt, the
+  paired figures the sequential canary statistics consume: ``tokens_per_step`` and
+  ``ms_per_token`` (request latency / output tokens).
+- Costs: ``c`` = drafter step / target step (1 token each, at the prompts' context length) and
+  ``verify_cost[k]`` = target forward over k + 1 tokens / over 1 token, medians of interleaved
+  timings; the same ratios measured in situ during the replay are reported beside them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from workers.engine.decoder import GenerationResult, SpeculativeDecoder
+from workers.engine.metrics import RequestMetrics
+from workers.engine.model import Transformer
+from workers.engine.proposers import DraftModelProposer, Proposer
+from workers.engine.tokenizer import Tokenizer
+
+ArmSpec = Transformer | Proposer | None
+# (arm name, proposer or None, k) -> the decoder that arm runs; tests swap it to tamper with an arm.
+DecoderFactory = Callable[[str, Proposer | None, int], SpeculativeDecoder]
+ProgressFn = Callable[[float, str], bool]
+ARM_ORDER = ("baseline", "incumbent", "candidate")
+
+
+class ReplayCancelledError(RuntimeError):
+    """The progress callback asked the replay to stop."""
+
+
+@dataclass
+class ArmReport:
+    name: str
+    speculative: bool
+    prompts: int
+    generated_tokens: int
+    drafted_tokens: int
+    accepted_tokens: int
+    verify_steps: int
+    accepted_per_position: list[int]
+    drafted_per_position: list[int]
+    hit_rate: float | None  # accepted / drafted; None without speculation
+    per_position_acceptance: list[float]  # accepted_i / drafted_i (Fireworks speculation-acceptance)
+    conditional_acceptance: list[float]  # P(position i accepted | positions < i accepted)
+    mean_accepted_length: float  # tokens per verify step: 1 + accepted / steps
+    tokens_per_s: float  # output tokens / request time, summed over prompts (TTFT included)
+    decode_tokens_per_s: float  # tokens after the first / time after the first token
+    ttft_ms_p50: float | None
+    inter_token_ms_p50: float | None
+    inter_token_ms_p95: float | None
+    ms_per_token_p50: float | None
+    propose_ms_per_step: float
+    score_ms_per_step: float
+    overhead_ms_per_step: float  # the engine's own bookkeeping per verify step
+    broken: str | None = None  # why the arm's output is not lossless; None when it is
+    mismatched_prompts: list[int] = field(default_factory=list)
+    ties: list[int] = field(default_factory=list)  # prompts that diverged on a float-rounding tie
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _round(v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class CostProfile:
+    """What the draft-length tuner needs: ``cost_ratio`` (c) and ``verify_cost`` by k."""
+
+    cost_ratio: float | None
+    verify_cost: dict[int, float]  # k -> time of a (k+1)-token target forward / a 1-token one
+    target_step_ms: float
+    drafter_step_ms: dict[str, float]
+    cost_ratio_by_arm: dict[str, float]
+    context_tokens: int
+    repeats: int
+    # Measured during the replay itself (target and drafter evicting each other's weights from the
+    # CPU caches, Python bookkeeping included): per arm, drafter ms per drafted token over the
+    # baseline's ms per target step, and the arm's verify step over the baseline's.
+    in_situ: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: _round(v) for k, v in asdict(self).items()}
+        out["verify_cost"] = {str(k): _round(v) for k, v in self.verify_cost.items()}
+        return out
+
+
+@dataclass
+class ReplayResult:
+    k: int
+    max_new_tokens: int
+    prompts: int
+    repeats: int
+    reference: str
+    arms: dict[str, ArmReport]
+    # arm -> figure -> one value per prompt, in prompt order (paired across arms by index).
+    per_prompt: dict[str, dict[str, list[float | None]]]
+    order: list[list[str]]  # the arm order used for each prompt
+    costs: CostProfile | None
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict, repr=False)
+
+    @property
+    def broken_arms(self) -> list[str]:
+        return [name for name, arm in self.arms.items() if arm.broken]
+
+    def speedup(self, arm: str, over: str) -> float:
+        """Aggregate tokens/s of ``arm`` over ``over`` (same prompts, same output tokens)."""
+        return self.arms[arm].tokens_per_s / self.arms[over].tokens_per_s
+
+    def paired_speedup(self, arm: str, over: str) -> float:
+        """Median over prompts of over's latency per token / arm's: robust to drift between prompts."""
+        pairs = zip(self.per_prompt[over]["ms_per_token"], self.per_prompt[arm]["ms_per_token"], strict=True)
+        ratios = [a / b for a, b in pairs if a is not None and b]
+        return statistics.median(ratios) if ratios else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "k": self.k,
+            "max_new_tokens": self.max_new_tokens,
+            "prompts": self.prompts,
+            "repeats": self.repeats,
+            "reference": self.reference,
+            "broken_arms": self.broken_arms,
+            "arms": {name: arm.to_dict() for name, arm in self.arms.items()},
+            "per_prompt": {
+                name: {fig: [_round(v) for v in values] for fig, values in figures.items()}
+                for name, figures in self.per_prompt.items()
+            },
+            "order": self.order,
+            "costs": self.costs.to_dict() if self.costs is not None else None,
+        }
+
+
+def _round(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 5)
+    if isinstance(v, list):
+        return [_round(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _round(x) for k, x in v.items()}
+    return v
+
+
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated quantile (numpy's default), None for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# ---------------------------------------------------------------------------------------- reference
+
+
+@torch.inference_mode()
+def greedy_tokens(
+    target: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None
+) -> list[int]:
+    """Plain greedy decoding in a minimal KV-cache loop (no scorer, verifier or proposer code)."""
+    cache = target.new_cache(1, len(prompt) + max_new_tokens)
+    logits = target.forward_cached(torch.tensor([list(prompt)]), cache, last_only=True)[0, -1]  # [V]
+    out: list[int] = []
+    for i in range(max_new_tokens):
+        tok = int(logits.argmax())
+        if tok == eos_id:
+            break
+        out.append(tok)
+        if i + 1 < max_new_tokens:
+            logits = target.forward_cached(torch.tensor([[tok]]), cache)[0, -1]  # [V]
+    return out
+
+
+@torch.inference_mode()
+def _is_tie(
+    target: Transformer,
+    prompt: Sequence[int],
+    reference: Sequence[int],
+    j: int,
+    got: int | None,
+    eos_id: int | None,
+    tol: float,
+) -> bool:
+    """Whether the reference token and the arm's at output index j are both argmax to rounding."""
+    want = reference[j] if j < len(reference) else eos_id
+    if want is None or got is None:
+        return False
+    logits = target(torch.tensor([list(prompt) + list(reference[:j])]))[0, -1].float()  # [V]
+    top = float(logits.max())
+    return top - min(float(logits[want]), float(logits[got])) <= tol * (1.0 + abs(top))
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for j, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return j
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# -------------------------------------------------------------------------------------------- costs
+
+
+@torch.inference_mode()
+def measure_costs(
+    target: Transformer,
+    drafters: Mapping[str, Transformer],
+    context: Sequence[int],
+    max_k: int = 8,
+    repeats: int = 15,
+) -> CostProfile:
+    """Median step times at the context's length: the target over 1..max_k+1 tokens, each drafter
+    over 1 token; timings interleaved round by round so load changes hit every figure alike."""
+    ctx = list(context) or [0]
+    length = len(ctx)
+    probe = (ctx * (max_k + 2))[: max_k + 1]  # real token ids to feed after the context
+
+    def prefilled(model: Transformer) -> Any:
+        cache = model.new_cache(1, length + max_k + 1)
+        model.forward_cached(torch.tensor([ctx]), cache)
+        return cache
+
+    caches = {"target": prefilled(target), **{name: prefilled(m) for name, m in drafters.items()}}
+    models: dict[str, Transformer] = {"target": target, **drafters}
+    times: dict[tuple[str, int], list[float]] = {}
+    jobs = [("target", t) for t in range(1, max_k + 2)] + [(name, 1) for name in drafters]
+    clock = time.perf_counter
+    for rep in range(repeats + 1):  # the first round warms up and is not kept
+        for name, t in jobs:
+            cache, model = caches[name], models[name]
+            cache.rollback(length)
+            tokens = torch.tensor([probe[:t]])
+            t0 = clock()
+            model.forward_cached(tokens, cache)
+            dt = clock() - t0
+            if rep:
+                times.setdefault((name, t), []).append(dt * 1000.0)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    one = med[("target", 1)]
+    drafter_ms = {name: med[(name, 1)] for name in drafters}
+    by_arm = {name: ms / one for name, ms in drafter_ms.items()}
+    headline = by_arm.get("candidate", next(iter(by_arm.values()), None))
+    return CostProfile(
+        cost_ratio=headline,
+        verify_cost={t - 1: med[("target", t)] / one for t in range(2, max_k + 2)},
+        target_step_ms=one,
+        drafter_step_ms=drafter_ms,
+        cost_ratio_by_arm=by_arm,
+        context_tokens=length,
+        repeats=repeats,
+    )
+
+
+# ------------------------------------------------------------------------------------------- replay
+
+
+def _default_decoder(target: Transformer, tokenizer: Tokenizer) -> DecoderFactory:
+    def make(name: str, proposer: Proposer | None, k: int) -> SpeculativeDecoder:
+        return SpeculativeDecoder(target, tokenizer, proposer, k=k)
+
+    return make
+
+
+def _proposer(name: str, spec: ArmSpec) -> Proposer | None:
+    if spec is None:
+        return None
+    if isinstance(spec, Transformer):
+        return DraftModelProposer(spec.eval(), name=name)
+    if isinstance(spec, Proposer):
+        return spec
+    raise TypeError(f"arm {name!r}: expected a Transformer, a Proposer or None, got {type(spec).__name__}")
+
+
+def _arm_order(names: Sequence[str], i: int) -> list[str]:
+    s = i % len(names)
+    return list(names[s:]) + list(names[:s])
+
+
+def shadow_replay(
+    target: Transformer,
+    tokenizer: Tokenizer,
+    arms: Mapping[str, ArmSpec],
+    prompts: Sequence[Sequence[int]],
+    k: int,
+    max_new_tokens: int,
+    *,
+    repeats: int = 1,
+    warmup: bool = True,
+    stop_at_eos: bool = True,
+    temperature: float = 0.0,
+    seed: int = 0,
+    reference: str = "independent",
+    tie_tol: float | None = None,
+    measure_cost: bool = True,
+    cost_max_k: int = 8,
+    cost_repeats: int = 15,
+    decoder_factory: DecoderFactory | None = None,
+    progress: ProgressFn | None = None,
+) -> ReplayResult:
+    """Replay ``prompts`` (token ids) through every arm, interleaved per prompt; see the module doc.
+
+    ``repeats`` runs each (prompt, arm) that many times and keeps the median timings (the tokens are
+    the same every time). ``reference``: "independent" (a separate plain greedy loop, the default),
+    "baseline" (the no-speculation arm's own output) or "none" (no lossless check). The lossless
+    check applies to greedy decoding only (``temperature == 0``). ``tie_tol``: the relative logit
+    gap under which a divergence is a rounding tie (default 1e-4 in float32, 2e-2 otherwise).
+    Raises ReplayCancelledError when ``progress`` returns False.
+    """
+    if not arms:
+        raise ValueError("no arms to replay")
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if reference not in ("independent", "baseline", "none"):
+        raise ValueError(f"reference must be 'independent', 'baseline' or 'none', got {reference!r}")
+    names = sorted(arms, key=lambda n: (ARM_ORDER.index(n) if n in ARM_ORDER else len(ARM_ORDER), n))
+    if reference == "baseline" and not any(arms[n] is None for n in names):
+        raise ValueError("reference='baseline' needs an arm without speculation (None)")
+    greedy = temperature == 0.0
+    check = greedy and reference != "none"
+    tol = tie_tol if tie_tol is not None else (1e-4 if target.dtype == torch.float32 else 2e-2)
+    eos = tokenizer.eos_id if stop_at_eos else None
+    make = decoder_factory or _default_decoder(target, tokenizer)
+    decoders = {name: make(name, _proposer(name, arms[name]), k) for name in names}
+    report = progress or (lambda _f, _m: True)
+    target.eval()
+
+    drafters = {n: s for n, s in arms.items() if isinstance(s, Transformer)}
+    costs = None
+    if measure_cost:
+        ctx_len = int(statistics.median(len(p) for p in prompts))
+        context = next((p for p in prompts if len(p) >= ctx_len), prompts[0])[-ctx_len:]
+        costs = measure_costs(target, drafters, context, max_k=cost_max_k, repeats=cost_repeats)
+
+    def run(name: str, prompt: Sequence[int], i: int, n_new: int) -> GenerationResult:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + i) if not greedy else None
+        return decoders[name].generate(
+            list(prompt), n_new, temperature=temperature, generator=gen, stop_at_eos=stop_at_eos
+        )
+
+    if warmup:
+        for name in names:
+            run(name, prompts[0], -1, min(8, max_new_tokens))
+
+    results: dict[str, list[list[GenerationResult]]] = {n: [] for n in names}
+    order: list[list[str]] = []
+    for i, prompt in enumerate(prompts):
+        arm_order = _arm_order(names, i)
+        order.append(arm_order)
+        per_arm: dict[str, list[GenerationResult]] = {n: [] for n in names}
+        for r in range(repeats):
+            for name in _arm_order(arm_order, r):
+                per_arm[name].append(run(name, prompt, i, max_new_tokens))
+        for name in names:
+            results[name].append(per_arm[name])
+        if not report((i + 1) / len(prompts), f"replayed prompt {i + 1}/{len(prompts)}"):
+            raise ReplayCancelledError(f"stopped after {i + 1} of {len(prompts)} prompts")
+
+    outputs = {name: [runs[0].token_ids for runs in results[name]] for name in names}
+    refs: list[list[int]] | None = None
+    if check and reference == "independent":
+        refs = [greedy_tokens(target, p, max_new_tokens, eos) for p in prompts]
+    elif check:
+        refs = outputs[next(n for n in names if arms[n] is None)]
+
+    reports: dict[str, ArmReport] = {}
+    per_prompt: dict[str, dict[str, list[float | None]]] = {}
+    for name in names:
+        mismatched: list[int] = []
+        ties: list[int] = []
+        first_problem: str | None = None
+        for i, runs in enumerate(results[name]):
+            if refs is None:
+                break
+            variants = {tuple(r.token_ids) for r in runs}
+            for out in variants:
+                j = _first_difference(refs[i], out)
+                if j is None:
+                    continue
+                got = out[j] if j < len(out) else eos
+                if _is_tie(target, prompts[i], refs[i], j, got, eos, tol):
+                    ties.append(i)
+                    continue
+                mismatched.append(i)
+                if first_problem is None:
+                    want = refs[i][j] if j < len(refs[i]) else "end"
+                    first_problem = (
+                        f"prompt {i}: output differs from plain greedy decoding at token {j} "
+                        f"(expected {want}, got {got if got is not None else 'end'})"
+                    )
+        if greedy and any(len({tuple(r.token_ids) for r in runs}) > 1 for runs in results[name]):
+            first_problem = first_problem or "repeats of one prompt gave different greedy outputs"
+        if mismatched:
+            first_problem = f"{len(set(mismatched))} of {len(prompts)} prompts differ; first: {first_problem}"
+        reports[name], per_prompt[name] = _summarise(name, arms[name] is not None, results[name], k)
+        reports[name].broken = first_problem
+        reports[name].mismatched_prompts = sorted(set(mismatched))
+        reports[name].ties = sorted(set(ties))
+
+    if costs is not None:
+        _in_situ(costs, reports, arms)
+    return ReplayResult(
+        k=k,
+        max_new_tokens=max_new_tokens,
+        prompts=len(prompts),
+        repeats=repeats,
+        reference=reference if check else "none",
+        arms=reports,
+        per_prompt=per_prompt,
+        order=order,
+        costs=costs,
+        outputs=outputs,
+    )
+
+
+def _median_of(runs: Sequence[GenerationResult], attr: str) -> float | None:
+    values = [getattr(r.metrics, attr) for r in runs]
+    kept = [float(v) for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def _summarise(
+    name: str, speculative: bool, results: Sequence[Sequence[GenerationResult]], k: int
+) -> tuple[ArmReport, dict[str, list[float | None]]]:
+    width = k if speculative else 0
+    acc_pos = [0] * width
+    drf_pos = [0] * width
+    drafted = accepted = steps = generated = 0
+    propose_ms = score_ms = overhead_ms = 0.0
+    total_ms = decode_ms = 0.0
+    decode_tokens = 0
+    figures: dict[str, list[float | None]] = {
+        "tokens_per_step": [],
+        "ms_per_token": [],
+        "ttft_ms": [],
+        "inter_token_ms": [],
+        "tokens_per_s": [],
+        "generated_tokens": [],
+        "hit_rate": [],
+    }
+    for runs in results:
+        m: RequestMetrics = runs[0].metrics  # counts are the same in every repeat
+        drafted += m.drafted_tokens
+        accepted += m.accepted_tokens
+        steps += m.verify_steps
+        generated += m.generated_tokens
+        for i in range(min(width, len(m.accepted_per_position))):
+            acc_pos[i] += m.accepted_per_position[i]
+            drf_pos[i] += m.drafted_per_position[i]
+        total = _median_of(runs, "total_ms") or 0.0
+        ttft = _median_of(runs, "ttft_ms")
+        itl = _median_of(runs, "inter_token_ms")
+        propose_ms += _median_of(runs, "propose_ms") or 0.0
+        score_ms += _median_of(runs, "score_ms") or 0.0
+        overhead_ms += statistics.median(r.metrics.overhead_ms or 0.0 for r in runs)
+        total_ms += total
+        if ttft is not None and m.generated_tokens > 1:
+            decode_ms += total - ttft
+            decode_tokens += m.generated_tokens - 1
+        tps = m.mean_accepted_length if m.verify_steps else 1.0
+        figures["tokens_per_step"].append(tps)
+        figures["ms_per_token"].append(total / m.generated_tokens if m.generated_tokens else None)
+        figures["ttft_ms"].append(ttft)
+        figures["inter_token_ms"].append(itl)
+        figures["tokens_per_s"].append(1000.0 * m.generated_tokens / total if total else None)
+        figures["generated_tokens"].append(float(m.generated_tokens))
+        figures["hit_rate"].append(m.hit_rate)
+    conditional = []
+    trials = steps
+    for a in acc_pos:
+        conditional.append(a / trials if trials else 0.0)
+        trials = a
+    itls = [v for v in figures["inter_token_ms"] if v is not None]
+    ttfts = [v for v in figures["ttft_ms"] if v is not None]
+    per_tok = [v for v in figures["ms_per_token"] if v is not None]
+    report = ArmReport(
+        name=name,
+        speculative=speculative,
+        prompts=len(results),
+        generated_tokens=generated,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        verify_steps=steps,
+        accepted_per_position=acc_pos,
+        drafted_per_position=drf_pos,
+        hit_rate=accepted / drafted if drafted else None,
+        per_position_acceptance=[a / d if d else 0.0 for a, d in zip(acc_pos, drf_pos, strict=True)],
+        conditional_acceptance=conditional,
+        mean_accepted_length=1.0 + accepted / steps if steps else 1.0,
+        tokens_per_s=1000.0 * generated / total_ms if total_ms else 0.0,
+        decode_tokens_per_s=1000.0 * decode_tokens / decode_ms if decode_ms else 0.0,
+        ttft_ms_p50=_quantile(ttfts, 0.5),
+        inter_token_ms_p50=_quantile(itls, 0.5),
+        inter_token_ms_p95=_quantile(itls, 0.95),
+        ms_per_token_p50=_quantile(per_tok, 0.5),
+        propose_ms_per_step=propose_ms / steps if steps else 0.0,
+        score_ms_per_step=score_ms / steps if steps else 0.0,
+        overhead_ms_per_step=overhead_ms / steps if steps else 0.0,
+    )
+    return report, figures
+
+
+def _in_situ(costs: CostProfile, reports: Mapping[str, ArmReport], arms: Mapping[str, ArmSpec]) -> None:
+    base = next((reports[n] for n in reports if arms[n] is None), None)
+    if base is None or base.score_ms_per_step <= 0:
+        return
+    step = base.score_ms_per_step
+    for name, rep in reports.items():
+        if arms[name] is None or not rep.drafted_tokens:
+            continue
+        propose_per_token = rep.propose_ms_per_step * rep.verify_steps / rep.drafted_tokens
+        costs.in_situ[name] = {
+            "cost_ratio": propose_per_token / step,
+            "verify_cost_at_k": rep.score_ms_per_step / step,
+            "target_step_ms": step,
+        }
