@@ -297,15 +297,17 @@
     async function refresh() {
       const query = new URLSearchParams({ range: rangeName });
       if (end) query.set("end", end);
-      const [view, drift, jobs] = await Promise.all([
-        api(accountPath(`/dashboard/deployments/${encodeURIComponent(name)}?${query}`)),
+      // The page's own data first, alone, so that the chart does not wait behind the detector's
+      // status (which rebuilds the detector on the server); the rest follows in parallel.
+      const view = await api(accountPath(`/dashboard/deployments/${encodeURIComponent(name)}?${query}`));
+      renderCards(cards, view);
+      renderHitRate(view);
+      renderLatency(view);
+      const [drift, jobs] = await Promise.all([
         api(deploymentPath(name, "/drift-status")).catch(() => null),
         api(deploymentPath(name, "/jobs?limit=10")).catch(() => ({ jobs: [] })),
       ]);
-      renderCards(cards, view);
-      renderHitRate(view);
       renderPositions(view, drift);
-      renderLatency(view);
       renderDetector(drift);
       renderJobs(jobsBox, jobs.jobs, { showDeployment: false });
     }
