@@ -222,13 +222,21 @@ def anytime_p_value(z: npt.ArrayLike, n_eff: npt.ArrayLike, *, tuning_n: float, 
 
 
 def critical_z(
-    n_eff: npt.ArrayLike, level: npt.ArrayLike, *, tuning_n: float, alpha: float, iterations: int = 60
+    n_eff: npt.ArrayLike, level: npt.ArrayLike, *, tuning_n: float, alpha: float, iterations: int = 40
 ) -> FloatArray:
     """Smallest ``z`` whose anytime p-value is ``level`` (the confidence-sequence radius in SEs).
 
     Bisection on ``a`` (log M is increasing in it); infinite where no ``z`` reaches the level
     (no information yet).
     """
+    if np.ndim(n_eff) == 0 and np.ndim(level) == 0:
+        scalar: FloatArray = np.asarray(
+            _critical_z_scalar(
+                float(np.asarray(n_eff)), float(np.asarray(level)), tuning_n, alpha, iterations
+            ),
+            dtype=np.float64,
+        )
+        return scalar
     r = information_ratio(n_eff, tuning_n=tuning_n, alpha=alpha)
     target = -np.log(np.asarray(level, dtype=np.float64))
     base = math.log(2.0) - 0.5 * np.log1p(r)
@@ -243,6 +251,23 @@ def critical_z(
     with np.errstate(divide="ignore"):
         result: FloatArray = np.where(scale > 0, high / np.where(scale > 0, scale, 1.0), np.inf)
     return result
+
+
+def _critical_z_scalar(n_eff: float, level: float, tuning_n: float, alpha: float, iterations: int) -> float:
+    """:func:`critical_z` for one value in plain floats: a service's ``decide`` asks for a few dozen
+    bounds, where numpy's per-call overhead on 0-d arrays would dominate."""
+    r = max(n_eff, 0.0) * mixing_scale(alpha) / tuning_n
+    if r <= 0:
+        return math.inf
+    target = -math.log(level) - math.log(2.0) + 0.5 * math.log1p(r)
+    low, high = 0.0, 60.0
+    for _ in range(iterations):
+        mid = 0.5 * (low + high)
+        if 0.5 * mid * mid + math.log(1.0 - 0.5 * math.erfc(mid / math.sqrt(2.0))) >= target:
+            high = mid
+        else:
+            low = mid
+    return high / math.sqrt(r / (1.0 + r))
 
 
 # ------------------------------------------------------------------------------- comparisons
