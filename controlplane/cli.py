@@ -375,5 +375,14 @@ def models_build(ctx: typer.Context) -> None:
     raise typer.Exit(subprocess.call(command))
 
 
+def _register_resource_verbs() -> None:
+    from controlplane.cli_canary import register
+
+    register(app)
+
+
+_register_resource_verbs()
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app(sys.argv[1:])
