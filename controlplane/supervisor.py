@@ -266,7 +266,7 @@ class UpOptions:
     account: str | None = None  # default: the first account
     worker_concurrency: int = 2
     trace_sample_rate: float = 0.1  # when the serving config does not say
-    serve_threads: int | None = None
+    serve_threads: int | None = None  # torch threads of the reference server; None: half the cores
     grace_s: float = 10.0
     ready_timeout_s: float = READY_TIMEOUT_S
 
@@ -357,8 +357,10 @@ def child_specs(settings: Settings, options: UpOptions, *, account: str, key_fil
         "--port",
         str(options.serve_port),
     ]
-    if options.serve_threads:
-        serve_argv += ["--threads", str(options.serve_threads)]
+    # Half the cores by default: the worker trains on the rest, and torch threads that outnumber
+    # free cores spin-wait each other into order-of-magnitude slowdowns.
+    threads = options.serve_threads or max(1, (os.cpu_count() or 2) // 2)
+    serve_argv += ["--threads", str(threads)]
     return [
         ChildSpec(
             "api",
@@ -434,7 +436,7 @@ def run_up(settings: Settings, options: UpOptions, echo: Echo = print) -> int:
         echo(f"  dashboard         {api}/dashboard")
         echo(
             f"  try: create a deployment (controlplane deployment create target --deployment-id demo "
-            f"--draft-model generic-drafter), then\n"
+            f"--draft-model generic-drafter --draft-token-count 4), then\n"
             f"       python -m workers.serve.traffic --scenario scenarios/demo.toml "
             f"--url {local_url(options.serve_host, options.serve_port)}"
         )
