@@ -355,7 +355,8 @@ def _drafter_moves(
     words = PROMOTION_ACTION_WORDS + ROLLBACK_ACTION_WORDS
     query = select(AuditEntry).where(
         AuditEntry.account_id == account_id,
-        AuditEntry.resource.startswith(prefix, autoescape=True),
+        # The deployment itself or a path below it ("chat" must not match "chat-2").
+        or_(AuditEntry.resource == prefix, AuditEntry.resource.startswith(prefix + "/", autoescape=True)),
         or_(*(func.lower(AuditEntry.action).contains(word, autoescape=True) for word in words)),
     )
     if start is not None:

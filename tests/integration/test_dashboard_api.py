@@ -8,9 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
+from controlplane.audit.service import record_change
 from controlplane.dashboard.routes import CONTENT_SECURITY_POLICY
 from controlplane.dashboard.service import RANGES, speedup_estimate
+from controlplane.db.models import Account
 from tests.conftest import TEST_SECRET, Database
 from tests.e2e.dashboard_seed import CANARY_START, SHIFT_AT, SeededHistory, seed_loop_history
 
@@ -92,7 +95,23 @@ def test_every_range_answers_and_a_past_end_shows_nothing(client: TestClient, se
     assert bad.status_code == 422
 
 
-def test_overview_canaries_promotions_and_jobs(client: TestClient, seeded: SeededHistory) -> None:
+def test_overview_canaries_promotions_and_jobs(
+    client: TestClient, seeded: SeededHistory, db: Database
+) -> None:
+    # A promotion of a deployment whose name merely starts with "chat" is not chat's.
+    session = db.new_session()
+    record_change(
+        session=session,
+        account_id=session.scalars(select(Account.id).where(Account.name == seeded.account)).one(),
+        actor="system",
+        action="drafter.promote",
+        resource=f"accounts/{seeded.account}/deployments/{seeded.deployment}-2/drafters/1",
+        before=None,
+        after=None,
+    )
+    session.commit()
+    session.close()
+
     overview = _get(client, seeded, "/overview")
     rows = {row["deployment_id"]: row for row in overview["deployments"]}
     chat, docs = rows[seeded.deployment], rows[seeded.idle_deployment]

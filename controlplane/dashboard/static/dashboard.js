@@ -309,7 +309,7 @@
       ]);
       renderPositions(view, drift);
       renderDetector(drift);
-      renderJobs(jobsBox, jobs.jobs, { showDeployment: false });
+      renderJobs(jobsBox, jobs.jobs.map((job) => ({ ...job, deployment: name })), { showDeployment: false });
     }
     poll(refresh);
   }
