@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     realign_resend_after_s: float = Field(default=120.0, gt=0)
     # Training time budget of a job whose params do not set one (None: the worker's default).
     realign_time_budget_s: float | None = Field(default=None, ge=1, le=24 * 3600)
+    # A drift-triggered realignment waits for this much post-drift traffic (traces), at most
+    # realign_max_wait_s, before it trains: minutes after an alarm there is little to learn from.
+    realign_min_traces: int = Field(default=200, ge=1)
+    realign_max_wait_s: float = Field(default=600.0, ge=0)
 
     @model_validator(mode="after")
     def _refuse_unsafe_defaults(self) -> Settings:

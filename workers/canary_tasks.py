@@ -124,6 +124,8 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
 
     try:
         result = _replay(plan, progress)
+    except _Cancelled:
+        return {"job_id": job_id, "stopped": "cancelled"}
     except Exception as exc:  # bad artifacts or data do not get better on retry
         log.exception("shadow replay of job %s failed", job_id)
         with unit_of_work(url) as session:
@@ -141,9 +143,15 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
     return {"job_id": job_id, "canary_id": plan["canary_id"], "phase": phase}
 
 
+class _Cancelled(Exception):
+    """The canary job was cancelled during the replay."""
+
+
 def _replay(plan: dict[str, Any], progress: Any) -> dict[str, Any]:
+    # torch is imported here, not at module import: beat loads this module too.
     import torch
 
+    from workers.canary.replay import ReplayCancelledError
     from workers.canary.replay import shadow_replay as replay
     from workers.engine.hf_io import load_hf_folder
 
@@ -166,6 +174,19 @@ def _replay(plan: dict[str, Any], progress: Any) -> dict[str, Any]:
     prompts = [p for p in prompts if p]
     random.Random(0).shuffle(prompts)
     progress(0.05, f"replaying {len(prompts)} held-out prompts through {len(arms)} arms")
-    result = replay(target, tokenizer, arms, prompts, k=plan["k"], max_new_tokens=plan["new_tokens"])
+    try:
+        result = replay(
+            target,
+            tokenizer,
+            arms,
+            prompts,
+            k=plan["k"],
+            max_new_tokens=plan["new_tokens"],
+            progress=lambda fraction, message: progress(0.05 + 0.9 * fraction, message),
+        )
+    except ReplayCancelledError as exc:
+        raise _Cancelled(str(exc)) from exc
     progress(0.95, "replay done")
-    return result.to_dict() if hasattr(result, "to_dict") else dict(result)
+    out = result.to_dict()
+    out.pop("order", None)  # bulky and of no use once judged
+    return out

@@ -34,10 +34,15 @@ DRIFT_MONITOR_INTERVAL_S = 5.0
 JOB_SWEEP_INTERVAL_S = 30.0
 
 
-def transport_options(visibility_timeout_s: int) -> dict[str, Any]:
+def transport_options(broker_url: str, visibility_timeout_s: int) -> dict[str, Any]:
     """Redis transport options. A worker looks for messages left unacknowledged by a dead worker
     every ``unacked_restore_interval`` s times ``unacked_restore_throttle`` (100 s by default),
-    which only matters when the visibility timeout itself is that short (tests)."""
+    which only matters when the visibility timeout itself is that short (tests).
+
+    Other transports get none: kombu's SQLAlchemy transport (the embedded default) hands its
+    options to ``create_engine``, which refuses a visibility timeout."""
+    if not broker_url.startswith(("redis://", "rediss://", "redis+socket://")):
+        return {}
     options: dict[str, Any] = {"visibility_timeout": visibility_timeout_s}
     if visibility_timeout_s < 600:
         options |= {
@@ -65,7 +70,7 @@ def make_celery() -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options=transport_options(settings.celery_visibility_timeout_s),
+        broker_transport_options=transport_options(settings.broker_url, settings.celery_visibility_timeout_s),
         broker_connection_retry_on_startup=True,
         task_serializer="json",
         result_serializer="json",

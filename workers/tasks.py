@@ -6,6 +6,7 @@ No statistics or training logic lives here (see controlplane.drift and workers.t
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.config import get_settings
 from controlplane.db.models import (
+    AcceptanceRecordRow,
     Deployment,
     DrafterState,
     DrafterVersion,
@@ -30,6 +32,7 @@ from controlplane.db.session import unit_of_work
 from controlplane.deployments.service import active_drafter
 from controlplane.drift.service import advance_monitor, deployments_with_new_records
 from controlplane.errors import ConflictError
+from controlplane.ingest.record import ARM_LIVE
 from controlplane.jobs.handoff import TaskMessage, on_realign_succeeded
 from controlplane.jobs.service import (
     claim_stale_queued_realigns,
@@ -155,6 +158,10 @@ DRIFT_LOOKBACK = timedelta(minutes=15)
 MAX_RECENT_TRACES = 4000
 MAX_REPLAY_TRACES = 2000
 DEFAULT_TIME_BUDGET_S = 240.0
+# The change-point estimate is itself noisy: start the post-drift window a little earlier.
+DRIFT_POINT_MARGIN = 1.5
+DRIFT_POINT_EXTRA_RECORDS = 10
+TRACE_POLL_S = 2.0
 
 
 def _model_folder(name: str | None, fallback: Path) -> Path:
@@ -191,15 +198,72 @@ def _trace_texts(rows: list[Trace]) -> list[Any]:
     return [TraceText(f"trace-{t.id}", t.prompt, t.completion) for t in rows]
 
 
+def _drift_point(session: Session, event: DriftEvent) -> datetime:
+    """When the drift began: the live record the detector's change-point estimate points at (its
+    detection delay before the alarm), with a margin; else a fixed lookback before the alarm."""
+    delay = event.detection_delay_estimate
+    if event.last_record_id is not None and delay is not None and delay >= 0:
+        back = int(delay * DRIFT_POINT_MARGIN) + DRIFT_POINT_EXTRA_RECORDS
+        created = session.scalar(
+            select(AcceptanceRecordRow.created_at)
+            .where(
+                AcceptanceRecordRow.deployment_id == event.deployment_id,
+                AcceptanceRecordRow.id <= event.last_record_id,
+                AcceptanceRecordRow.arm == ARM_LIVE,
+            )
+            .order_by(AcceptanceRecordRow.id.desc())
+            .offset(back)
+            .limit(1)
+        )
+        if created is not None:
+            return created
+        # Fewer live records than the margin: all of them are post-drift as far as we can tell.
+        first = session.scalar(
+            select(func.min(AcceptanceRecordRow.created_at)).where(
+                AcceptanceRecordRow.deployment_id == event.deployment_id
+            )
+        )
+        if first is not None:
+            return first
+    return event.detected_at - DRIFT_LOOKBACK
+
+
+def _traffic_since(session: Session, job: Job) -> datetime | None:
+    """The start of the traffic a job trains on: its ``since`` parameter, else the drift point."""
+    params = dict(job.params or {})
+    if params.get("since"):
+        return datetime.fromisoformat(str(params["since"]))
+    if job.drift_event_id is not None:
+        event = session.get(DriftEvent, job.drift_event_id)
+        if event is not None:
+            return _drift_point(session, event)
+    return None
+
+
+def _wait_for_traces(url: str, job_id: int, minimum: int, max_wait_s: float, progress: Any) -> int:
+    """Right after an alarm there is little post-drift traffic to learn from: wait (reporting
+    progress, honouring a cancel) until ``minimum`` traces arrived since the drift point, or
+    ``max_wait_s`` passed; then train on what there is. Returns the count seen."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        with unit_of_work(url) as session:
+            job = session.get_one(Job, job_id)
+            since = _traffic_since(session, job)
+            query = select(func.count()).select_from(Trace).where(Trace.deployment_id == job.deployment_id)
+            if since is not None:
+                query = query.where(Trace.created_at >= since)
+            count = int(session.scalar(query) or 0)
+        if count >= minimum or time.monotonic() >= deadline:
+            return count
+        if not progress(0.0, f"collecting traffic since the drift point: {count}/{minimum} traces"):
+            raise _Stopped("cancelled while collecting traffic")
+        time.sleep(TRACE_POLL_S)
+
+
 def _realign_inputs(session: Session, job: Job) -> _RealignInputs:
     deployment = session.get_one(Deployment, job.deployment_id)
     params = dict(job.params or {})
-    since: datetime | None = None
-    if params.get("since"):
-        since = datetime.fromisoformat(str(params["since"]))
-    elif job.drift_event_id is not None:
-        event = session.get(DriftEvent, job.drift_event_id)
-        since = event.detected_at - DRIFT_LOOKBACK if event is not None else None
+    since = _traffic_since(session, job)
     recent_q = select(Trace).where(Trace.deployment_id == deployment.id)
     if since is not None:
         recent_q = recent_q.where(Trace.created_at >= since)
@@ -283,7 +347,7 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
                 # the same task id as the run it replaces, and does restart.
                 return {"job_id": job_id, "skipped": "running under another delivery"}
             start_job(session=session, job_id=job_id, celery_task_id=self.request.id)
-            inputs = _realign_inputs(session, job)
+            after_drift = job.drift_event_id is not None
     except OperationalError as exc:
         raise TransientError(str(exc)) from exc
 
@@ -291,6 +355,16 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
         self.report_progress(fraction, message)
         with unit_of_work(url) as session:
             return report_progress(session=session, job_id=job_id, fraction=fraction, message=message)
+
+    try:
+        if after_drift:
+            _wait_for_traces(url, job_id, settings.realign_min_traces, settings.realign_max_wait_s, progress)
+        with unit_of_work(url) as session:
+            inputs = _realign_inputs(session, session.get_one(Job, job_id))
+    except _Stopped as stop:
+        return {"job_id": job_id, "stopped": str(stop)}
+    except OperationalError as exc:
+        raise TransientError(str(exc)) from exc
 
     try:
         metrics, artifact = _train_and_save(inputs, job_id, settings.artifact_dir, progress)

@@ -223,6 +223,8 @@ def shadow_accumulators(result: dict[str, Any]) -> dict[str, ArmAccumulator]:
         for tokens_per_step, ms_per_token in zip(
             per_prompt.get("tokens_per_step", []), per_prompt.get("ms_per_token", []), strict=False
         ):
+            if tokens_per_step is None or ms_per_token is None:
+                continue  # a prompt the arm produced no timed tokens for
             acc.add(tokens_per_step=float(tokens_per_step), latency_ms_per_token=float(ms_per_token))
         out[arm] = acc
     return out

@@ -467,13 +467,15 @@ def _answer_drift_events(session: Session, deployment_id: int) -> None:
 
 
 def _expected_hit_rate(canary: Canary) -> float | None:
+    """The candidate's hit rate as the canary measured it: live split first, else shadow replay."""
     figures = canary.arms.get("decision_figures") or {}
+    shadow = canary.arms.get("shadow") or {}
     for source in (
-        figures.get("arms", {}).get("candidate", {}),
-        canary.arms.get("shadow", {}).get("candidate", {}),
+        (figures.get("arm_counts") or {}).get("candidate"),
+        (shadow.get("arms") or {}).get("candidate"),
     ):
         rate = source.get("hit_rate") if isinstance(source, dict) else None
-        if isinstance(rate, int | float):
+        if isinstance(rate, int | float) and 0 < rate < 1:
             return float(rate)
     return None
 

@@ -164,19 +164,23 @@ class Stack:
                 canary_policy={},
             )
             session.add(deployment)
-            session.flush()
+            session.commit()
+        self.add_traces(deployment.id, traces)
+        return deployment.id
+
+    def add_traces(self, deployment_id: int, traces: int) -> None:
+        with self.sessions() as session:
             for i in range(traces):
                 a, b = LINES[i % len(LINES)], LINES[(i * 5 + 1) % len(LINES)]
                 session.add(
                     Trace(
-                        deployment_id=deployment.id,
+                        deployment_id=deployment_id,
                         source=TraceSource.sampled,
                         prompt=f"{a}# {i}\n",
                         completion=b + LINES[(i + 2) % len(LINES)],
                     )
                 )
             session.commit()
-            return deployment.id
 
     def job(self, job_id: int) -> Job:
         with self.sessions() as session:
@@ -239,6 +243,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "CONTROLPLANE_CELERY_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S),
         # Jobs started by drift events carry no params: keep their training short.
         "CONTROLPLANE_REALIGN_TIME_BUDGET_S": "4",
+        # The traces are all there before the event: no waiting for post-drift traffic.
+        "CONTROLPLANE_REALIGN_MIN_TRACES": "1",
+        "CONTROLPLANE_REALIGN_MAX_WAIT_S": "5",
         "OMP_NUM_THREADS": "1",
     }
     sessions = get_sessionmaker(url)
@@ -260,13 +267,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def test_a_drift_event_becomes_a_job_and_the_job_a_candidate(stack: Stack) -> None:
-    deployment_id = stack.deployment("drifting")
+    deployment_id = stack.deployment("drifting", traces=0)
     with stack.sessions() as session:
         rng = random.Random(21)
         records = [request_record(i, rng, 0.8) for i in range(1500)]
         records += [request_record(5000 + i, rng, 0.5) for i in range(400)]
         store_records(session=session, deployment_id=deployment_id, records=parse_batch({"records": records}))
         session.commit()
+    # The shifted traffic's traces arrive with (after) its records: they are what the job trains on.
+    stack.add_traces(deployment_id, 160)
     # As beat would: the monitor comes back by itself until the records settle.
     stack.producer.send_task("drift.monitor_all", queue="default")
 
@@ -284,7 +293,8 @@ def test_a_drift_event_becomes_a_job_and_the_job_a_candidate(stack: Stack) -> No
     assert done.state == JobState.succeeded, (done.error, stack.worker.log_tail())
     assert done.attempts == 1 and done.result["drafter_version"] == 1
     [version] = stack.versions(job.id)
-    assert version.state == DrafterState.candidate and version.target_model == str(stack.models / "target")
+    # auto_realign: the candidate went straight to its canary (the shadow replay was queued).
+    assert version.state == DrafterState.canary and version.target_model == str(stack.models / "target")
     assert version.training_metrics["time_budget_s"] == 4.0  # the settings' budget for param-less jobs
     load_hf_folder(version.artifact_path, expected_sha256=version.artifact_sha256)
     assert verify_artifact(version.artifact_path)
@@ -321,7 +331,7 @@ def test_a_worker_killed_mid_job_leaves_exactly_one_candidate(stack: Stack) -> N
     assert done.state == JobState.succeeded, (done.error, stack.worker.log_tail())
     assert done.attempts == 2  # the killed run, then the restart
     versions = stack.versions(job_id)
-    assert len(versions) == 1 and versions[0].state == DrafterState.candidate
+    assert len(versions) == 1 and versions[0].state == DrafterState.canary  # handed to its canary
     load_hf_folder(versions[0].artifact_path, expected_sha256=versions[0].artifact_sha256)
     with stack.sessions() as session:
         total = session.scalar(

@@ -235,7 +235,9 @@ def test_task_registers_one_candidate_even_when_redelivered(task_db: tuple[str, 
         job = session.get_one(Job, job_id)
     assert len(versions) == 1 and job.state == JobState.succeeded and job.attempts == 1
     v = versions[0]
-    assert v.state == DrafterState.candidate and v.training_job_id == job_id and v.parent_version_id is None
+    assert (
+        v.state == DrafterState.canary and v.training_job_id == job_id and v.parent_version_id is None
+    )  # auto_realign: handed to its canary
     assert v.traffic_window_start is not None and v.training_metrics["steps_run"] >= 1
     loaded, _ = load_hf_folder(v.artifact_path, expected_sha256=v.artifact_sha256)
     assert verify_artifact(v.artifact_path)
