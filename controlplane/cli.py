@@ -168,12 +168,17 @@ def up(
     raise typer.Exit(run_up(get_settings(), options, echo=typer.echo))
 
 
-@app.command()
-def demo() -> None:
-    """Start the API on the embedded default (SQLite under ./var) and say where it listens."""
-    settings = get_settings()
-    typer.echo(f"database: {settings.database_url}")
-    serve(host=None, port=None, workers=1)
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def demo(ctx: typer.Context) -> None:
+    """The whole loop on this machine: traffic shifts, the service detects, realigns, canaries and
+    promotes on its own; prints a summary table (options: --fast, --scenario FILE, --summary FILE).
+
+    Runs in its own process: it drives the reference engine's traffic, which the control plane
+    never imports.
+    """
+    import subprocess
+
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "workers.demo", *ctx.args]))
 
 
 def _speculation_body(

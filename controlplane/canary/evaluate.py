@@ -71,9 +71,9 @@ class ArmObservations:
         steps = int(row.verify_steps or 0)
         if generated <= 0:
             return
-        self.tokens_per_step.append(generated / steps if steps > 0 else 1.0)
         latency = _ms_per_token(row.inter_token_ms, row.total_ms, row.ttft_ms, generated)
-        if latency is not None:
+        if latency is not None:  # the two primary metrics stay paired request by request
+            self.tokens_per_step.append(generated / steps if steps > 0 else 1.0)
             self.ms_per_token.append(latency)
         self.drafted += int(row.drafted_tokens or 0)
         self.accepted += int(row.accepted_tokens or 0)
@@ -223,7 +223,7 @@ def shadow_accumulators(result: dict[str, Any]) -> dict[str, ArmAccumulator]:
         for tokens_per_step, ms_per_token in zip(
             per_prompt.get("tokens_per_step", []), per_prompt.get("ms_per_token", []), strict=False
         ):
-            if tokens_per_step is None or ms_per_token is None:
+            if not tokens_per_step or not ms_per_token or tokens_per_step <= 0 or ms_per_token <= 0:
                 continue  # a prompt the arm produced no timed tokens for
             acc.add(tokens_per_step=float(tokens_per_step), latency_ms_per_token=float(ms_per_token))
         out[arm] = acc
@@ -235,7 +235,8 @@ def live_accumulators(arms: dict[str, ArmObservations]) -> dict[str, ArmAccumula
     for name, obs in arms.items():
         acc = ArmAccumulator()
         for tokens_per_step, ms_per_token in zip(obs.tokens_per_step, obs.ms_per_token, strict=False):
-            acc.add(tokens_per_step=tokens_per_step, latency_ms_per_token=ms_per_token)
+            if tokens_per_step > 0 and ms_per_token > 0:  # the statistics refuse empty requests
+                acc.add(tokens_per_step=tokens_per_step, latency_ms_per_token=ms_per_token)
         out[name] = acc
     return out
 

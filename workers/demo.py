@@ -1,0 +1,552 @@
+"""`controlplane demo`: the whole loop on one machine, with no human touching anything.
+
+    python -m workers.demo [--scenario scenarios/demo.toml] [--fast] [--summary var/demo-summary.json]
+
+It starts the service as `controlplane up` does (API, Celery worker, beat, reference server: real,
+separate processes), creates a deployment that speculates with the generic drafter, and drives
+traffic from the scenario file through the reference server's OpenAI-compatible API:
+
+1. *calibration*: speculation off for a few requests of each domain (what no speculation costs);
+2. *before the shift*: the generic drafter on prose, its home ground (the drift detector's
+   reference window fills here);
+3. *the shift*: traffic moves to the specialised domain. The service notices the hit rate fall,
+   realigns the drafter on the deployment's own traces, replays held-out prompts through three
+   arms, splits live traffic between them and promotes the winner, all on its own. The demo
+   only watches, through the REST API, and ends this phase when the canary has decided;
+4. *after*: the same domain on the promoted drafter.
+
+At the end it prints a summary table (hit rate and speed-up at each stage, detection delay, time
+from the shift to the promotion, the canary's decision) and writes it as JSON. Speed-ups after the
+shift come from the canary's own live split (the three arms interleaved on the same traffic, so
+the machine's load falls on all alike); before the shift from the calibration requests.
+
+On the embedded default (SQLite) the demo keeps its state in ``var/demo`` and starts afresh every
+run; with CONTROLPLANE_DATABASE_URL / CONTROLPLANE_BROKER_URL set (PostgreSQL, Redis) it runs on
+those instead, with exactly the same code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from controlplane.accounts.service import first_account, issue_key
+from controlplane.config import Settings, get_settings
+from controlplane.db.models import Role
+from controlplane.db.session import unit_of_work
+from controlplane.supervisor import (
+    Supervisor,
+    SupervisorError,
+    UpOptions,
+    child_env,
+    child_specs,
+    local_url,
+    serving_key,
+)
+from workers.serve.traffic import Callbacks, Phase, PhaseReport, RequestResult, Scenario, TrafficDriver
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SCENARIO = ROOT / "scenarios" / "demo.toml"
+POLL_S = 1.0
+
+# What the demo configures when the scenario's [demo] table does not say. `--fast` (the tests)
+# scales the traffic down; the loop and every decision rule stay the same.
+DEMO_DEFAULTS: dict[str, Any] = {
+    "deployment": "demo",
+    "target_model": "target",
+    "draft_model": "generic-drafter",
+    "draft_token_count": 4,
+    "trace_sample_rate": 1.0,
+    "calibration_requests": 16,
+    "max_shift_s": 900.0,
+    "drift_policy": {"reference_requests": 150, "arl0_requests": 10_000, "cooldown_s": 60},
+    "canary_policy": {
+        "candidate_weight": 0.3,
+        "baseline_weight": 0.3,
+        "min_samples_per_arm": 40,
+        "shadow_prompts": 16,
+        "shadow_new_tokens": 48,
+        "watch_requests": 100,
+        "tune_draft_length": True,
+    },
+    "realign": {"time_budget_s": 150, "min_traces": 250, "max_wait_s": 300},
+}
+FAST_OVERRIDES: dict[str, Any] = {
+    "calibration_requests": 6,
+    "max_shift_s": 600.0,
+    "drift_policy": {"reference_requests": 60, "arl0_requests": 10_000, "cooldown_s": 60},
+    "canary_policy": {
+        "candidate_weight": 0.3,
+        "baseline_weight": 0.3,
+        "min_samples_per_arm": 15,
+        "shadow_prompts": 6,
+        "shadow_new_tokens": 32,
+        "watch_requests": 30,
+        "tune_draft_length": True,
+    },
+    "realign": {"time_budget_s": 40, "min_traces": 80, "max_wait_s": 120},
+    # Requests per phase (prose, shift cap, after) and tokens per request.
+    "phase_requests": [90, 2000, 30],
+    "max_tokens": 32,
+}
+
+
+@dataclass
+class Observed:
+    """What the watcher thread has seen through the API (all times are UTC epoch seconds)."""
+
+    drift_event: dict[str, Any] | None = None
+    realign_job: dict[str, Any] | None = None
+    canary: dict[str, Any] | None = None
+    decided: bool = False
+    log: list[str] = field(default_factory=list)
+
+
+class Api:
+    def __init__(self, base: str, account: str, key: str, deployment: str) -> None:
+        self._http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30.0)
+        self.prefix = f"/v1/accounts/{account}/deployments"
+        self.deployment = deployment
+
+    def __call__(self, method: str, path: str, body: Any = None) -> Any:
+        response = self._http.request(method, self.prefix + path, json=body)
+        if response.status_code >= 400:
+            raise RuntimeError(f"{method} {path}: HTTP {response.status_code} {response.text[:300]}")
+        return response.json() if response.content else None
+
+    def of(self, path: str) -> Any:
+        return self("GET", f"/{self.deployment}{path}")
+
+
+def _epoch(iso: str | None) -> float | None:
+    if not iso:
+        return None
+    parsed = datetime.fromisoformat(iso)
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
+def demo_settings(base: Settings, fresh: bool) -> Settings:
+    """The embedded default gets its own var/demo (wiped when fresh); a server database is used as is."""
+    if not base.is_sqlite:
+        return base
+    var = base.var_dir / "demo"
+    if fresh and var.exists():
+        shutil.rmtree(var)
+    var.mkdir(parents=True, exist_ok=True)
+    return base.model_copy(
+        update={
+            "var_dir": var,
+            "database_url": f"sqlite:///{var / 'controlplane.db'}",
+            "broker_url": f"sqla+sqlite:///{var / 'broker.db'}",
+            "result_backend_url": f"db+sqlite:///{var / 'celery-results.db'}",
+            "artifact_dir": var / "artifacts",
+        }
+    )
+
+
+def admin_key(settings: Settings) -> tuple[str, str]:
+    """An admin key of the first account for the demo's own API calls (hashed like any other)."""
+    with unit_of_work(settings.database_url) as session:
+        account = first_account(session=session)
+        if account is None:
+            raise SystemExit("no account: the API did not initialise the database")
+        issued = issue_key(
+            session=session, account=account, name="demo-driver", role=Role.admin, secret=settings.secret_key
+        )
+        return account.name, issued.secret
+
+
+class Watcher(threading.Thread):
+    """Polls the API for the loop's progress: drift event, realignment job, canary, decision."""
+
+    def __init__(self, api: Api, observed: Observed, say: Any) -> None:
+        super().__init__(daemon=True, name="demo-watcher")
+        self.api, self.observed, self.say = api, observed, say
+        self.stop_event = threading.Event()
+        self._seen: set[str] = set()
+
+    def _once(self, key: str, message: str) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            self.observed.log.append(message)
+            self.say(message)
+
+    def run(self) -> None:
+        while not self.stop_event.wait(POLL_S):
+            try:
+                self.poll()
+            except Exception as exc:  # the API being slow for a moment must not end the demo
+                self.say(f"  (watcher: {exc})")
+
+    def poll(self) -> None:
+        events = self.api.of("/drift-events")["drift_events"]
+        if events:
+            event = events[-1]
+            self.observed.drift_event = event
+            self._once(
+                "drift",
+                f"drift detected: hit rate {event.get('baseline_rate') or 0:.1%} -> "
+                f"{event.get('current_rate') or 0:.1%} (event {event.get('event_id', event.get('id'))})",
+            )
+        jobs = [j for j in self.api.of("/jobs")["jobs"] if j["kind"] == "realign"]
+        if jobs:
+            job = jobs[0]
+            self.observed.realign_job = job
+            self._once(f"job-{job['id']}-{job['state']}", f"realign job {job['id']}: {job['state']}")
+            if job["state"] == "running":
+                bucket = int(job["progress"] * 10)
+                self._once(
+                    f"job-{job['id']}-{bucket}",
+                    f"  realign {job['progress']:.0%}: {job['progress_message']}",
+                )
+        canaries = self.api.of("/canaries")["canaries"]
+        if canaries:
+            canary = canaries[0]
+            self.observed.canary = canary
+            self._once(
+                f"canary-{canary['canary_id']}-{canary['phase']}",
+                f"canary {canary['canary_id']} (v{canary['candidate_version']} vs the incumbent): "
+                f"{canary['phase']}" + (f", {canary['decision']}" if canary["decision"] else ""),
+            )
+            if canary["decision"] is not None:
+                self.observed.decided = True
+
+
+def _phases(scenario: Scenario, fast: bool, max_tokens: int | None) -> list[Phase]:
+    phases = list(scenario.phases)
+    if len(phases) != 3:
+        raise SystemExit("the demo scenario needs three [[phase]]s: before the shift, the shift, after it")
+    if fast:
+        sizes = FAST_OVERRIDES["phase_requests"]
+        phases = [
+            replace(p, requests=n, max_tokens=max_tokens or p.max_tokens)
+            for p, n in zip(phases, sizes, strict=True)
+        ]
+    return phases
+
+
+def _stage(report: PhaseReport | None) -> dict[str, Any]:
+    if report is None:
+        return {}
+    return {
+        "requests": report.requests,
+        "errors": report.errors,
+        "hit_rate": report.hit_rate,
+        "ms_per_token": report.ms_per_token,
+        "tokens_per_s": report.tokens_per_s,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with open(args.scenario, "rb") as f:
+        raw = tomllib.load(f)
+    scenario = Scenario.from_dict(raw)
+    knobs = _merge(DEMO_DEFAULTS, raw.get("demo", {}))
+    if args.fast:
+        knobs = _merge(knobs, FAST_OVERRIDES)
+    phases = _phases(scenario, args.fast, knobs.get("max_tokens"))
+    name = str(knobs["deployment"])
+
+    from rich.console import Console
+
+    console = Console()
+    say = console.print
+    settings = demo_settings(get_settings(), fresh=not args.keep_state)
+    # The worker reads its realignment knobs from the environment, like every other setting.
+    os.environ["CONTROLPLANE_REALIGN_TIME_BUDGET_S"] = str(knobs["realign"]["time_budget_s"])
+    os.environ["CONTROLPLANE_REALIGN_MIN_TRACES"] = str(knobs["realign"]["min_traces"])
+    os.environ["CONTROLPLANE_REALIGN_MAX_WAIT_S"] = str(knobs["realign"]["max_wait_s"])
+    options = UpOptions(serve_port=args.serve_port, trace_sample_rate=float(knobs["trace_sample_rate"]))
+
+    settings.ensure_local_dirs()
+    from controlplane.bootstrap import init_account
+
+    init_account(settings, account_name="default")
+    key_file, account = serving_key(settings, None)
+    specs = {s.name: s for s in child_specs(settings, options, account=account, key_file=key_file)}
+    supervisor = Supervisor(
+        log_dir=settings.var_dir / "logs", env=child_env(settings), grace_s=10.0, echo=say
+    )
+    restore = supervisor.install_signal_handlers()
+    api_url = local_url(settings.api_host, settings.api_port)
+    serve_url = local_url(options.serve_host, options.serve_port)
+    started = time.monotonic()
+    summary: dict[str, Any] = {}
+    watcher: Watcher | None = None
+    try:
+        where = settings.database_url.split("@")[-1]
+        say(f"[bold]demo[/bold]: database {where}, logs in {supervisor.log_dir}")
+        supervisor.wait_ready([supervisor.start(specs["api"])])
+        background = [supervisor.start(specs["worker"]), supervisor.start(specs["beat"])]
+        serving = supervisor.start(specs["serve"])
+        supervisor.wait_ready([*background, serving])
+        up_s = time.monotonic() - started
+        say(f"all processes up in {up_s:.0f} s; dashboard: [bold]{api_url}/dashboard[/bold]")
+        account, key = admin_key(settings)
+        say(f"  (dashboard login key for this run: {key})")
+        api = Api(api_url, account, key, name)
+        api(
+            "POST",
+            "",
+            {
+                "deployment_id": name,
+                "target_model": knobs["target_model"],
+                "disable_speculative_decoding": True,
+            },
+        )
+        api("PATCH", f"/{name}", {"trace_sample_rate": float(knobs["trace_sample_rate"])})
+        api("PATCH", f"/{name}/drift-policy", knobs["drift_policy"])
+        api("PATCH", f"/{name}/canary-policy", knobs["canary_policy"])
+        driver = TrafficDriver(serve_url, name, run_id=f"demo-{int(time.time())}")
+
+        results: list[RequestResult] = []
+
+        def drive(phase: Phase, label: str, stop: Any = None) -> PhaseReport:
+            count = [0, 0, 0]
+            results.clear()
+
+            def on_result(_n: int, _p: Phase, r: RequestResult) -> None:
+                results.append(r)
+                count[0] += 1
+                count[1] += r.accepted_tokens
+                count[2] += r.drafted_tokens
+                if count[0] % 25 == 0:
+                    hit = f"{count[1] / count[2]:.1%}" if count[2] else "-"
+                    say(f"  {label}: {count[0]} requests, hit rate {hit}")
+
+            supervisor.check_alive()
+            [report] = driver.run([phase], Callbacks(on_result=on_result), should_stop=stop) or [None]
+            if report is None:
+                raise SupervisorError(f"{label}: no requests were sent")
+            return report
+
+        # 1. Calibration: what no speculation costs on each domain (the speed-up denominators).
+        say("[bold]1/4[/bold] calibration: speculation off")
+        calibration: dict[str, PhaseReport] = {}
+        for domain in sorted({d for p in phases for d in p.mix}):
+            calibration[domain] = drive(
+                replace(
+                    phases[0],
+                    name=f"no speculation, {domain}",
+                    mix={domain: 1.0},
+                    requests=int(knobs["calibration_requests"]),
+                    seed=99,
+                ),
+                f"no speculation ({domain})",
+            )
+        api(
+            "PATCH",
+            f"/{name}",
+            {"draft_model": knobs["draft_model"], "draft_token_count": int(knobs["draft_token_count"])},
+        )
+        time.sleep(2.5)  # the reference server caches its serving config for a second or two
+
+        # 2. Before the shift: the generic drafter on its home ground.
+        say(f"[bold]2/4[/bold] {phases[0].name}: generic drafter")
+        before = drive(phases[0], "before the shift")
+
+        # 3. The shift: the service must notice, realign, canary and promote by itself.
+        say(f"[bold]3/4[/bold] {phases[1].name}: watching the service react")
+        observed = Observed()
+        watcher = Watcher(api, observed, say)
+        watcher.start()
+        shift_started = time.time()
+        deadline = time.monotonic() + float(knobs["max_shift_s"])
+        shift = drive(
+            phases[1],
+            "after the shift",
+            stop=lambda: (
+                observed.decided or time.monotonic() > deadline or supervisor.stop_reason is not None
+            ),
+        )
+        shift_results = list(results)
+        watcher.poll()
+        canary = observed.canary or {}
+        promoted = canary.get("decision") == "promote"
+
+        # 4. After: the promoted drafter on the shifted traffic.
+        after = None
+        if promoted:
+            time.sleep(2.5)
+            say(f"[bold]4/4[/bold] {phases[2].name}: the promoted drafter")
+            after = drive(phases[2], "after the promotion")
+        else:
+            say(f"[red]the canary did not promote[/red]: {canary.get('reason') or 'no decision in time'}")
+        watcher.stop_event.set()
+        summary = _summary(
+            knobs, calibration, before, shift, after, observed, shift_started, shift_results, phases
+        )
+        summary["wall_s"] = round(time.monotonic() - started, 1)
+        summary["deployment"] = name
+        summary["api_url"] = api_url
+    except SupervisorError as exc:
+        say(f"[red]error[/red]: {exc}")
+        summary = {"error": str(exc)}
+    finally:
+        if watcher is not None:
+            watcher.stop_event.set()
+        supervisor.stop_all(first=("serve",))
+        restore()
+    return summary
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 3) if num and den else None
+
+
+def _summary(
+    knobs: dict[str, Any],
+    calibration: dict[str, PhaseReport],
+    before: PhaseReport,
+    shift: PhaseReport,
+    after: PhaseReport | None,
+    observed: Observed,
+    shift_started: float,
+    shift_results: list[RequestResult],
+    phases: list[Phase],
+) -> dict[str, Any]:
+    shifted_domain = max(phases[1].mix, key=lambda d: phases[1].mix[d])
+    home_domain = max(phases[0].mix, key=lambda d: phases[0].mix[d])
+    canary = observed.canary or {}
+    figures = (canary.get("arms") or {}).get("decision_figures") or {}
+    arms = figures.get("arm_counts") or {}
+    incumbent, candidate, baseline = (arms.get(a) or {} for a in ("incumbent", "candidate", "baseline"))
+    event = observed.drift_event or {}
+    detected = _epoch(event.get("detected_at"))
+    delay = None
+    if detected is not None:
+        # Requests of the shifted traffic answered before the alarm was raised.
+        delay = sum(1 for r in shift_results if r.ok and r.finished_at <= detected)
+    decided = _epoch(canary.get("decided_at"))
+    stale_live = shift.by_arm.get("live")
+    nospec_home = calibration.get(home_domain)
+    nospec_shifted = calibration.get(shifted_domain)
+    stages = {
+        "before_shift": {
+            "what": f"generic drafter on {home_domain}",
+            **_stage(before),
+            "speedup_vs_nospec": _ratio(
+                nospec_home.ms_per_token if nospec_home else None, before.ms_per_token
+            ),
+        },
+        "after_shift_stale": {
+            "what": f"generic (stale) drafter on {shifted_domain}",
+            "hit_rate": stale_live.hit_rate if stale_live else None,
+            "requests": stale_live.requests if stale_live else 0,
+            "ms_per_token": incumbent.get("ms_per_token"),
+            "speedup_vs_nospec": _ratio(baseline.get("ms_per_token"), incumbent.get("ms_per_token")),
+            "source": "canary live split (interleaved arms)",
+        },
+        "after_realignment": {
+            "what": f"realigned drafter on {shifted_domain}",
+            "hit_rate": candidate.get("hit_rate"),
+            "requests": candidate.get("requests"),
+            "ms_per_token": candidate.get("ms_per_token"),
+            "speedup_vs_nospec": _ratio(baseline.get("ms_per_token"), candidate.get("ms_per_token")),
+            "speedup_vs_stale": _ratio(incumbent.get("ms_per_token"), candidate.get("ms_per_token")),
+            "source": "canary live split (interleaved arms)",
+        },
+        "after_promotion_live": {
+            "what": f"promoted drafter serving all {shifted_domain} traffic",
+            **_stage(after),
+            "speedup_vs_nospec": _ratio(
+                nospec_shifted.ms_per_token if nospec_shifted else None, after.ms_per_token if after else None
+            ),
+            "source": "after phase vs the calibration's no-speculation requests",
+        },
+    }
+    return {
+        "stale_hit_rate": stages["after_shift_stale"]["hit_rate"],
+        "realigned_hit_rate": (after.hit_rate if after else None) or candidate.get("hit_rate"),
+        "speedup_vs_nospec": stages["after_realignment"]["speedup_vs_nospec"],
+        "speedup_vs_stale": stages["after_realignment"]["speedup_vs_stale"],
+        "stale_speedup_vs_nospec": stages["after_shift_stale"]["speedup_vs_nospec"],
+        "detection_delay_requests": delay,
+        "shift_to_promotion_s": round(decided - shift_started, 1)
+        if decided and canary.get("decision") == "promote"
+        else None,
+        "decision": canary.get("decision"),
+        "decision_reason": canary.get("reason"),
+        "chosen_k": (figures.get("draft_length") or {}).get("best_k"),
+        "stages": stages,
+        "events": observed.log,
+        "calibration": {d: _stage(r) for d, r in calibration.items()},
+        "knobs": knobs,
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if "error" in summary:
+        console.print(f"[red]demo failed[/red]: {summary['error']}")
+        return
+
+    def pct(v: Any) -> str:
+        return f"{v:.1%}" if isinstance(v, int | float) else "-"
+
+    def x(v: Any) -> str:
+        return f"{v:.2f}x" if isinstance(v, int | float) else "-"
+
+    table = Table(title="demo summary (measured on this machine)")
+    for column in ("stage", "hit rate", "ms / token", "vs no speculation", "vs stale drafter"):
+        table.add_column(column)
+    for stage in summary["stages"].values():
+        ms = stage.get("ms_per_token")
+        table.add_row(
+            stage["what"],
+            pct(stage.get("hit_rate")),
+            f"{ms:.2f}" if isinstance(ms, int | float) else "-",
+            x(stage.get("speedup_vs_nospec")),
+            x(stage.get("speedup_vs_stale")),
+        )
+    console.print(table)
+    console.print(
+        f"detection delay: {summary['detection_delay_requests']} requests after the shift; "
+        f"shift to promotion: {summary['shift_to_promotion_s']} s; canary decision: {summary['decision']}"
+        f" (k chosen: {summary['chosen_k']})\n  why: {summary['decision_reason']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="controlplane demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", type=Path, default=DEFAULT_SCENARIO, help="the traffic scenario (TOML)")
+    ap.add_argument("--fast", action="store_true", help="a smaller run for tests (same loop, less traffic)")
+    ap.add_argument("--summary", type=Path, default=None, help="where to write the summary JSON")
+    ap.add_argument("--serve-port", type=int, default=8601, help="the reference server's port")
+    ap.add_argument("--keep-state", action="store_true", help="reuse var/demo instead of starting afresh")
+    args = ap.parse_args(argv)
+    summary = run(args)
+    settings = get_settings()
+    path = args.summary or (settings.var_dir / "demo-summary.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    print_summary(summary)
+    print(f"summary written to {path}")
+    raise SystemExit(1 if "error" in summary or summary.get("decision") != "promote" else 0)
+
+
+if __name__ == "__main__":
+    main()
