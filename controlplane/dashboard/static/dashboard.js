@@ -515,7 +515,7 @@
     const ci = interval(value);
     const est = estimate(value);
     if (ci) return `${est === null ? "" : `${fmt(est, 4)} `}[${fmt(ci[0], 4)}, ${fmt(ci[1], 4)}]`;
-    if (est !== null) return fmt(est, 4);
+    if (est !== null) return Number.isInteger(est) ? est.toLocaleString("en-US") : fmt(est, 4);
     if (value === null || value === undefined) return "—";
     if (typeof value === "object") return JSON.stringify(value);
     return String(value);
@@ -599,7 +599,7 @@
       const arms = Object.entries(data.arm_series || {});
       const byArm = (field) => arms.map(([arm, buckets]) => ({ type: "scatter", mode: "lines+markers", name: arm,
         x: buckets.map((b) => utc(b.start)), y: buckets.map((b) => b[field]), marker: { size: 4 } }));
-      const xaxis = { type: "date", title: { text: "UTC" } };
+      const xaxis = { type: "date" };  // UTC, like every time on these pages
       chart("arm-hit-rate", "Per-arm traffic in the canary window", byArm("hit_rate"), { xaxis, yaxis: { tickformat: ".0%" }, height: 280 }, arms.length > 0);
       chart("arm-length", "Per-arm traffic in the canary window", byArm("mean_accepted_length"), { xaxis, height: 280 }, arms.length > 0);
       chart("arm-speed", "Per-arm traffic in the canary window", byArm("decode_tokens_per_s"), { xaxis, height: 280 }, arms.length > 0);
