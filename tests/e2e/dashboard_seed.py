@@ -114,6 +114,10 @@ def _record(
     )
 
 
+def _ci(mean: float, low: float, high: float) -> dict[str, float | int]:
+    return {"n": 50, "mean": mean, "ci_low": low, "ci_high": high}
+
+
 def _traffic(now: datetime, seed: int) -> list[AcceptanceRecord]:
     """Four requests a minute; five during the canary (incumbent, candidate and no speculation)."""
     rng = random.Random(seed)
@@ -271,13 +275,14 @@ def seed_loop_history(
             "candidate_version": 2,
             "incumbent_version": 1,
             "k": K,
+            # The shape controlplane.canary.policy stores: per arm, per metric, mean and interval.
             "decision_figures": {
                 "arms": {
-                    "candidate": {"requests": 53, "hit_rate": 0.74, "tokens_per_step": [3.6, 4.0]},
-                    "incumbent": {"requests": 159, "hit_rate": 0.31, "tokens_per_step": [2.1, 2.3]},
-                    "baseline": {"requests": 53, "hit_rate": None, "tokens_per_step": [1.0, 1.0]},
+                    "candidate": {"n": 53, "metrics": {"tokens_per_step": _ci(3.8, 3.6, 4.0)}},
+                    "incumbent": {"n": 159, "metrics": {"tokens_per_step": _ci(2.2, 2.1, 2.3)}},
+                    "baseline": {"n": 53, "metrics": {"tokens_per_step": _ci(1.0, 1.0, 1.0)}},
                 },
-                "alpha": 0.05,
+                "total_requests": 265,
             },
         },
         decision="promote",

@@ -259,7 +259,7 @@ def test_admin_sees_the_loop_live_jobs_and_can_cancel(
     assert "promote" in page.inner_text("#canary-summary")
     arms_text = page.inner_text("#canary-arms")
     assert "candidate" in arms_text and "incumbent" in arms_text and "baseline" in arms_text
-    assert "[3.6000, 4.0000]" in arms_text
+    assert "metrics.tokens_per_step" in arms_text and "3.8000 [3.6000, 4.0000]" in arms_text
     page.wait_for_selector("#arm-hit-rate-chart .plot-container", timeout=WAIT_MS)
     arm_names = page.evaluate("() => document.getElementById('arm-hit-rate-chart').data.map(t => t.name)")
     assert {"live", "canary:2", "baseline"} == set(arm_names)

@@ -124,7 +124,9 @@ def test_overview_canaries_promotions_and_jobs(
     (canary,) = canaries["canaries"]
     assert canary["decision"] == "promote" and canary["candidate_version"] == 2
     assert canary["incumbent_version"] == 1
-    assert canary["arms"]["decision_figures"]["arms"]["candidate"]["tokens_per_step"] == [3.6, 4.0]
+    assert (
+        canary["arms"]["decision_figures"]["arms"]["candidate"]["metrics"]["tokens_per_step"]["ci_low"] == 3.6
+    )
     assert set(canaries["arm_series"]) == {"live", "canary:2", "baseline"}
     assert all(canaries["arm_series"]["canary:2"])
     empty = _get(client, seeded, f"/deployments/{seeded.idle_deployment}/canaries")

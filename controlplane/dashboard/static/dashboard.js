@@ -531,7 +531,20 @@
     return out;
   }
 
-  function armTable({ path, arms }) {
+  // One arm's figures as {"metrics.tokens_per_step": {mean, ci_low, ci_high}, "n": 53, ...}: nested
+  // objects are opened until a number, a list or an estimate with its interval.
+  function flatten(node, prefix = "", out = {}) {
+    for (const [key, value] of Object.entries(node)) {
+      const name = prefix ? `${prefix}.${key}` : key;
+      const leaf = value === null || typeof value !== "object" || Array.isArray(value) || interval(value) || estimate(value) !== null;
+      if (leaf) out[name] = value;
+      else flatten(value, name, out);
+    }
+    return out;
+  }
+
+  function armTable({ path, arms: nested }) {
+    const arms = Object.fromEntries(Object.entries(nested).map(([arm, figures]) => [arm, flatten(figures)]));
     const names = Object.keys(arms);
     const metrics = [...new Set(names.flatMap((n) => Object.keys(arms[n])))];
     return el("div", { class: "arm-table" }, el("h3", { text: path }),
@@ -543,7 +556,8 @@
   function ciTraces(tables) {
     // Error bars for every figure that carries an interval, arms side by side.
     const traces = [];
-    for (const { path, arms } of tables) {
+    for (const { path, arms: nested } of tables) {
+      const arms = Object.fromEntries(Object.entries(nested).map(([arm, figures]) => [arm, flatten(figures)]));
       const metrics = [...new Set(Object.values(arms).flatMap((a) => Object.keys(a).filter((k) => interval(a[k]))))];
       for (const metric of metrics) {
         const names = Object.keys(arms).filter((n) => interval(arms[n][metric]));
