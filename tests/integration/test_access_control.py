@@ -8,12 +8,23 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from controlplane.db.models import Deployment, DriftEvent, DriftState, Job, JobKind, Role
+from controlplane.canary.service import promote, start_canary
+from controlplane.db.models import (
+    Deployment,
+    DrafterState,
+    DrafterVersion,
+    DriftEvent,
+    DriftState,
+    Job,
+    JobKind,
+    Role,
+)
 from tests.conftest import Database, Tenant
 
 ADMIN = {Role.admin}
 READ = {Role.admin, Role.viewer}
 WRITE_DATA = {Role.admin, Role.ingest}
+SERVING = {Role.admin, Role.viewer, Role.ingest}  # the serving fleet reads its config with an ingest key
 
 RECORD = {
     "request_id": "r1",
@@ -66,6 +77,29 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("GET", "/v1/accounts/{account}/api-keys", ADMIN, None),
     ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/serving-config", SERVING, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/drafter-versions", READ, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/drafter-versions/{version}", READ, None),
+    (
+        "POST",
+        "/v1/accounts/{account}/deployments/{deployment}/drafter-versions/{version}:promote",
+        ADMIN,
+        None,
+    ),
+    (
+        "POST",
+        "/v1/accounts/{account}/deployments/{deployment}/drafter-versions/{version}:canary",
+        ADMIN,
+        None,
+    ),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}:rollback", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/canaries", READ, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/canaries/{canary_id}", READ, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/canaries/{canary_id}:promote", ADMIN, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/canaries/{canary_id}:reject", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/canary-policy", READ, None),
+    ("PATCH", "/v1/accounts/{account}/deployments/{deployment}/canary-policy", ADMIN, {"alpha": 0.1}),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/draft-length", READ, None),
     ("GET", "/v1/accounts/{account}/dashboard/overview", READ, None),
     ("GET", "/v1/accounts/{account}/dashboard/deployments/{deployment}", READ, None),
     ("GET", "/v1/accounts/{account}/dashboard/deployments/{deployment}/canaries", READ, None),
@@ -111,6 +145,43 @@ def _queued_job(db: Database, event_id: int) -> int:
     return job_id
 
 
+def _drafter_history(db: Database, tenant: Tenant) -> int:
+    """v1 promoted and active, v2 a candidate in an open canary; returns the canary's id."""
+    session = db.new_session()
+    deployment = session.scalars(
+        select(Deployment).where(
+            Deployment.account_id == tenant.account_id,
+            Deployment.name == "svc",
+            Deployment.deleted_at.is_(None),
+        )
+    ).one()
+    for number in (1, 2):
+        session.add(
+            DrafterVersion(
+                deployment_id=deployment.id,
+                version=number,
+                artifact_path=f"/artifacts/v{number}",
+                artifact_sha256="0" * 64,
+                state=DrafterState.candidate,
+                training_metrics={},
+                eval_metrics={},
+            )
+        )
+    session.commit()
+    promote(session=session, deployment_id=deployment.id, version_number=1, actor="test", reason="setup")
+    session.commit()
+    v2 = session.scalars(
+        select(DrafterVersion).where(
+            DrafterVersion.deployment_id == deployment.id, DrafterVersion.version == 2
+        )
+    ).one()
+    canary, _job = start_canary(session=session, version=v2)
+    session.commit()
+    canary_id = canary.id
+    session.close()
+    return canary_id
+
+
 def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
     admin = tenant.headers(Role.admin)
     response = client.post(
@@ -122,9 +193,12 @@ def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
     key = client.post(
         f"/v1/accounts/{tenant.name}/api-keys", json={"name": "spare", "role": "viewer"}, headers=admin
     ).json()
+    canary_id = _drafter_history(db, tenant)  # before the event: a promotion answers open events
     event_id = _open_drift_event(db, tenant)
     job_id = _queued_job(db, event_id)
     return {
+        "version": "2",
+        "canary_id": str(canary_id),
         "account": tenant.name,
         "deployment": "svc",
         "key_id": str(key["id"]),
