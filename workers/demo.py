@@ -376,7 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             phases[1],
             "after the shift",
             stop=lambda: (
-                observed.decided or time.monotonic() > deadline or supervisor.stop_reason is not None
+                observed.decided or time.monotonic() > deadline or bool(supervisor.stop_reason)
             ),
         )
         shift_results = list(results)
