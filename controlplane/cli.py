@@ -381,9 +381,11 @@ def models_build(ctx: typer.Context) -> None:
 
 
 def _register_resource_verbs() -> None:
+    from controlplane.cli_benchmark import register as register_benchmark
     from controlplane.cli_canary import register
 
     register(app)
+    register_benchmark(app)
 
 
 _register_resource_verbs()
