@@ -317,7 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         api("PATCH", f"/{name}", {"trace_sample_rate": float(knobs["trace_sample_rate"])})
         api("PATCH", f"/{name}/drift-policy", knobs["drift_policy"])
         api("PATCH", f"/{name}/canary-policy", knobs["canary_policy"])
-        driver = TrafficDriver(serve_url, name, run_id=f"demo-{int(time.time())}")
+        run_stamp = int(time.time())
+        phase_count = [0]
 
         results: list[RequestResult] = []
 
@@ -335,6 +336,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     say(f"  {label}: {count[0]} requests, hit rate {hit}")
 
             supervisor.check_alive()
+            # Request ids must be unique per deployment (ingestion is idempotent by id): a run id per phase.
+            phase_count[0] += 1
+            driver = TrafficDriver(serve_url, name, run_id=f"demo-{run_stamp}-{phase_count[0]}")
             [report] = driver.run([phase], Callbacks(on_result=on_result), should_stop=stop) or [None]
             if report is None:
                 raise SupervisorError(f"{label}: no requests were sent")
@@ -375,9 +379,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shift = drive(
             phases[1],
             "after the shift",
-            stop=lambda: (
-                observed.decided or time.monotonic() > deadline or bool(supervisor.stop_reason)
-            ),
+            stop=lambda: observed.decided or time.monotonic() > deadline or bool(supervisor.stop_reason),
         )
         shift_results = list(results)
         watcher.poll()

@@ -21,6 +21,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.service import Principal
@@ -178,7 +179,12 @@ def advance_monitor(
             version=0,
         )
         session.add(state)
-        session.flush()
+        try:
+            session.flush()
+        except IntegrityError as exc:  # another monitor created it first: its run does the work
+            raise ConflictError(
+                f"deployment {deployment_id}: another monitor started it concurrently"
+            ) from exc
         return MonitorOutcome(
             deployment_id,
             0,

@@ -1,0 +1,160 @@
+"""The whole loop end to end: `controlplane demo --fast` on real processes, once on PostgreSQL +
+Redis and once on the embedded default (SQLite + kombu's SQLAlchemy broker). Everything asserted
+here is read back through the REST API afterwards, not from the demo's logs or its summary:
+a drift event after the shift, a succeeded realignment, a three-arm canary that decided to
+promote, the active drafter changed, and the live hit rate after the promotion significantly
+above the stale drafter's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from controlplane.accounts.service import first_account, issue_key
+from controlplane.app import create_app
+from controlplane.config import Settings
+from controlplane.db.models import Role
+from controlplane.db.session import get_engine, unit_of_work
+from tests.conftest import recreate_pg_database
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_TIMEOUT_S = 1200
+REDIS_DB = 11
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_demo(tmp: Path, env_overrides: dict[str, str]) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+    env.update(
+        {
+            "CONTROLPLANE_ENVIRONMENT": "development",
+            "CONTROLPLANE_VAR_DIR": str(tmp / "var"),
+            "CONTROLPLANE_ARTIFACT_DIR": str(tmp / "var" / "artifacts"),
+            "CONTROLPLANE_API_PORT": str(_free_port()),
+            **env_overrides,
+        }
+    )
+    summary = tmp / "summary.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workers.demo",
+            "--fast",
+            "--summary",
+            str(summary),
+            "--serve-port",
+            str(_free_port()),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
+    )
+    assert summary.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    import json
+
+    result: dict[str, Any] = json.loads(summary.read_text())
+    result["_output"] = proc.stdout[-6000:] + proc.stderr[-3000:]
+    result["_returncode"] = proc.returncode
+    return result
+
+
+def _api(database_url: str) -> tuple[TestClient, dict[str, str], str]:
+    settings = Settings(database_url=database_url, environment="test", drift_enqueue_on_ingest=False)
+    with unit_of_work(database_url) as session:
+        account = first_account(session=session)
+        assert account is not None
+        key = issue_key(
+            session=session, account=account, name="e2e", role=Role.viewer, secret=settings.secret_key
+        )
+        name = account.name
+    return TestClient(create_app(settings)), {"Authorization": f"Bearer {key.secret}"}, name
+
+
+def _assert_the_loop_closed(database_url: str, demo: dict[str, Any]) -> None:
+    output = demo["_output"]
+    client, headers, account = _api(database_url)
+    base = f"/v1/accounts/{account}/deployments/demo"
+    with client:
+        events = client.get(f"{base}/drift-events", headers=headers).json()["drift_events"]
+        assert events, output
+        jobs = client.get(f"{base}/jobs", headers=headers).json()["jobs"]
+        realigns = [j for j in jobs if j["kind"] == "realign"]
+        assert any(j["state"] == "succeeded" for j in realigns), (jobs, output)
+        canaries = client.get(f"{base}/canaries", headers=headers).json()["canaries"]
+        promoted = [c for c in canaries if c["decision"] == "promote"]
+        assert promoted, (canaries, output)
+        canary = promoted[0]
+        arms = canary["arms"]["decision_figures"]["arm_counts"]
+        assert set(arms) == {"baseline", "incumbent", "candidate"}
+        assert all(arms[a]["requests"] > 0 for a in arms), arms
+        assert canary["arms"]["shadow"]["broken_arms"] == []
+        deployment = client.get(base, headers=headers).json()
+        assert deployment["active_drafter_version"] == canary["candidate_version"] is not None
+
+        # The stale drafter's live hit rate between the alarm and the promotion, vs the promoted one's.
+        detected = datetime.fromisoformat(events[0]["detected_at"])
+        decided = datetime.fromisoformat(canary["decided_at"])
+        stale = client.get(
+            f"{base}/stats",
+            params={
+                "arm": "live",
+                "start": detected.isoformat(),
+                "end": decided.isoformat(),
+                "bucket_seconds": 60,
+            },
+            headers=headers,
+        ).json()["total"]
+        fresh = client.get(
+            f"{base}/stats",
+            params={"arm": "live", "drafter_version": canary["candidate_version"], "bucket_seconds": 60},
+            headers=headers,
+        ).json()["total"]
+    assert stale["requests"] > 0 and fresh["requests"] > 0, (stale, fresh, output)
+    p0, p1 = stale["hit_rate"], fresh["hit_rate"]
+    # Request-level standard error (tokens within a request are correlated): conservative.
+    se = math.sqrt(p0 * (1 - p0) / stale["requests"] + p1 * (1 - p1) / fresh["requests"])
+    assert p1 - p0 > 3 * se, (p0, p1, se, output)
+
+
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 120)
+def test_demo_on_postgres_and_redis(tmp_path: Path) -> None:
+    url = recreate_pg_database("controlplane_demo_e2e")
+    broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    redis.Redis.from_url(broker).flushdb()
+    try:
+        demo = _run_demo(
+            tmp_path,
+            {
+                "CONTROLPLANE_DATABASE_URL": url,
+                "CONTROLPLANE_BROKER_URL": broker,
+                "CONTROLPLANE_RESULT_BACKEND_URL": broker,
+            },
+        )
+        _assert_the_loop_closed(url, demo)
+    finally:
+        get_engine(url).dispose()
+
+
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 120)
+def test_demo_on_the_embedded_default(tmp_path: Path) -> None:
+    demo = _run_demo(tmp_path, {})
+    _assert_the_loop_closed(f"sqlite:///{tmp_path / 'var' / 'demo' / 'controlplane.db'}", demo)
