@@ -10,7 +10,8 @@ On the machine's PostgreSQL (database controlplane_bench, shared with bench/inge
 Then the real server (``controlplane serve``) and Debian's headless Chromium: sign in, load the
 deployment page five times (the first with a cold cache), and read first contentful paint, the
 data request's time and when the hit-rate chart was drawn from the browser's Performance API;
-the data request is also timed from a plain HTTP client. Targets: first paint ≤ 1 s, data ≤ 100 ms.
+the page's own 2.5 s refreshes of the data and a plain HTTP client time the data request too.
+Targets: first paint ≤ 1 s, data ≤ 100 ms (the page-load data request is what the target judges).
 Prints a table and writes bench/results/dashboard.json.
 
 Usage: .venv/bin/python bench/dashboard.py [--records 10000000] [--loads 5] [--fresh]
@@ -270,6 +271,10 @@ TIMINGS_JS = """() => {
 }"""
 
 
+REFRESHES_JS = """() => performance.getEntriesByType('resource')
+  .filter(r => r.name.includes('/dashboard/deployments/')).slice(1).map(r => r.duration)"""
+
+
 def measure_in_browser(
     base: str, target: dict[str, Any], range_name: str, loads: int
 ) -> list[dict[str, Any]]:
@@ -301,6 +306,10 @@ def measure_in_browser(
                 markers=int(chart.get_attribute("data-markers") or 0),
             )
             runs.append(timings)
+        # The page's own refreshes (polling every 2.5 s), once page-load work no longer competes.
+        page.wait_for_timeout(8_000)
+        refreshes = page.evaluate(REFRESHES_JS)
+        runs[-1]["refresh_data_ms"] = refreshes
         context.close()
     return runs
 
@@ -352,6 +361,7 @@ def main() -> None:
                 "data_request_ms_median": statistics.median(r["data_request_ms"] for r in runs),
                 "data_request_ms_max": max(r["data_request_ms"] for r in runs),
                 "chart_drawn_ms_median": statistics.median(r["chart_drawn_ms"] for r in warm),
+                "refresh_data_ms_median": statistics.median(runs[-1]["refresh_data_ms"] or [math.nan]),
                 "http_data_ms_median": statistics.median(http_ms),
                 "http_data_ms_p95": sorted(http_ms)[int(0.95 * (len(http_ms) - 1))],
                 "points": runs[0]["points"],
@@ -362,13 +372,14 @@ def main() -> None:
         server.wait(timeout=20)
     print(
         f"\n{'range':>6} {'points':>6} {'first paint cold':>17} {'first paint':>12} {'data (browser)':>15} "
-        f"{'data max':>9} {'data (http) p50/p95':>20} {'chart drawn':>12}"
+        f"{'data max':>9} {'data (refresh)':>15} {'data (http) p50/p95':>20} {'chart drawn':>12}"
     )
     for name, r in results["ranges"].items():
         print(
             f"{name:>6} {r['points']:>6} {r['first_paint_ms_cold']:>14.0f} ms "
             f"{r['first_paint_ms_median']:>9.0f} ms "
             f"{r['data_request_ms_median']:>12.1f} ms {r['data_request_ms_max']:>6.1f} ms "
+            f"{r['refresh_data_ms_median']:>12.1f} ms "
             f"{r['http_data_ms_median']:>9.1f} / {r['http_data_ms_p95']:.1f} ms "
             f"{r['chart_drawn_ms_median']:>9.0f} ms"
         )

@@ -23,6 +23,15 @@
     rollback: { symbol: "x", color: "#8e44ad", name: "rollback" },
   };
 
+  // plotly.js is the next deferred script: it has run by DOMContentLoaded. Pages fetch their data
+  // before that and wait for it only to draw.
+  const plotlyReady = new Promise((resolve, reject) => {
+    const check = () => (window.Plotly ? resolve(window.Plotly) : reject(new Error("the chart library did not load")));
+    // A deferred script runs while readyState is already "interactive", before DOMContentLoaded.
+    if (window.Plotly || document.readyState === "complete") check();
+    else document.addEventListener("DOMContentLoaded", check, { once: true });
+  });
+
   // ---- helpers -------------------------------------------------------------------------------
 
   function session() {
@@ -300,6 +309,7 @@
       // The page's own data first, alone, so that the chart does not wait behind the detector's
       // status (which rebuilds the detector on the server); the rest follows in parallel.
       const view = await api(accountPath(`/dashboard/deployments/${encodeURIComponent(name)}?${query}`));
+      await plotlyReady;
       renderCards(cards, view);
       renderHitRate(view);
       renderLatency(view);
@@ -588,6 +598,7 @@
 
     poll(async () => {
       const data = await api(accountPath(`/dashboard/deployments/${encodeURIComponent(name)}/canaries`));
+      await plotlyReady;
       const newest = data.canaries[0];
       if (!newest) {
         fill(summary, el("h2", { text: "Newest canary" }), noneYet("Canaries"));
@@ -691,10 +702,7 @@
       return;
     }
     shell();
-    if (page !== "login" && !window.Plotly) {
-      setStatus("The chart library did not load.", true);
-      return;
-    }
+    plotlyReady.catch((error) => setStatus(`${error.message}`, true));
     PAGES[page]();
   }
 
