@@ -113,3 +113,36 @@ def test_grafana_dashboard_covers_hit_rate_accepted_length_drift_and_jobs() -> N
         assert metric in exprs, metric
     for panel in panels:
         assert panel["datasource"]["uid"] == "specctl-prometheus", panel["title"]
+
+
+def test_the_reference_server_runs_with_a_gpu_its_own_key_and_an_existing_module() -> None:
+    import argparse
+    import importlib.util
+
+    spec = yaml.safe_load(COMPOSE.read_text())
+    serve = spec["services"]["serve"]
+    command = serve["command"]
+    assert command[:3] == ["python", "-m", "workers.serve"]
+    assert importlib.util.find_spec("workers.serve.__main__") is not None
+    assert "healthcheck" in serve and serve["depends_on"]["api"]["condition"] == "service_healthy"
+    assert serve["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert "serving_api_key" in serve["secrets"] and "serving_api_key" in spec["secrets"]
+    # Every flag the compose file passes is one the server's own parser knows.
+    from workers.serve.__main__ import build_parser
+
+    parser: argparse.ArgumentParser = build_parser()
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    flags = {word for word in command if word.startswith("--")}
+    assert flags <= known, flags - known
+
+
+def test_env_example_names_every_variable_compose_requires() -> None:
+    import re
+
+    required = set(re.findall(r"\$\{([A-Z_]+):\?", COMPOSE.read_text()))
+    example = {
+        line.split("=")[0]
+        for line in (COMPOSE.parent / ".env.example").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    }
+    assert required <= example, required - example

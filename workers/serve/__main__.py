@@ -26,7 +26,7 @@ from workers.serve.reporter import ControlPlaneReporter
 from workers.serve.server import ServerConfig, create_app, http_serving_config
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m workers.serve",
         description=__doc__,
@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     if args.threads:
