@@ -206,6 +206,8 @@ def benchmark(
     from controlplane.benchmarking.report import render, report_document, write_reports
 
     console = Console()
+    if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, 160))
     err = Console(stderr=True)
     if arrival not in ARRIVALS:
         raise typer.BadParameter(f"must be one of {', '.join(ARRIVALS)}", param_hint="--arrival")

@@ -522,22 +522,28 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def _pair(summary: Mapping[str, Any], metric: str, digits: int = 1) -> str:
-    return f"{_fmt(_stat(summary, metric, 'p50'), digits)} / {_fmt(_stat(summary, metric, 'p95'), digits)}"
+def _ms(value: Any) -> str:
+    if not isinstance(value, int | float):
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+
+
+def _pair(summary: Mapping[str, Any], metric: str) -> str:
+    return f"{_ms(_stat(summary, metric, 'p50'))}/{_ms(_stat(summary, metric, 'p95'))}"
 
 
 def render(console: Any, results: Sequence[LoadResult], searches: Sequence[SearchResult] = ()) -> None:
     """Print the results table (and the throughput search's) on a Rich console."""
     from rich.table import Table
 
-    table = Table(title="controlplane benchmark", title_justify="left")
+    table = Table(title="controlplane benchmark (latencies in ms: p50/p95)", title_justify="left")
     for name, justify in (
         ("config", "left"),
         ("load", "right"),
         ("ok/err", "right"),
-        ("TTFT p50/p95 ms", "right"),
-        ("ITL p50/p95 ms", "right"),
-        ("latency p50/p95 ms", "right"),
+        ("TTFT", "right"),
+        ("ITL", "right"),
+        ("latency", "right"),
         ("out tok/s", "right"),
         ("req/s", "right"),
         ("accept len", "right"),
@@ -553,7 +559,7 @@ def render(console: Any, results: Sequence[LoadResult], searches: Sequence[Searc
             load,
             f"{_fmt(_stat(s, 'request_count', 'avg'))}/{_fmt(_stat(s, 'error_request_count', 'avg'))}",
             _pair(s, "time_to_first_token"),
-            _pair(s, "inter_token_latency", 2),
+            _pair(s, "inter_token_latency"),
             _pair(s, "request_latency"),
             _fmt(_stat(s, "output_token_throughput", "avg")),
             _fmt(_stat(s, "request_throughput", "avg"), 2),
@@ -563,18 +569,18 @@ def render(console: Any, results: Sequence[LoadResult], searches: Sequence[Searc
     console.print(table)
     if searches:
         search_table = Table(title="maximum sustainable throughput (open loop)", title_justify="left")
-        for name in ("config", "p95 bound ms", "max rate req/s", "p95 at max ms", "probes (rate: p95 ms)"):
+        for name in ("config", "p95 bound ms", "max req/s", "p95 at max ms", "probes (req/s: p95 ms)"):
             search_table.add_column(name)
         for search in searches:
             d = search.as_dict()
             probes = ", ".join(
-                f"{p.rate:g}: {_fmt(p.p95_latency_ms, 0)}{'' if p.passed else ' ✗'}" for p in search.probes
+                f"{p.rate:g}: {_ms(p.p95_latency_ms)}{'' if p.passed else ' ✗'}" for p in search.probes
             )
             search_table.add_row(
                 search.config,
-                _fmt(search.latency_bound_ms, 0),
+                _ms(search.latency_bound_ms),
                 _fmt(search.max_sustainable_rate, 3),
-                _fmt(d["p95_request_latency_at_max_ms"], 0),
+                _ms(d["p95_request_latency_at_max_ms"]),
                 probes,
             )
         console.print(search_table)

@@ -690,10 +690,11 @@ async def run_benchmark_async(
                 )
         if plan.latency_bound_ms is not None:
             for config in plan.configs:
-                start = 1.0
-                first = next((r for r in results if r.config == config.name and r.load == 1), None)
-                if first is not None and first.summary["request_throughput"]["avg"]:
-                    start = first.summary["request_throughput"]["avg"]  # what one client at a time got
+                # Start at the best closed-loop throughput seen: roughly the capacity.
+                seen = [
+                    r.summary["request_throughput"]["avg"] or 0.0 for r in results if r.config == config.name
+                ]
+                start = max(seen, default=0.0) or 1.0
                 bound = plan.latency_bound_ms
                 say(f"{config.name}: searching the highest rate with p95 latency <= {bound:g} ms")
                 search, runs = await search_max_rate(
