@@ -21,12 +21,13 @@ reports progress; this module owns
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,27 @@ class RealignConfig:
     max_completion_tokens: int = 192
     teacher_top_k: int = 32
     tvd_weight: float = 0.5
+    kl_weight: float = 1.0
+    # Cross-entropy on the teacher's argmax (greedy serving accepts exactly the argmax).
+    ce_weight: float = 0.0
+    # Where the training targets come from: "topk" runs the target once over every training row and
+    # keeps its top-K distribution; "tokens" uses the completion tokens themselves (the target's own
+    # choices: its argmax on greedy traffic, samples of its distribution on sampled traffic), which
+    # needs no target pass over the training rows (sequence-level distillation). The held-out rows
+    # always get the target pass: early stopping reads expected acceptance from it.
+    # "auto": "topk" when the projected target pass over the training rows (timed on the held-out
+    # rows) fits in teacher_budget_share of the time budget, else "tokens". On a CPU the target
+    # pass costs several drafter training steps per token and would eat the budget.
+    teacher: str = "auto"
+    teacher_budget_share: float = 0.3
+    # Intra-op threads while training (None: leave torch's setting). Small drafters train faster
+    # on one thread on a busy machine than on two that spin-wait for each other.
+    train_threads: int | None = None
+    # Held-out figure that picks the best weights: "expected_acceptance" (sum of min(p, q), what
+    # sampled serving accepts) or "greedy_agreement" (what greedy serving accepts).
+    select_on: str = "expected_acceptance"
     batch_rows: int = 16
+    teacher_batch_rows: int = 16
     max_epochs: float = 6.0
     lr: float | None = None  # None: chosen from the data size
     weight_decay: float = 0.0
@@ -204,6 +225,26 @@ def _pad(ids: Sequence[torch.Tensor], pad_id: int) -> torch.Tensor:
     return out
 
 
+def _features(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [B, T] -> final-normed hidden states [B, T, D]: ``Transformer.forward`` without the
+    output projection, so that the [*, V] logits are computed only where a loss needs them (the
+    projection is over half of a small drafter's work and most positions are prompt)."""
+    t = tokens.shape[1]
+    cos, sin = model.rope_cos[:t].to(model.dtype), model.rope_sin[:t].to(model.dtype)  # [T, hd]
+    h = model.model.embed_tokens(tokens)  # [B, T, D]
+    for layer in model.model.layers:
+        h = h + layer.self_attn(layer.input_layernorm(h), cos, sin)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    out: torch.Tensor = model.model.norm(h)
+    return out
+
+
+def _completion_index(rows: Rows, picks: Sequence[int], width: int) -> torch.Tensor:
+    """Flat indices into a [B, width] grid of the positions whose next token is a completion token."""
+    parts = [torch.arange(rows.starts[i] - 1, len(rows.ids[i]) - 1) + b * width for b, i in enumerate(picks)]
+    return torch.cat(parts)  # [N]
+
+
 def _completion_logits(
     model: Transformer, rows: Rows, picks: Sequence[int], device: torch.device
 ) -> torch.Tensor:
@@ -212,10 +253,12 @@ def _completion_logits(
     Right padding is harmless under causal attention: no real position attends to a pad.
     """
     batch = _pad([rows.ids[i] for i in picks], 0).to(device)  # [B, T]
+    inputs = batch[:, :-1]  # [B, T-1]
+    index = _completion_index(rows, picks, inputs.shape[1]).to(device)  # [N]
     with autocast(device):
-        logits = model(batch[:, :-1])  # [B, T-1, V]
-    parts = [logits[b, rows.starts[i] - 1 : len(rows.ids[i]) - 1] for b, i in enumerate(picks)]  # [N_i, V]
-    return torch.cat(parts).float()
+        h = _features(model, inputs)  # [B, T-1, D]
+        logits = model.lm_head(h.flatten(0, 1)[index])  # [N, V]
+    return logits.float()
 
 
 @torch.no_grad()
@@ -252,21 +295,45 @@ def _gather(
     )
 
 
+def token_targets(rows: Rows) -> Teacher:
+    """Targets without a target pass: each completion token as a point mass (top-1, probability 1).
+
+    With these, the KL term is cross-entropy on the tokens the target wrote (sequence-level
+    distillation) and the TVD term is 1 - q(token).
+    """
+    probs, index = [], []
+    for ids, start in zip(rows.ids, rows.starts, strict=True):
+        nxt = ids[start:].unsqueeze(1)  # [N_i, 1]
+        index.append(nxt)
+        probs.append(torch.ones(nxt.shape, dtype=torch.float32))
+    return Teacher(probs, index, 1.0)
+
+
 def distill_loss(
-    student_logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor, tvd_weight: float
+    student_logits: torch.Tensor,
+    top_p: torch.Tensor,
+    top_i: torch.Tensor,
+    tvd_weight: float,
+    kl_weight: float = 1.0,
+    ce_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, TVD) for student logits [N, V] against the teacher's top-K probs/ids [N, K].
 
     KL term: cross-entropy to the renormalised top-K teacher (KL up to a constant). TVD term: with
     the teacher's mass outside its top K taken as zero, 0.5 * (sum_K |p - q| + (1 - sum_K q)).
+    CE term: cross-entropy on the teacher's most likely token (column 0: top-K is sorted).
     """
     log_q = F.log_softmax(student_logits, dim=-1)  # [N, V]
     log_q_top = log_q.gather(-1, top_i)  # [N, K]
-    p_norm = top_p / top_p.sum(-1, keepdim=True)
-    kl = -(p_norm * log_q_top).sum(-1).mean()
     q_top = log_q_top.exp()
     tvd = 0.5 * ((top_p - q_top).abs().sum(-1) + (1 - q_top.sum(-1)).clamp_min(0)).mean()
-    return kl + tvd_weight * tvd, tvd
+    loss = tvd_weight * tvd
+    if kl_weight:
+        p_norm = top_p / top_p.sum(-1, keepdim=True)
+        loss = loss + kl_weight * -(p_norm * log_q_top).sum(-1).mean()
+    if ce_weight:
+        loss = loss + ce_weight * -log_q_top[:, 0].mean()
+    return loss, tvd
 
 
 @torch.no_grad()
@@ -338,19 +405,78 @@ def realign(
     target = target.to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
+    if cfg.teacher not in ("auto", "topk", "tokens"):
+        raise ValueError(f"teacher must be 'auto', 'topk' or 'tokens', got {cfg.teacher!r}")
+    if cfg.select_on not in ("expected_acceptance", "greedy_agreement"):
+        raise ValueError(
+            f"select_on must be 'expected_acceptance' or 'greedy_agreement', got {cfg.select_on!r}"
+        )
     t_teacher = time.perf_counter()
-    teacher = teacher_targets(target, data.train, cfg.teacher_top_k, device, cfg.batch_rows)
-    held_teacher = teacher_targets(target, data.held_out, cfg.teacher_top_k, device, cfg.batch_rows)
+    held_teacher = teacher_targets(target, data.held_out, cfg.teacher_top_k, device, cfg.teacher_batch_rows)
+    held_s = time.perf_counter() - t_teacher
+    row_tokens = sum(len(t) for t in data.train.ids)
+    projected_s = held_s * row_tokens / max(1, sum(len(t) for t in data.held_out.ids))
+    mode = cfg.teacher
+    if mode == "auto":
+        mode = "topk" if projected_s <= cfg.teacher_budget_share * cfg.time_budget_s else "tokens"
+    if mode == "tokens":
+        teacher = token_targets(data.train)
+    else:
+        teacher = teacher_targets(target, data.train, cfg.teacher_top_k, device, cfg.teacher_batch_rows)
     teacher_s = time.perf_counter() - t_teacher
     checkpoint(
         0.1,
-        f"target distributions ready ({teacher_s:.1f}s, top-{cfg.teacher_top_k} mass {teacher.coverage:.3f})",
+        f"targets ready ({mode}, {teacher_s:.1f}s, held-out top-{cfg.teacher_top_k} mass "
+        f"{held_teacher.coverage:.3f})",
     )
+    with _threads(cfg.train_threads):
+        return _train(
+            model_from=incumbent,
+            data=data,
+            teacher=teacher,
+            held_teacher=held_teacher,
+            cfg=cfg,
+            device=device,
+            started=started,
+            teacher_s=teacher_s,
+            teacher_mode=mode,
+            teacher_projected_s=projected_s,
+            checkpoint=checkpoint,
+        )
 
-    model = copy.deepcopy(incumbent).to(device=device, dtype=torch.float32)
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(
+    *,
+    model_from: Transformer,
+    data: RealignDataset,
+    teacher: Teacher,
+    held_teacher: Teacher,
+    cfg: RealignConfig,
+    device: torch.device,
+    started: float,
+    teacher_s: float,
+    teacher_mode: str,
+    teacher_projected_s: float,
+    checkpoint: Callable[[float, str], None],
+) -> RealignResult:
+    model = copy.deepcopy(model_from).to(device=device, dtype=torch.float32)
     model.invalidate_fast_path()
     model.train()
+    t_eval = time.perf_counter()
     before = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
+    eval_s = time.perf_counter() - t_eval
+    key = cfg.select_on
     train_tokens = data.train.completion_tokens()
     lr = cfg.lr or choose_lr(train_tokens)
     opt = make_optimizer(model, lr, cfg.weight_decay)
@@ -371,7 +497,12 @@ def realign(
             g["lr"] = cosine_lr(step, total, lr, max(2, total // 20))
         top_p, top_i = _gather(teacher, picks, device)
         loss, tvd = distill_loss(
-            _completion_logits(model, data.train, picks, device), top_p, top_i, cfg.tvd_weight
+            _completion_logits(model, data.train, picks, device),
+            top_p,
+            top_i,
+            cfg.tvd_weight,
+            cfg.kl_weight,
+            cfg.ce_weight,
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -389,7 +520,6 @@ def realign(
     loss, tvd, n = train_step(next(stream), 1, cap)
     tokens += n
     step_s = time.perf_counter() - t_probe
-    eval_s = step_s * max(1, math.ceil(len(data.held_out) / b)) / 3  # forward only: ~1/3 of a step
     left = cfg.time_budget_s - (time.perf_counter() - started) - (cfg.evals + 1) * eval_s
     total = max(2, min(cap, int(left / step_s)))
     eval_every = max(1, total // max(1, cfg.evals))
@@ -406,7 +536,7 @@ def realign(
             history.append(
                 {"step": step, "loss": round(loss, 4), **{k: round(v, 4) for k, v in scores.items()}}
             )
-            if scores["expected_acceptance"] > best["expected_acceptance"] + 1e-4:
+            if scores[key] > best[key] + 1e-4:
                 best, best_step, bad_evals = scores, step, 0
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             else:
@@ -427,7 +557,7 @@ def realign(
     train_s = time.perf_counter() - t_train
     final = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
     history.append({"step": steps_run, "loss": round(loss, 4), **{k: round(v, 4) for k, v in final.items()}})
-    if final["expected_acceptance"] > best["expected_acceptance"]:
+    if final[key] > best[key]:
         best, best_step = final, steps_run
     else:
         model.load_state_dict(best_state)
@@ -446,7 +576,11 @@ def realign(
         "best_step": best_step,
         "stop_reason": stop_reason,
         "lr": lr,
-        "teacher_top_k_mass": round(teacher.coverage, 4),
+        "teacher": teacher_mode,
+        "teacher_projected_s": round(teacher_projected_s, 2),
+        "teacher_top_k_mass": round(held_teacher.coverage, 4),
+        "select_on": key,
+        "threads": torch.get_num_threads(),
         "held_out_before": {k: round(v, 4) for k, v in before.items()},
         "held_out_after": {k: round(v, 4) for k, v in best.items()},
         "history": history,
@@ -454,6 +588,8 @@ def realign(
         "train_s": round(train_s, 2),
         "train_tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
         "wall_s": round(wall_s, 2),
+        "throughput_definition": "completion tokens trained on / seconds of the training phase "
+        "(steps, held-out evaluations, best-weight copies; the target pass excluded, it is teacher_s)",
         "config": asdict(cfg),
     }
     checkpoint(
