@@ -157,7 +157,10 @@ def benchmark(
         ),
     ] = None,
     configs: Annotated[
-        Path | None, typer.Option("--configs", help="TOML file of [[config]] tables", exists=True)
+        Path | None,
+        typer.Option(
+            "--configs", help="TOML file: one config table (name, url, model, extra) each", exists=True
+        ),
     ] = None,
     dataset: Annotated[
         Path | None,

@@ -35,7 +35,7 @@ from controlplane.benchmarking.runner import (
     read_acceptance,
     send_request,
 )
-from controlplane.cli_benchmark import ConfigError, parse_config_option
+from controlplane.cli_benchmark import ConfigError, load_configs_file, parse_config_option
 from controlplane.ingest.record import AcceptanceRecord
 
 
@@ -355,3 +355,29 @@ def test_load_dataset_jsonl_and_trace_pages(tmp_path: Path) -> None:
     bad.write_text('{"completion": "x"}\n')
     with pytest.raises(ValueError, match="prompt"):
         load_dataset(bad)
+
+
+def test_configs_toml_both_shapes(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("secret\n")
+    listed = tmp_path / "a.toml"
+    listed.write_text(
+        '[[config]]\nname = "inherited"\nurl = "http://h:1"\n\n'
+        f'[[config]]\nname = "cand"\nurl = "https://api.example/inference/v1"\nmodel = "m"\n'
+        f'api_key_file = "{key}"\nextra = {{ speculation = {{ k = 3 }} }}\n'
+    )
+    configs = load_configs_file(listed)
+    assert [(c.name, c.model, c.api_key) for c in configs] == [
+        ("inherited", "inherited", None),
+        ("cand", "m", "secret"),
+    ]
+    assert configs[1].completions_url == "https://api.example/inference/v1/completions"
+    assert dict(configs[1].extra) == {"speculation": {"k": 3}}
+    assert "secret" not in json.dumps([c.describe() for c in configs])
+    named = tmp_path / "b.toml"
+    named.write_text('[config.off]\nurl = "http://h"\nmodel = "x-nospec"\n')
+    assert [(c.name, c.model) for c in load_configs_file(named)] == [("off", "x-nospec")]
+    typo = tmp_path / "c.toml"
+    typo.write_text('[config.off]\nurl = "http://h"\nmodle = "x"\n')
+    with pytest.raises(ConfigError, match="modle"):
+        load_configs_file(typo)
