@@ -381,3 +381,17 @@ def test_configs_toml_both_shapes(tmp_path: Path) -> None:
     typo.write_text('[config.off]\nurl = "http://h"\nmodle = "x"\n')
     with pytest.raises(ConfigError, match="modle"):
         load_configs_file(typo)
+
+
+def test_the_command_never_needs_torch() -> None:
+    """With torch unimportable, the CLI (and the benchmark modules) still load, without workers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import controlplane.cli, controlplane.benchmarking.runner, controlplane.benchmarking.report\n"
+        "assert not [m for m in sys.modules if m == 'workers' or m.startswith('workers.')]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
