@@ -62,6 +62,8 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             str(folder / "serving.json"),
             "--port",
             str(port),
+            "--threads",
+            "1",  # one torch thread: on a shared machine more only oversubscribe the cores
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -130,6 +132,8 @@ def test_benchmark_generic_drafter_vs_no_speculation(server_url: str, dataset: P
             "60000",
             "--search-requests",
             "2",
+            "--warmup",
+            "3",
             "--max-probes",
             "2",
             "--out-dir",
