@@ -71,7 +71,7 @@ class RealignConfig:
     # Share of training rows drawn from traffic before the drift point (forgetting guard).
     replay_share: float = 0.25
     holdout_share: float = 0.1
-    max_holdout_rows: int = 48
+    max_holdout_rows: int = 32
     min_train_rows: int = 4
     # Rows are cut to the last max_prompt_tokens of the prompt and max_completion_tokens of the
     # completion, and never beyond the drafter's context.
@@ -95,9 +95,13 @@ class RealignConfig:
     # Intra-op threads while training (None: leave torch's setting). Small drafters train faster
     # on one thread on a busy machine than on two that spin-wait for each other.
     train_threads: int | None = None
-    # Held-out figure that picks the best weights: "expected_acceptance" (sum of min(p, q), what
-    # sampled serving accepts) or "greedy_agreement" (what greedy serving accepts).
-    select_on: str = "expected_acceptance"
+    # Held-out figure that picks the best weights and stops early: "expected_acceptance" (sum of
+    # min(p, q), what sampled serving accepts), "greedy_agreement" (what greedy serving accepts) or
+    # "auto": greedy agreement when the held-out completions are the target's argmax (greedy
+    # traffic), else expected acceptance. Sharpening a drafter on greedy traces can lower sum
+    # min(p, q) while it raises agreement, so the wrong figure stops a useful run early.
+    select_on: str = "auto"
+    warmup_share: float = 0.1  # of the planned steps (at least 10): a fresh Adam jolts a trained drafter
     batch_rows: int = 16
     teacher_batch_rows: int = 16
     max_epochs: float = 6.0
@@ -105,7 +109,7 @@ class RealignConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     evals: int = 10  # held-out evaluations over the planned run
-    patience: int = 3
+    patience: int = 5
     device: str | None = None  # None: CUDA when available, else CPU
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -360,6 +364,15 @@ def evaluate(
 # ------------------------------------------------------------------------------------------ training
 
 
+def _argmax_share(rows: Rows, teacher: Teacher) -> float:
+    """Share of completion tokens that are the target's most likely token (1.0: greedy traffic)."""
+    hits = total = 0
+    for ids, start, index in zip(rows.ids, rows.starts, teacher.index, strict=True):
+        hits += int((ids[start:] == index[:, 0]).sum())
+        total += len(index)
+    return hits / max(1, total)
+
+
 def pick_device(name: str | None) -> torch.device:
     if name is not None:
         return torch.device(name)
@@ -368,7 +381,7 @@ def pick_device(name: str | None) -> torch.device:
 
 def choose_lr(train_tokens: int) -> float:
     """Fine-tuning learning rate: smaller on little data, where a large step overwrites the incumbent."""
-    return float(min(2e-3, max(3e-4, 2e-3 * math.sqrt(train_tokens / 60_000))))
+    return float(min(1e-3, max(3e-4, 1e-3 * math.sqrt(train_tokens / 60_000))))
 
 
 def realign(
@@ -407,7 +420,7 @@ def realign(
         p.requires_grad_(False)
     if cfg.teacher not in ("auto", "topk", "tokens"):
         raise ValueError(f"teacher must be 'auto', 'topk' or 'tokens', got {cfg.teacher!r}")
-    if cfg.select_on not in ("expected_acceptance", "greedy_agreement"):
+    if cfg.select_on not in ("auto", "expected_acceptance", "greedy_agreement"):
         raise ValueError(
             f"select_on must be 'expected_acceptance' or 'greedy_agreement', got {cfg.select_on!r}"
         )
@@ -476,7 +489,10 @@ def _train(
     t_eval = time.perf_counter()
     before = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
     eval_s = time.perf_counter() - t_eval
+    greedy_share = _argmax_share(data.held_out, held_teacher)
     key = cfg.select_on
+    if key == "auto":
+        key = "greedy_agreement" if greedy_share >= 0.95 else "expected_acceptance"
     train_tokens = data.train.completion_tokens()
     lr = cfg.lr or choose_lr(train_tokens)
     opt = make_optimizer(model, lr, cfg.weight_decay)
@@ -494,7 +510,7 @@ def _train(
 
     def train_step(picks: list[int], step: int, total: int) -> tuple[float, float, int]:
         for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, total, lr, max(2, total // 20))
+            g["lr"] = cosine_lr(step, total, lr, min(max(10, int(cfg.warmup_share * total)), total // 2))
         top_p, top_i = _gather(teacher, picks, device)
         loss, tvd = distill_loss(
             _completion_logits(model, data.train, picks, device),
@@ -580,6 +596,7 @@ def _train(
         "teacher_projected_s": round(teacher_projected_s, 2),
         "teacher_top_k_mass": round(held_teacher.coverage, 4),
         "select_on": key,
+        "held_out_completions_that_are_target_argmax": round(greedy_share, 4),
         "threads": torch.get_num_threads(),
         "held_out_before": {k: round(v, 4) for k, v in before.items()},
         "held_out_after": {k: round(v, 4) for k, v in best.items()},
