@@ -559,7 +559,8 @@ def _train(
                 bad_evals += 1
             checkpoint(
                 0.1 + 0.85 * step / total,
-                f"step {step}/{total}: held-out expected acceptance {scores['expected_acceptance']:.3f}",
+                f"step {step}/{total}: held-out expected acceptance {scores['expected_acceptance']:.3f}, "
+                f"greedy agreement {scores['greedy_agreement']:.3f}",
             )
             if bad_evals >= cfg.patience:
                 stop_reason = f"early stop: no held-out gain in {cfg.patience} evaluations"
@@ -611,8 +612,7 @@ def _train(
     }
     checkpoint(
         0.97,
-        f"trained: held-out expected acceptance {before['expected_acceptance']:.3f}"
-        f" -> {best['expected_acceptance']:.3f}",
+        f"trained: held-out {key.replace('_', ' ')} {before[key]:.3f} -> {best[key]:.3f}",
     )
     return RealignResult(model, metrics)
 
