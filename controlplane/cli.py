@@ -138,6 +138,10 @@ def worker(
     concurrency: Annotated[int, typer.Option()] = 1,
 ) -> None:
     """Run a Celery worker (queues: default for monitoring, gpu for training and canary replay)."""
+    import os
+
+    # Tasks size their torch threads by the worker's process count (Settings.worker_torch_threads).
+    os.environ["CONTROLPLANE_WORKER_CONCURRENCY"] = str(concurrency)
     _exec_celery("worker", "-Q", queues, "-c", str(concurrency), "--loglevel=INFO")
 
 

@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     # A drift-triggered realignment waits for this much post-drift traffic (traces), at most
     # realign_max_wait_s, before it trains: minutes after an alarm there is little to learn from.
     realign_min_traces: int = Field(default=200, ge=1)
+    # torch threads per worker process (0: the cores divided among the worker's processes). On a
+    # shared CPU, more threads than cores make OpenMP spin-wait: 10x slower, not faster.
+    worker_torch_threads: int = Field(default=0, ge=0)
+    worker_concurrency: int = Field(default=2, ge=1)
     realign_max_wait_s: float = Field(default=600.0, ge=0)
 
     @model_validator(mode="after")

@@ -329,6 +329,7 @@ def child_env(settings: Settings) -> dict[str, str]:
             "CONTROLPLANE_API_HOST": settings.api_host,
             "CONTROLPLANE_API_PORT": str(settings.api_port),
             "CONTROLPLANE_API_URL": local_url(settings.api_host, settings.api_port),
+            "CONTROLPLANE_WORKER_CONCURRENCY": str(settings.worker_concurrency),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -413,6 +414,7 @@ def child_specs(settings: Settings, options: UpOptions, *, account: str, key_fil
 def run_up(settings: Settings, options: UpOptions, echo: Echo = print) -> int:
     """Run everything until Ctrl-C (returns 0) or until a child fails (returns 1)."""
     started = time.monotonic()
+    settings = settings.model_copy(update={"worker_concurrency": options.worker_concurrency})
     settings.ensure_local_dirs()
     prepare_embedded_database(settings)
     key_file, account = serving_key(settings, options.account)

@@ -25,7 +25,7 @@ from controlplane.deployments.service import active_drafter, speculation_of
 from controlplane.errors import ConflictError
 from controlplane.jobs.service import fail_job, finish_job, report_progress, start_job
 from controlplane.jobs.states import TERMINAL
-from workers.celery_app import InstrumentedTask, TransientError, celery_app
+from workers.celery_app import InstrumentedTask, TransientError, celery_app, torch_threads_for_this_process
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ def _replay(plan: dict[str, Any], progress: Any) -> dict[str, Any]:
     if not plan["prompts"]:
         raise ValueError("no held-out prompts: the deployment has no traces the candidate did not train on")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(torch_threads_for_this_process())
     target, tokenizer = load_hf_folder(plan["target"], device=device)
     arms: dict[str, Any] = {"baseline": None}
     for name in ("incumbent", "candidate"):

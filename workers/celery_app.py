@@ -114,3 +114,13 @@ class InstrumentedTask(Task):  # type: ignore[misc]
 
 
 celery_app = make_celery()
+
+
+def torch_threads_for_this_process() -> int:
+    """How many torch threads a task in this worker process should use (see Settings)."""
+    import os
+
+    settings = get_settings()
+    if settings.worker_torch_threads:
+        return settings.worker_torch_threads
+    return max(1, (os.cpu_count() or 1) // settings.worker_concurrency)

@@ -43,7 +43,13 @@ from controlplane.jobs.service import (
 )
 from controlplane.jobs.states import TERMINAL
 from controlplane.traces.service import apply_retention
-from workers.celery_app import QUEUE_GPU, InstrumentedTask, TransientError, celery_app
+from workers.celery_app import (
+    QUEUE_GPU,
+    InstrumentedTask,
+    TransientError,
+    celery_app,
+    torch_threads_for_this_process,
+)
 
 log = logging.getLogger(__name__)
 
@@ -431,6 +437,7 @@ def _train_and_save(
     )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(torch_threads_for_this_process())
     default_budget = get_settings().realign_time_budget_s or DEFAULT_TIME_BUDGET_S
     target, tokenizer = load_hf_folder(inputs.target_folder, device=device)
     incumbent, incumbent_tok = load_hf_folder(
