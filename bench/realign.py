@@ -43,6 +43,10 @@ REFERENCE = ROOT / "workers" / "models" / "reference"
 RESULTS = ROOT / "bench" / "results"
 TRACE_CACHE = RESULTS / "trace-cache"
 PROMPT_TOKENS = 160  # equal-length prompts let the target continue a whole batch at once
+# Structured requests are short (most under 160 tokens): their prompts are cut to the longest of
+# these lengths they reach, and each length is generated as its own batch.
+PROMPT_BUCKETS = {"structured": (128, 96, 64, 48, 32)}
+MIN_PROMPT_CHARS = {"structured": 100}
 K = 4
 SHIFTED = ("code", "structured")
 
@@ -72,30 +76,36 @@ def make_traces(
     Cached on disk by (target checksum, domain, n, new_tokens, seed): generating them is the serving
     side's work, not realignment's, and on a busy 2-core machine it takes minutes.
     """
-    key = f"{_target_digest()}-{domain}-{n}-{new_tokens}-{seed}-{PROMPT_TOKENS}"
+    buckets = PROMPT_BUCKETS.get(domain, (PROMPT_TOKENS,))
+    lengths = "_".join(map(str, buckets))
+    key = f"{_target_digest()}-{domain}-{n}-{new_tokens}-{seed}-{lengths}"
     path = TRACE_CACHE / f"{key}.json"
     if cache and path.is_file():
         return [TraceText(*t) for t in json.loads(path.read_text())]
     ids: list[list[int]] = []
     rounds = 0
+    min_chars = MIN_PROMPT_CHARS.get(domain, 400)
     while len(ids) < n and rounds < 20:
         # One prompt per document per round; another seed cuts the documents elsewhere.
-        for p in corpora.prompts(domain, "train", n=n, seed=seed + rounds, min_prompt_chars=400):
+        for p in corpora.prompts(domain, "train", n=n, seed=seed + rounds, min_prompt_chars=min_chars):
             tokens = tokenizer.encode(p.text)
-            if len(tokens) >= PROMPT_TOKENS:
-                ids.append(tokens[-PROMPT_TOKENS:])
+            fit = next((b for b in buckets if len(tokens) >= b), None)
+            if fit is not None:
+                ids.append(tokens[-fit:])
         rounds += 1
     ids = ids[:n]
     traces: list[TraceText] = []
     with torch.inference_mode():
-        for lo in range(0, len(ids), 64):
-            batch = torch.tensor(ids[lo : lo + 64])
-            out = generate_batch(target, batch, new_tokens)  # [B, new_tokens]
-            for row, prompt in zip(out.tolist(), ids[lo : lo + 64], strict=True):
-                if tokenizer.eos_id is not None and tokenizer.eos_id in row:
-                    row = row[: row.index(tokenizer.eos_id)]
-                key_i = f"{domain}-{len(traces)}"
-                traces.append(TraceText(key_i, tokenizer.decode(prompt), tokenizer.decode(row)))
+        for length in buckets:
+            group = [p for p in ids if len(p) == length]
+            for lo in range(0, len(group), 64):
+                batch = torch.tensor(group[lo : lo + 64])
+                out = generate_batch(target, batch, new_tokens)  # [B, new_tokens]
+                for row, prompt in zip(out.tolist(), group[lo : lo + 64], strict=True):
+                    if tokenizer.eos_id is not None and tokenizer.eos_id in row:
+                        row = row[: row.index(tokenizer.eos_id)]
+                    key_i = f"{domain}-{len(traces)}"
+                    traces.append(TraceText(key_i, tokenizer.decode(prompt), tokenizer.decode(row)))
     if cache:
         TRACE_CACHE.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([[t.key, t.prompt, t.completion] for t in traces]))
