@@ -104,7 +104,7 @@ class RealignConfig:
     warmup_share: float = 0.1  # of the planned steps (at least 10): a fresh Adam jolts a trained drafter
     batch_rows: int = 16
     teacher_batch_rows: int = 16
-    max_epochs: float = 6.0
+    max_epochs: float = 10.0
     lr: float | None = None  # None: chosen from the data size
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -379,9 +379,22 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def choose_lr(train_tokens: int) -> float:
-    """Fine-tuning learning rate: smaller on little data, where a large step overwrites the incumbent."""
-    return float(min(1e-3, max(3e-4, 1e-3 * math.sqrt(train_tokens / 60_000))))
+# Peak learning rate for a drafter that does not know the new traffic at all (measured on the
+# structured shift, 200 traces, 84 steps: held-out greedy agreement 0.69 at 3e-4, 0.89 at 2e-3,
+# 0.91 at 5e-3; on code, where the incumbent already agreed 74%, 2e-3 first lost ground).
+NOVEL_TRAFFIC_LR = 4e-3
+KNOWN_AGREEMENT = 0.7  # held-out greedy agreement above which the incumbent counts as knowing it
+
+
+def choose_lr(train_tokens: int, start_agreement: float | None = None) -> float:
+    """Fine-tuning learning rate. On traffic the incumbent already predicts, small (and smaller on
+    little data), where a large step overwrites what it knows; on traffic it barely agrees with
+    the target on, there is little to overwrite and a CPU budget allows few steps: larger."""
+    base = float(min(1e-3, max(3e-4, 1e-3 * math.sqrt(train_tokens / 60_000))))
+    if start_agreement is None:
+        return base
+    novelty = min(1.0, max(0.0, (KNOWN_AGREEMENT - start_agreement) / KNOWN_AGREEMENT))
+    return base + novelty * (NOVEL_TRAFFIC_LR - base)
 
 
 def realign(
@@ -494,7 +507,7 @@ def _train(
     if key == "auto":
         key = "greedy_agreement" if greedy_share >= 0.95 else "expected_acceptance"
     train_tokens = data.train.completion_tokens()
-    lr = cfg.lr or choose_lr(train_tokens)
+    lr = cfg.lr or choose_lr(train_tokens, before.get("greedy_agreement"))
     opt = make_optimizer(model, lr, cfg.weight_decay)
     n_rows = len(data.train)
     b = min(cfg.batch_rows, n_rows)
