@@ -95,7 +95,7 @@ FAST_OVERRIDES: dict[str, Any] = {
         "watch_requests": 30,
         "tune_draft_length": True,
     },
-    "realign": {"time_budget_s": 40, "min_traces": 80, "max_wait_s": 120},
+    "realign": {"time_budget_s": 45, "min_traces": 120, "max_wait_s": 150},
     # Requests per phase (prose, shift cap, after) and tokens per request.
     "phase_requests": [90, 2000, 30],
     "max_tokens": 32,

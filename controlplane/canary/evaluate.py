@@ -287,6 +287,14 @@ def _apply_decision(
     if outcome.decision == DECISION_PROMOTE:
         best_k, tuning = _chosen_k(canary, arms)
         figures["draft_length"] = tuning
+        new_k = best_k if policy.get("tune_draft_length") else None
+        expected_hit = None
+        if new_k is not None and new_k != int(canary.arms.get("k") or 0):
+            # accepted / drafted at the new k, from the tuner's (conservative) per-position rates.
+            row = next((r for r in tuning.get("rows", []) if r["k"] == new_k), None)
+            if row is not None and new_k > 0:
+                expected_hit = (float(row["expected_tokens_per_step"]) - 1.0) / new_k
+                figures["expected_hit_rate_at_new_k"] = expected_hit
         candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
         promote(
             session=session,
@@ -296,7 +304,8 @@ def _apply_decision(
             reason=f"{source}: {outcome.reason}",
             canary=canary,
             figures=figures,
-            draft_token_count=best_k if policy.get("tune_draft_length") else None,
+            draft_token_count=new_k,
+            expected_hit_rate=expected_hit,
         )
     elif outcome.decision == DECISION_REJECT:
         reject(

@@ -365,6 +365,7 @@ def promote(
     canary: Canary | None = None,
     figures: dict[str, Any] | None = None,
     draft_token_count: int | None = None,
+    expected_hit_rate: float | None = None,
 ) -> DrafterVersion:
     """Make a candidate the active drafter, in the caller's transaction.
 
@@ -433,7 +434,11 @@ def promote(
             "restore": before,
             "watch": {
                 "since_record_id": _latest_record_id(session, deployment_id),
-                "expected_hit_rate": _expected_hit_rate(canary),
+                # Hit rate depends on k: when the promotion changes k, the caller passes the
+                # rate expected at the new k, else the canary's measured one stands.
+                "expected_hit_rate": expected_hit_rate
+                if expected_hit_rate is not None
+                else _expected_hit_rate(canary),
                 "requests": 0,
             },
         }
