@@ -479,7 +479,10 @@ def _summary(
     }
     return {
         "stale_hit_rate": stages["after_shift_stale"]["hit_rate"],
-        "realigned_hit_rate": (after.hit_rate if after else None) or candidate.get("hit_rate"),
+        # The canary's candidate arm ran at the stale drafter's k: the two hit rates compare. After
+        # the promotion the tuner's k serves, and hit rate (accepted / drafted) depends on k.
+        "realigned_hit_rate": candidate.get("hit_rate"),
+        "promoted_live_hit_rate": after.hit_rate if after else None,
         "speedup_vs_nospec": stages["after_realignment"]["speedup_vs_nospec"],
         "speedup_vs_stale": stages["after_realignment"]["speedup_vs_stale"],
         "stale_speedup_vs_nospec": stages["after_shift_stale"]["speedup_vs_nospec"],
