@@ -34,6 +34,15 @@ def _base(client: Any, deployment_id: str) -> str:
     return f"/v1/accounts/{client.account}/deployments/{deployment_id}"
 
 
+def _act(deployment_id: str, suffix: str, reason: str) -> None:
+    """POST an audited action (its reason goes to the audit log) and show the answer."""
+    client = _client()
+    _show(client.request("POST", f"{_base(client, deployment_id)}{suffix}", {"reason": reason}))
+
+
+Reason = Annotated[str, typer.Option(help="recorded in the audit log")]
+
+
 @drafter_app.command("list")
 def drafter_list(deployment_id: Annotated[str, typer.Argument()]) -> None:
     """List a deployment's drafter versions, newest first."""
@@ -59,40 +68,29 @@ def drafter_get(
 def drafter_promote(
     deployment_id: Annotated[str, typer.Argument()],
     version: Annotated[int, typer.Argument()],
-    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+    reason: Reason = "by hand",
 ) -> None:
     """Promote a candidate now, without a canary (admin)."""
-    client = _client()
-    _show(
-        client.request(
-            "POST", f"{_base(client, deployment_id)}/drafter-versions/{version}:promote", {"reason": reason}
-        )
-    )
+    _act(deployment_id, f"/drafter-versions/{version}:promote", reason)
 
 
 @drafter_app.command("canary")
 def drafter_canary(
     deployment_id: Annotated[str, typer.Argument()],
     version: Annotated[int, typer.Argument()],
-    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+    reason: Reason = "by hand",
 ) -> None:
     """Start a canary for a candidate (shadow replay, then the live split) (admin)."""
-    client = _client()
-    _show(
-        client.request(
-            "POST", f"{_base(client, deployment_id)}/drafter-versions/{version}:canary", {"reason": reason}
-        )
-    )
+    _act(deployment_id, f"/drafter-versions/{version}:canary", reason)
 
 
 @drafter_app.command("rollback")
 def drafter_rollback(
     deployment_id: Annotated[str, typer.Argument()],
-    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+    reason: Reason = "by hand",
 ) -> None:
     """Undo the last promotion: the previous drafter and its k serve again (admin)."""
-    client = _client()
-    _show(client.request("POST", f"{_base(client, deployment_id)}:rollback", {"reason": reason}))
+    _act(deployment_id, ":rollback", reason)
 
 
 @canary_app.command("list")
@@ -123,30 +121,20 @@ def canary_get(
 def canary_promote(
     deployment_id: Annotated[str, typer.Argument()],
     canary_id: Annotated[int, typer.Argument()],
-    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+    reason: Reason = "by hand",
 ) -> None:
     """Promote the canary's candidate now (admin)."""
-    client = _client()
-    _show(
-        client.request(
-            "POST", f"{_base(client, deployment_id)}/canaries/{canary_id}:promote", {"reason": reason}
-        )
-    )
+    _act(deployment_id, f"/canaries/{canary_id}:promote", reason)
 
 
 @canary_app.command("reject")
 def canary_reject(
     deployment_id: Annotated[str, typer.Argument()],
     canary_id: Annotated[int, typer.Argument()],
-    reason: Annotated[str, typer.Option(help="recorded in the audit log")] = "by hand",
+    reason: Reason = "by hand",
 ) -> None:
     """Reject the canary's candidate; the incumbent keeps serving (admin)."""
-    client = _client()
-    _show(
-        client.request(
-            "POST", f"{_base(client, deployment_id)}/canaries/{canary_id}:reject", {"reason": reason}
-        )
-    )
+    _act(deployment_id, f"/canaries/{canary_id}:reject", reason)
 
 
 def register(app: typer.Typer) -> None:

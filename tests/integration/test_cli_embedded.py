@@ -93,6 +93,13 @@ def test_first_start_prints_a_key_once_and_the_cli_manages_deployments(
     assert json.loads(updated.stdout)["draft_token_count"] == 3
     assert "accounts/default/deployments/chat" in _cli(env, "deployment", "list").stdout
     assert json.loads(_cli(env, "deployment", "get", "chat").stdout)["draft_model"] == "drafter-a"
+    # Drafter and canary verbs: nothing to show yet, and a refused action says why.
+    assert "no drafter versions" in _cli(env, "drafter", "list", "chat").stderr
+    assert "no canaries" in _cli(env, "canary", "list", "chat").stderr
+    nothing = _cli(env, "drafter", "rollback", "chat", "--reason", "test")
+    assert nothing.returncode == 1 and "409" in nothing.stderr and "nothing to roll back" in nothing.stderr
+    unknown = _cli(env, "drafter", "promote", "chat", "7")
+    assert unknown.returncode == 1 and "404" in unknown.stderr
     assert _cli(env, "deployment", "delete", "chat").returncode == 0
     missing = _cli(env, "deployment", "get", "chat")
     assert missing.returncode == 1 and "404" in missing.stderr
