@@ -14,7 +14,7 @@ import httpx
 import typer
 
 from controlplane.bootstrap import dev_key_file, init_account
-from controlplane.config import Settings, get_settings
+from controlplane.config import Settings, environment_for_child, get_settings
 
 app = typer.Typer(no_args_is_help=True, help="Control plane for speculative-decoding drafters.")
 deployment_app = typer.Typer(no_args_is_help=True, help="Create, update, get, list and delete deployments.")
@@ -125,11 +125,12 @@ def serve(
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
 
-def _exec_celery(*args: str) -> None:
+def _exec_celery(*args: str, env: dict[str, str] | None = None) -> None:
     import subprocess
 
     # The worker imports torch-backed task code, so it runs as its own process, never in here.
-    raise typer.Exit(subprocess.call([sys.executable, "-m", "celery", "-A", "workers.celery_app", *args]))
+    command = [sys.executable, "-m", "celery", "-A", "workers.celery_app", *args]
+    raise typer.Exit(subprocess.call(command, env=env))
 
 
 @app.command()
@@ -138,11 +139,9 @@ def worker(
     concurrency: Annotated[int, typer.Option()] = 1,
 ) -> None:
     """Run a Celery worker (queues: default for monitoring, gpu for training and canary replay)."""
-    import os
-
     # Tasks size their torch threads by the worker's process count (Settings.worker_torch_threads).
-    os.environ["CONTROLPLANE_WORKER_CONCURRENCY"] = str(concurrency)
-    _exec_celery("worker", "-Q", queues, "-c", str(concurrency), "--loglevel=INFO")
+    env = environment_for_child(CONTROLPLANE_WORKER_CONCURRENCY=str(concurrency))
+    _exec_celery("worker", "-Q", queues, "-c", str(concurrency), "--loglevel=INFO", env=env)
 
 
 @app.command()

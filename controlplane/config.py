@@ -6,6 +6,7 @@ development the service refuses to start while a secret still has its default va
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -101,3 +102,11 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """The process-wide settings, read once from the environment."""
     return Settings()
+
+
+def environment_for_child(**overrides: str) -> dict[str, str]:
+    """This process's environment plus ``overrides``, for a child process (a worker, a server).
+
+    The one place outside Settings that touches os.environ: children read their settings from it.
+    """
+    return {**os.environ, **overrides}

@@ -45,7 +45,7 @@ import httpx
 
 from controlplane.accounts.service import authenticate, first_account, get_account_by_name, issue_key
 from controlplane.bootstrap import prepare_embedded_database
-from controlplane.config import Settings
+from controlplane.config import Settings, environment_for_child
 from controlplane.db.models import Role
 from controlplane.db.session import unit_of_work
 
@@ -318,9 +318,8 @@ def serving_key(settings: Settings, account_name: str | None) -> tuple[Path, str
 
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment every child reads its settings from: ours, with the resolved values pinned."""
-    env = dict(os.environ)
-    env.update(
-        {
+    return environment_for_child(
+        **{
             "CONTROLPLANE_DATABASE_URL": settings.database_url,
             "CONTROLPLANE_BROKER_URL": settings.broker_url,
             "CONTROLPLANE_RESULT_BACKEND_URL": settings.result_backend_url,
@@ -333,7 +332,6 @@ def child_env(settings: Settings) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
         }
     )
-    return env
 
 
 def child_specs(settings: Settings, options: UpOptions, *, account: str, key_file: Path) -> list[ChildSpec]:
