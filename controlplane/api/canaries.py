@@ -32,6 +32,7 @@ from controlplane.canary.service import (
     version_summary,
 )
 from controlplane.canary.tuning_view import draft_length_table
+from controlplane.db.models import DrafterVersion
 from controlplane.deployments.service import get_deployment, resource_name
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["canary"])
@@ -173,11 +174,11 @@ def canary_promote(
 ) -> dict[str, Any]:
     target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
     canary = get_canary(session=session, deployment_id=target.id, canary_id=canary_id)
-    candidate = canary_summary(session, canary)["candidate_version"]
+    candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
     promote(
         session=session,
         deployment_id=target.id,
-        version_number=int(candidate),
+        version_number=candidate.version,
         actor=principal.actor,
         reason=f"promoted by hand: {(body or Reason()).reason}",
         canary=canary,
