@@ -65,6 +65,7 @@ class ArmObservations:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     verify_steps: int = 0
+    per_request: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted)
 
     def add(self, row: Any) -> None:
         generated = int(row.generated_tokens or 0)
@@ -77,6 +78,7 @@ class ArmObservations:
             self.ms_per_token.append(latency)
         self.drafted += int(row.drafted_tokens or 0)
         self.accepted += int(row.accepted_tokens or 0)
+        self.per_request.append((int(row.drafted_tokens or 0), int(row.accepted_tokens or 0)))
         self.verify_steps += steps
         per_position = list(row.accepted_per_position or [])
         if len(per_position) > len(self.accepted_per_position):
@@ -141,9 +143,12 @@ def arm_figures(arms: dict[str, ArmObservations]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, obs in arms.items():
         n = len(obs.tokens_per_step)
+        hit_rate_se = decision_policy.request_level_spread(obs.per_request)[0]
         out[name] = {
             "requests": n,
             "hit_rate": round(obs.hit_rate, 4) if obs.hit_rate is not None else None,
+            # Request-level standard error: what the post-promotion watch allows for.
+            "hit_rate_se": round(hit_rate_se, 5) if hit_rate_se is not None else None,
             "tokens_per_step": round(sum(obs.tokens_per_step) / n, 4) if n else None,
             "ms_per_token": round(sum(obs.ms_per_token) / len(obs.ms_per_token), 4)
             if obs.ms_per_token
@@ -425,8 +430,9 @@ def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str
         )
         .limit(int(policy["watch_requests"]) * 4 or 1)
     ).all()
-    drafted = sum(int(r.drafted_tokens or 0) for r in rows)
-    accepted = sum(int(r.accepted_tokens or 0) for r in rows)
+    per_request = [(int(r.drafted_tokens or 0), int(r.accepted_tokens or 0)) for r in rows]
+    drafted = sum(d for d, _ in per_request)
+    accepted = sum(a for _, a in per_request)
     if not isinstance(expected, int | float) or not 0 < expected < 1:
         canary.phase = PHASE_CLOSED
         canary.arms = {
@@ -434,8 +440,15 @@ def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str
             "watch": {**watch, "closed": "no canary hit-rate estimate to watch against"},
         }
         return {"canary_id": canary.id, "watch": "closed"}
+    expected_se = watch.get("expected_hit_rate_se")
     verdict = decision_policy.rollback_check(
-        float(expected), drafted, accepted, len(rows), watch_requests=int(policy["watch_requests"])
+        float(expected),
+        drafted,
+        accepted,
+        len(rows),
+        watch_requests=int(policy["watch_requests"]),
+        estimate_standard_error=float(expected_se) if isinstance(expected_se, int | float) else 0.0,
+        per_request=per_request,
     )
     watch.update({"requests": len(rows), "verdict": verdict.as_dict()})
     canary.arms = {**canary.arms, "watch": watch}

@@ -32,7 +32,7 @@ live hit rate after a promotion against the canary's estimate.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -641,6 +641,29 @@ class RollbackVerdict:
 _ROLLBACK_DROPS = np.geomspace(0.03, 0.6, 12)
 
 
+def request_level_spread(per_request: Sequence[tuple[int, int]]) -> tuple[float | None, float | None]:
+    """Standard error and design effect of a pooled hit rate ``sum(accepted) / sum(drafted)``.
+
+    ``per_request`` holds each request's ``(drafted, accepted)``. Tokens of one request share its
+    prompt, so requests, not tokens, are the independent units: the ratio estimator's
+    cluster-robust variance is ``sum((a_i - p d_i)^2) n / (n - 1) / (sum d_i)^2``. The design
+    effect is that variance over the binomial one, ``p (1 - p) / sum(d_i)``: 1 when tokens are
+    independent, large when some requests are easy and others hard. ``(None, None)`` below two
+    requests with drafted tokens or when ``p`` is 0 or 1.
+    """
+    pairs = np.asarray([(d, a) for d, a in per_request if d > 0], dtype=float).reshape(-1, 2)
+    n = len(pairs)
+    if n < 2:
+        return None, None
+    drafted, accepted = pairs[:, 0], pairs[:, 1]
+    total = float(drafted.sum())
+    p = float(accepted.sum()) / total
+    if not 0 < p < 1:
+        return None, None
+    variance = float(np.sum((accepted - p * drafted) ** 2)) * n / (n - 1) / total**2
+    return math.sqrt(variance), variance / (p * (1 - p) / total)
+
+
 def rollback_check(
     canary_hit_rate_estimate: float,
     live_drafted: int,
@@ -651,6 +674,8 @@ def rollback_check(
     alpha: float = 0.01,
     tolerance: float = 0.02,
     intra_request_correlation: float = 0.05,
+    estimate_standard_error: float = 0.0,
+    per_request: Sequence[tuple[int, int]] | None = None,
 ) -> RollbackVerdict:
     """After a promotion: is the live hit rate significantly below the canary's estimate?
 
@@ -662,12 +687,23 @@ def rollback_check(
     ``intra_request_correlation``); a likelihood ratio to a power in (0, 1] is still a
     supermartingale under H0, so the mixture can be checked after every batch and rolls back
     wrongly with probability at most ``alpha``.
+
+    Two corrections keep a good drafter from being rolled back on noise. ``per_request`` (each live
+    request's ``(drafted, accepted)``) lets the design effect be measured instead of assumed: the
+    larger of the assumed and the measured one is used (traffic that mixes easy and hard prompts
+    is far more correlated within a request than ``intra_request_correlation`` says; with the
+    measured effect the guarantee is asymptotic, not exact). ``estimate_standard_error`` is the
+    canary estimate's own request-level error: the tolerance widens to two of them, since a
+    canary measured on a few dozen requests cannot promise its rate to the second decimal.
     """
     if not 0 < canary_hit_rate_estimate < 1:
         raise ValueError("canary_hit_rate_estimate must be in (0, 1)")
     if live_accepted < 0 or live_drafted < live_accepted or n_requests < 0:
         raise ValueError("need 0 <= live_accepted <= live_drafted and n_requests >= 0")
-    null_rate = max(canary_hit_rate_estimate - tolerance, 1e-6)
+    if estimate_standard_error < 0 or not math.isfinite(estimate_standard_error):
+        raise ValueError("estimate_standard_error must be a finite number >= 0")
+    margin = max(tolerance, 2.0 * estimate_standard_error)
+    null_rate = max(canary_hit_rate_estimate - margin, 1e-6)
     figures: dict[str, Any] = {
         "canary_hit_rate_estimate": canary_hit_rate_estimate,
         "null_hit_rate": null_rate,
@@ -677,11 +713,16 @@ def rollback_check(
         "n_requests": n_requests,
         "watch_requests": watch_requests,
         "alpha": alpha,
+        "margin": margin,
     }
     if live_drafted == 0 or n_requests == 0:
         return RollbackVerdict(False, n_requests < watch_requests, "no live drafted tokens yet", figures)
-    per_request = live_drafted / n_requests
-    design_effect = 1.0 + max(per_request - 1.0, 0.0) * intra_request_correlation
+    per_request_drafted = live_drafted / n_requests
+    design_effect = 1.0 + max(per_request_drafted - 1.0, 0.0) * intra_request_correlation
+    assumed_design_effect = design_effect
+    measured_design_effect = request_level_spread(per_request)[1] if per_request is not None else None
+    if measured_design_effect is not None:
+        design_effect = max(design_effect, measured_design_effect)
     alt = null_rate * (1.0 - _ROLLBACK_DROPS)
     rejected = live_drafted - live_accepted
     log_lr = live_accepted * np.log(alt / null_rate) + rejected * np.log((1.0 - alt) / (1.0 - null_rate))
@@ -689,12 +730,20 @@ def rollback_check(
     top = float(np.max(tempered))
     log_evidence = top + math.log(float(np.sum(np.exp(tempered - top))))
     p_value = min(1.0, math.exp(-log_evidence)) if log_evidence > 0 else 1.0
-    figures.update({"design_effect": design_effect, "log_evidence": log_evidence, "p_value": p_value})
+    figures.update(
+        {
+            "design_effect": design_effect,
+            "assumed_design_effect": assumed_design_effect,
+            "measured_design_effect": measured_design_effect,
+            "log_evidence": log_evidence,
+            "p_value": p_value,
+        }
+    )
     live = live_accepted / live_drafted
     if log_evidence >= math.log(1.0 / alpha):
         reason = (
             f"live hit rate {live:.3f} over {n_requests} requests is significantly below the canary's "
-            f"{canary_hit_rate_estimate:.3f} (tolerance {tolerance}; anytime p = {p_value:.2g}); roll back"
+            f"{canary_hit_rate_estimate:.3f} (margin {margin:.3f}; anytime p = {p_value:.2g}); roll back"
         )
         return RollbackVerdict(True, False, reason, figures)
     watching = n_requests < watch_requests

@@ -439,6 +439,7 @@ def promote(
                 "expected_hit_rate": expected_hit_rate
                 if expected_hit_rate is not None
                 else _expected_hit_rate(canary),
+                "expected_hit_rate_se": _expected_hit_rate_se(canary),
                 "requests": 0,
             },
         }
@@ -482,6 +483,20 @@ def _expected_hit_rate(canary: Canary) -> float | None:
         rate = source.get("hit_rate") if isinstance(source, dict) else None
         if isinstance(rate, int | float) and 0 < rate < 1:
             return float(rate)
+    return None
+
+
+def _expected_hit_rate_se(canary: Canary) -> float | None:
+    """The request-level standard error of the candidate's measured hit rate (live split first)."""
+    figures = canary.arms.get("decision_figures") or {}
+    shadow = canary.arms.get("shadow") or {}
+    for source in (
+        (figures.get("arm_counts") or {}).get("candidate"),
+        (shadow.get("arms") or {}).get("candidate"),
+    ):
+        se = source.get("hit_rate_se") if isinstance(source, dict) else None
+        if isinstance(se, int | float) and se >= 0:
+            return float(se)
     return None
 
 

@@ -4,6 +4,7 @@ figures; guardrails; post-promotion rollback."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from controlplane.canary.policy import (
     GuardrailThresholds,
     decide,
     guardrail_check,
+    request_level_spread,
     rollback_check,
 )
 from controlplane.canary.statistics import ArmAccumulator
@@ -307,3 +309,57 @@ def test_no_rollback_when_live_matches_the_canary() -> None:
     assert not done.rollback and not done.watching
     with pytest.raises(ValueError):
         rollback_check(0.7, 10, 20, 1)
+
+
+def mixed_traffic(seed: int, streams: int, n: int, hit_rate: float) -> np.ndarray:
+    """Accepted tokens of 56 drafted per request, half the requests easy (+0.25), half hard (-0.25):
+    like a structured workload whose templates differ, far more correlated within a request than
+    the assumed intra-request correlation."""
+    rng = np.random.default_rng(seed)
+    rates = np.where(rng.random((streams, n)) < 0.5, hit_rate + 0.25, hit_rate - 0.25)
+    return rng.binomial(56, rates)
+
+
+def watched_rollbacks(accepted: np.ndarray, *, measured: bool) -> float:
+    rolled = 0
+    for stream in accepted:
+        pairs = [(56, int(a)) for a in stream]
+        totals = np.cumsum(stream)
+        rolled += any(
+            rollback_check(
+                0.70, 56 * n, int(totals[n - 1]), n, per_request=pairs[:n] if measured else None
+            ).rollback
+            for n in range(10, len(stream) + 1, 10)
+        )
+    return rolled / len(accepted)
+
+
+def test_measured_design_effect_keeps_mixed_traffic_from_false_rollbacks() -> None:
+    matching = mixed_traffic(21, 300, 100, 0.70)
+    assumed_only = watched_rollbacks(matching, measured=False)
+    with_measured = watched_rollbacks(matching, measured=True)
+    # The assumed correlation understates this traffic's: the test rolls back a drafter that
+    # serves exactly as the canary said several times more often than alpha = 0.01 allows.
+    assert assumed_only > 0.02
+    assert with_measured <= 0.02
+    # ...and still catches a real drop within the watch.
+    assert watched_rollbacks(mixed_traffic(22, 100, 100, 0.55), measured=True) >= 0.9
+
+
+def test_request_level_spread_is_the_cluster_robust_error() -> None:
+    se, effect = request_level_spread([(10, 5), (10, 5), (10, 5)])
+    assert se == 0.0 and effect == 0.0  # identical requests: no spread at all
+    se, effect = request_level_spread([(10, 10), (10, 0), (10, 10), (10, 0)])
+    assert effect is not None and effect > 5  # all-or-nothing requests: a whole request is one unit
+    assert se == pytest.approx(math.sqrt(4 * 25 * 4 / 3) / 40)
+    assert request_level_spread([(10, 4)]) == (None, None)
+    assert request_level_spread([(10, 10), (5, 5)]) == (None, None)
+
+
+def test_canary_estimate_error_widens_the_rollback_margin() -> None:
+    tight = rollback_check(0.70, 5_000, 3_100, 100)
+    widened = rollback_check(0.70, 5_000, 3_100, 100, estimate_standard_error=0.03)
+    assert tight.rollback and not widened.rollback
+    assert widened.figures["margin"] == pytest.approx(0.06)
+    with pytest.raises(ValueError):
+        rollback_check(0.70, 10, 5, 1, estimate_standard_error=-0.1)
