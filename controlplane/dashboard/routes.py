@@ -17,8 +17,9 @@ from pathlib import Path
 from string import Template
 from typing import Annotated, Any
 
+import orjson
 from fastapi import APIRouter, HTTPException, Query, status
-from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 
 from controlplane.api.deps import Reader, SessionDep
 from controlplane.dashboard.service import (
@@ -57,8 +58,23 @@ PAGE_TITLES = {
     "audit": "Audit and promotion history",
 }
 
+
+class DashboardJSON(JSONResponse):
+    """The JSON routes' answer, rendered by orjson straight from the service's dicts.
+
+    A deployment's series is ~100 kB of plain numbers; validating and encoding it as a
+    ``dict[str, Any]`` return value cost FastAPI ~20 ms, more than the queries behind it.
+    orjson writes datetimes as ISO 8601 and NaN as null (valid JSON, unlike the stdlib's NaN).
+    """
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+
+
 pages = APIRouter(prefix="/dashboard", include_in_schema=False)
-api = APIRouter(prefix="/v1/accounts/{account}/dashboard", tags=["dashboard"])
+api = APIRouter(
+    prefix="/v1/accounts/{account}/dashboard", tags=["dashboard"], default_response_class=DashboardJSON
+)
 
 
 @lru_cache(maxsize=1)
@@ -146,9 +162,11 @@ def _parse_end(value: str | None) -> datetime | None:
 
 
 @api.get("/overview")
-def overview_data(account: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+def overview_data(account: str, principal: Reader, session: SessionDep) -> DashboardJSON:
     """Every deployment with mode, active drafter, k, current hit rate, speed-up, drift and jobs."""
-    return overview(session=session, account_id=principal.account_id, account_name=account, now=_now())
+    return DashboardJSON(
+        overview(session=session, account_id=principal.account_id, account_name=account, now=_now())
+    )
 
 
 @api.get("/deployments/{deployment}")
@@ -159,34 +177,36 @@ def deployment_data(
     session: SessionDep,
     range_name: Annotated[str, Query(alias="range")] = DEFAULT_RANGE,
     end: str | None = None,
-) -> dict[str, Any]:
+) -> DashboardJSON:
     """Hit rate, latency and throughput over time with markers, and per-position acceptance."""
     target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return deployment_view(
-        session=session,
-        deployment=target,
-        account_name=account,
-        range_name=range_name,
-        end=_parse_end(end),
-        now=_now(),
+    return DashboardJSON(
+        deployment_view(
+            session=session,
+            deployment=target,
+            account_name=account,
+            range_name=range_name,
+            end=_parse_end(end),
+            now=_now(),
+        )
     )
 
 
 @api.get("/deployments/{deployment}/canaries")
-def canaries_data(account: str, deployment: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+def canaries_data(account: str, deployment: str, principal: Reader, session: SessionDep) -> DashboardJSON:
     """The deployment's canaries as stored, and per-arm series over the newest one's window."""
     target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return canaries_view(session=session, deployment=target, now=_now())
+    return DashboardJSON(canaries_view(session=session, deployment=target, now=_now()))
 
 
 @api.get("/deployments/{deployment}/promotions")
-def promotions_data(account: str, deployment: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+def promotions_data(account: str, deployment: str, principal: Reader, session: SessionDep) -> DashboardJSON:
     """The deployment's drafter versions and its promotion and rollback history."""
     target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return promotion_history(session=session, deployment=target, account_name=account)
+    return DashboardJSON(promotion_history(session=session, deployment=target, account_name=account))
 
 
 @api.get("/jobs")
-def jobs_data(account: str, principal: Reader, session: SessionDep, limit: int = 200) -> dict[str, Any]:
+def jobs_data(account: str, principal: Reader, session: SessionDep, limit: int = 200) -> DashboardJSON:
     """The account's jobs across deployments, queued and running first."""
-    return account_jobs(session=session, account_id=principal.account_id, limit=limit)
+    return DashboardJSON(account_jobs(session=session, account_id=principal.account_id, limit=limit))

@@ -156,6 +156,7 @@ def overview(*, session: Session, account_id: int, account_name: str, now: datet
             start=now - CURRENT_WINDOW,
             end=now,
             bucket_seconds=int(CURRENT_WINDOW.total_seconds()),
+            percentiles=False,  # the overview shows counts and ratios only
         )["total"]
         k = info["effective_draft_token_count"]
         rows.append(
@@ -220,6 +221,7 @@ def deployment_view(
         start=end_at - CURRENT_WINDOW,
         end=end_at,
         bucket_seconds=int(CURRENT_WINDOW.total_seconds()),
+        percentiles=False,  # read for its per-position acceptance only
     )["total"]
     last_event = session.scalar(
         select(DriftEvent).where(DriftEvent.deployment_id == deployment.id).order_by(DriftEvent.id.desc())

@@ -202,6 +202,7 @@ def _select(
     ]
     if hists:
         columns += [getattr(r, name) for name in HISTOGRAMS]
+    columns.append(r.id)  # last: lets a bucket's histograms be fetched later, by row
     runs = [
         and_(r.resolution_s == resolution, r.bucket_start >= _at(first), r.bucket_start < _at(last))
         for resolution, first, last in blocks
@@ -218,6 +219,22 @@ def _fetch(session: Session, blocks: Sequence[Block], hists: bool, **filters: An
     if not blocks:
         return []
     return list(session.execute(_select(blocks, hists=hists, **filters)))
+
+
+# Rows per statement when histograms are fetched by row id (well under SQLite's bound parameters).
+_IDS_PER_STATEMENT = 500
+
+
+def _histograms_of(session: Session, ids: Sequence[int]) -> dict[int, tuple[Any, ...]]:
+    """The latency histograms of the given rollup rows, by row id."""
+    r = AcceptanceRollupRow
+    out: dict[int, tuple[Any, ...]] = {}
+    for i in range(0, len(ids), _IDS_PER_STATEMENT):
+        chunk = ids[i : i + _IDS_PER_STATEMENT]
+        query = select(r.id, *(getattr(r, name) for name in HISTOGRAMS)).where(r.id.in_(chunk))
+        for row in session.execute(query):
+            out[row[0]] = tuple(row[1:])
+    return out
 
 
 def _group(rows: Sequence[Any], lo: int, bucket_seconds: int) -> dict[int, list[Any]]:
@@ -239,8 +256,8 @@ def _group(rows: Sequence[Any], lo: int, bucket_seconds: int) -> dict[int, list[
     return groups
 
 
-def _sum_rows(rows: Sequence[Any]) -> BucketSums:
-    """The sums of rows holding histograms (or of exactly one row, whose percentiles it takes)."""
+def _sum_counts(rows: Sequence[Any]) -> BucketSums:
+    """The summed counts of rows, without percentiles."""
     first = rows[0]
     sums = BucketSums(
         requests=first[1],
@@ -252,9 +269,6 @@ def _sum_rows(rows: Sequence[Any]) -> BucketSums:
         timed_requests=first[7],
         accepted_per_position=list(first[_POSITIONS] or []),
     )
-    if len(rows) == 1:
-        sums.percentiles = first[_PERCENTILES]
-        return sums
     for row in rows[1:]:
         sums.requests += row[1]
         sums.drafted_tokens += row[2]
@@ -264,8 +278,20 @@ def _sum_rows(rows: Sequence[Any]) -> BucketSums:
         sums.total_ms_sum += row[6]
         sums.timed_requests += row[7]
         merge_positions(sums.accepted_per_position, row[_POSITIONS] or [])
-    hists = [hist_merge([row[_HISTS][i] for row in rows]) for i in range(len(HISTOGRAMS))]
-    sums.percentiles = row_percentiles(hists)
+    return sums
+
+
+def _sum_rows(rows: Sequence[Any], histograms: dict[int, tuple[Any, ...]] | None = None) -> BucketSums:
+    """The sums of rows with their percentiles: exactly one row takes its own; several merge their
+    histograms, read from the rows themselves or, when given, from ``histograms`` by row id."""
+    sums = _sum_counts(rows)
+    if len(rows) == 1:
+        sums.percentiles = rows[0][_PERCENTILES]
+        return sums
+    per_row = (
+        [histograms[row[-1]] for row in rows] if histograms is not None else [row[_HISTS] for row in rows]
+    )
+    sums.percentiles = row_percentiles([hist_merge([h[i] for h in per_row]) for i in range(len(HISTOGRAMS))])
     return sums
 
 
@@ -277,8 +303,8 @@ def _percentiles(session: Session, blocks: Sequence[Block], **filters: Any) -> S
     rows = _fetch(session, blocks, several, **filters)
     if not rows:
         return BucketSums().percentiles
-    if len(rows) > 1 and not several:
-        rows = _fetch(session, blocks, True, **filters)
+    if len(rows) > 1 and not several:  # several arms or drafter versions in the one row's span
+        return _sum_rows(rows, _histograms_of(session, [row[-1] for row in rows])).percentiles
     return _sum_rows(rows).percentiles
 
 
@@ -291,11 +317,13 @@ def acceptance_series(
     bucket_seconds: int,
     arm: str | None = None,
     drafter_version: int | None = None,
+    percentiles: bool = True,
 ) -> dict[str, Any]:
     """Buckets of ``bucket_seconds`` between start (inclusive) and end (exclusive), plus a total.
 
     A record belongs to the range when its minute starts in [start, end); buckets start at
-    ``start``, and the last one may be partial.
+    ``start``, and the last one may be partial. ``percentiles=False`` leaves the latency
+    percentiles out (None) and reads no histogram: for callers that want only the counts.
     """
     if bucket_seconds < 60 or bucket_seconds % 60:
         raise ValidationProblem("bucket_seconds must be a positive multiple of 60 (rollups are per minute)")
@@ -313,13 +341,17 @@ def acceptance_series(
     total = BucketSums()
     if lo < hi:
         blocks, several = plan_buckets(lo, hi, bucket_seconds)
-        rows = _fetch(session, blocks, several, **filters)
+        rows = _fetch(session, blocks, several and percentiles, **filters)
         groups = _group(rows, lo, bucket_seconds)
-        if not several and any(len(group) > 1 for group in groups.values()):
-            # Several arms or drafter versions share a bucket: their percentiles need histograms.
-            groups = _group(_fetch(session, blocks, True, **filters), lo, bucket_seconds)
+        histograms: dict[int, tuple[Any, ...]] | None = None
+        if percentiles and not several:
+            # Several arms or drafter versions may share a bucket: only those buckets' rows need
+            # their histograms, fetched by row id.
+            shared = [row[-1] for group in groups.values() if len(group) > 1 for row in group]
+            histograms = _histograms_of(session, shared) if shared else None
         for index, group in groups.items():
-            buckets[index] = sums = _sum_rows(group)
+            sums = _sum_rows(group, histograms) if percentiles else _sum_counts(group)
+            buckets[index] = sums
             total.requests += sums.requests
             total.drafted_tokens += sums.drafted_tokens
             total.accepted_tokens += sums.accepted_tokens
@@ -328,9 +360,15 @@ def acceptance_series(
             total.total_ms_sum += sums.total_ms_sum
             total.timed_requests += sums.timed_requests
             merge_positions(total.accepted_per_position, sums.accepted_per_position)
-        if len(buckets) == 1:
+        if not percentiles:
+            pass  # the total's percentiles stay None, like every bucket's
+        elif len(buckets) == 1:
             # One bucket holds every row of the range: its percentiles are the total's.
             total.percentiles = next(iter(buckets.values())).percentiles
+        elif several and rows:
+            # The rows tile the range and came with their histograms: merge them all.
+            merged = [hist_merge([row[_HISTS][i] for row in rows]) for i in range(len(HISTOGRAMS))]
+            total.percentiles = row_percentiles(merged)
         elif buckets:
             total.percentiles = _percentiles(session, cover(lo, hi), **filters)
     origin = start.timestamp()

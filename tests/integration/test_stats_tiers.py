@@ -250,6 +250,26 @@ def test_series_match_a_brute_force_recount(stored: tuple[Session, int, list[Acc
                 _check(bucket, expected[index], bucket_seconds)
             everything = [rec for chunk in expected.values() for rec in chunk]
             _check(result["total"], everything, int((end - start).total_seconds()))
+            # Counts only: the same figures, and no percentile read or guessed.
+            counts_only = acceptance_series(
+                session=session,
+                deployment_id=deployment_id,
+                start=start,
+                end=end,
+                bucket_seconds=bucket_seconds,
+                arm=arm,
+                drafter_version=version,
+                percentiles=False,
+            )
+            for full, lean in zip(
+                [*result["buckets"], result["total"]],
+                [*counts_only["buckets"], counts_only["total"]],
+                strict=True,
+            ):
+                assert all(v is None for k, v in lean.items() if k.endswith(("_p50", "_p95"))), case
+                assert {k: v for k, v in lean.items() if not k.endswith(("_p50", "_p95"))} == {
+                    k: v for k, v in full.items() if not k.endswith(("_p50", "_p95"))
+                }, case
 
 
 def test_finer_and_coarser_bucket_sizes_agree(stored: tuple[Session, int, list[AcceptanceRecord]]) -> None:
