@@ -28,6 +28,7 @@ from controlplane.canary.service import (
     PHASE_SHADOW,
     PHASE_WATCHING,
     _latest_record_id,
+    _lock_deployment,
     _resource,
     canary_policy,
     end_inconclusive,
@@ -420,16 +421,16 @@ def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str
     watch = dict(canary.arms.get("watch") or {})
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
     expected = watch.get("expected_hit_rate")
-    rows = session.execute(
-        select(AcceptanceRecordRow.drafted_tokens, AcceptanceRecordRow.accepted_tokens)
-        .where(
-            AcceptanceRecordRow.deployment_id == canary.deployment_id,
-            AcceptanceRecordRow.id > int(watch.get("since_record_id") or 0),
-            AcceptanceRecordRow.arm == ARM_LIVE,
-            AcceptanceRecordRow.drafter_version == candidate.version,
-        )
-        .limit(int(policy["watch_requests"]) * 4 or 1)
-    ).all()
+    query = select(AcceptanceRecordRow.drafted_tokens, AcceptanceRecordRow.accepted_tokens).where(
+        AcceptanceRecordRow.deployment_id == canary.deployment_id,
+        AcceptanceRecordRow.id > int(watch.get("since_record_id") or 0),
+        AcceptanceRecordRow.arm == ARM_LIVE,
+        AcceptanceRecordRow.drafter_version == candidate.version,
+    )
+    if watch.get("draft_length_reverted"):
+        # Servers pick the reverted k up within a config poll: judge only what ran at it.
+        query = query.where(AcceptanceRecordRow.k == int(watch["draft_length_reverted"]["to"]))
+    rows = session.execute(query.limit(int(policy["watch_requests"]) * 4 or 1)).all()
     per_request = [(int(r.drafted_tokens or 0), int(r.accepted_tokens or 0)) for r in rows]
     drafted = sum(d for d, _ in per_request)
     accepted = sum(a for _, a in per_request)
@@ -452,6 +453,8 @@ def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str
     )
     watch.update({"requests": len(rows), "verdict": verdict.as_dict()})
     canary.arms = {**canary.arms, "watch": watch}
+    if verdict.rollback and _revert_draft_length(session, canary, watch, verdict.reason):
+        return {"canary_id": canary.id, "watch": "draft length reverted", "reason": verdict.reason}
     if verdict.rollback:
         rollback(session=session, deployment_id=canary.deployment_id, actor="system", reason=verdict.reason)
         return {"canary_id": canary.id, "watch": "rolled back", "reason": verdict.reason}
@@ -459,3 +462,44 @@ def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str
         canary.phase = PHASE_CLOSED
         return {"canary_id": canary.id, "watch": "closed", "reason": verdict.reason}
     return {"canary_id": canary.id, "watch": "watching", "reason": verdict.reason}
+
+
+def _revert_draft_length(session: Session, canary: Canary, watch: dict[str, Any], reason: str) -> bool:
+    """A promotion that also changed k and then falls short: go back to the k the canary measured.
+
+    The shortfall may be the tuner's extrapolation to a longer draft, not the drafter: the drafter
+    keeps serving at the canary's k, and the watch starts over against the rate measured there.
+    Only a shortfall at that k rolls the drafter back. Returns whether k was reverted.
+    """
+    canary_k, measured = watch.get("canary_k"), watch.get("measured_hit_rate")
+    if watch.get("draft_length_reverted") or not isinstance(canary_k, int) or canary_k <= 0:
+        return False
+    if not isinstance(measured, int | float) or not 0 < measured < 1:
+        return False
+    deployment = _lock_deployment(session, canary.deployment_id)
+    tuned_k = deployment.draft_token_count
+    if tuned_k is None or tuned_k == canary_k:
+        return False
+    deployment.draft_token_count = canary_k
+    deployment.row_version += 1
+    # A new dict: ``watch`` is already the stored value (flushed by the lock's query), and an
+    # in-place change of it would compare equal to itself and never be written.
+    reverted = {"from": tuned_k, "to": canary_k, "reason": reason, "at": utcnow().isoformat()}
+    watch = {
+        **watch,
+        "draft_length_reverted": reverted,
+        "expected_hit_rate": measured,
+        "since_record_id": _latest_record_id(session, deployment.id),
+        "requests": 0,
+    }
+    canary.arms = {**canary.arms, "watch": watch}
+    record_change(
+        session=session,
+        account_id=deployment.account_id,
+        actor="system",
+        action="drafter.draft_length_reverted",
+        resource=_resource(session, deployment),
+        before={"draft_token_count": tuned_k},
+        after={"draft_token_count": canary_k, "reason": reason},
+    )
+    return True

@@ -440,6 +440,10 @@ def promote(
                 if expected_hit_rate is not None
                 else _expected_hit_rate(canary),
                 "expected_hit_rate_se": _expected_hit_rate_se(canary),
+                # What the canary measured at its own k: if the tuned k falls short, the watch
+                # goes back to this k (and this rate) before it rolls the drafter back.
+                "canary_k": int(canary.arms.get("k") or 0) or None,
+                "measured_hit_rate": _expected_hit_rate(canary),
                 "requests": 0,
             },
         }

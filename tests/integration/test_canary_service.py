@@ -451,6 +451,46 @@ def test_a_live_canary_that_wins_is_promoted_and_serving_follows(
     )
 
 
+def test_a_tuned_k_that_falls_short_goes_back_to_the_canary_k_before_any_rollback(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
+) -> None:
+    acme = tenants[0]
+    admin, viewer = acme.headers(Role.admin), acme.headers(Role.viewer)
+    _deployment(client, acme)
+    policy = {"candidate_weight": 0.3, "baseline_weight": 0.3, "tune_draft_length": True}
+    assert client.patch(f"{BASE}/svc/canary-policy", json=policy, headers=admin).status_code == 200
+    canary_id, deployment_id = _live_canary(db, settings, _shadow(3.0, 1.3))
+    _records(db, deployment_id, "live", 120, tps=1.3, ms=5.2, hit=0.1, version=None, start=100)
+    _records(db, deployment_id, "canary:1", 90, tps=3.0, ms=2.2, hit=0.6, version=1, start=1000)
+    _records(db, deployment_id, "baseline", 90, tps=1.0, ms=5.0, hit=0.0, version=None, start=2000)
+
+    def evaluate() -> dict[str, Any]:
+        with db.new_session() as session:
+            outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
+            session.commit()
+        assert outcome is not None
+        return outcome
+
+    assert evaluate()["decision"] == "promote"
+    tuned_k = client.get(f"{BASE}/svc", headers=viewer).json()["draft_token_count"]
+    assert tuned_k != 4  # the tuner extrapolated past the canary's k = 4
+    # Live at the tuned k, the new drafter hits far below what the tuner expected...
+    _records(db, deployment_id, "live", 60, tps=1.4, ms=4.0, hit=0.15, version=1, start=5000)
+    outcome = evaluate()
+    assert outcome["watch"] == "draft length reverted", outcome
+    # ...so k goes back to the canary's, and the new drafter keeps serving.
+    deployment = client.get(f"{BASE}/svc", headers=viewer).json()
+    assert deployment["draft_token_count"] == 4 and deployment["active_drafter_version"] == 1
+    watch = client.get(f"{BASE}/svc/canaries/{canary_id}", headers=viewer).json()["arms"]["watch"]
+    assert watch["draft_length_reverted"]["from"] == tuned_k and watch["expected_hit_rate"] == 0.6
+    audit = client.get("/v1/accounts/acme/audit", headers=admin).json()["entries"]
+    assert any(e["action"] == "drafter.draft_length_reverted" for e in audit)
+    # At the canary's own k it still falls short: now the drafter is rolled back.
+    _records(db, deployment_id, "live", 60, tps=1.4, ms=4.0, hit=0.15, version=1, start=6000)
+    assert evaluate()["watch"] == "rolled back"
+    assert client.get(f"{BASE}/svc", headers=viewer).json()["active_drafter_version"] is None
+
+
 def test_a_slower_than_no_speculation_incumbent_is_switched_to_ngram_when_the_candidate_fails(
     client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
 ) -> None:
