@@ -22,6 +22,7 @@ keeps exactly one active version whatever happens.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -476,32 +477,30 @@ def _answer_drift_events(session: Session, deployment_id: int) -> None:
     )
 
 
-def _expected_hit_rate(canary: Canary) -> float | None:
-    """The candidate's hit rate as the canary measured it: live split first, else shadow replay."""
+def _candidate_figure(canary: Canary, name: str, low: float, high: float) -> float | None:
+    """A figure of the candidate arm as the canary measured it, in [low, high): live split first,
+    else shadow replay."""
     figures = canary.arms.get("decision_figures") or {}
     shadow = canary.arms.get("shadow") or {}
     for source in (
         (figures.get("arm_counts") or {}).get("candidate"),
         (shadow.get("arms") or {}).get("candidate"),
     ):
-        rate = source.get("hit_rate") if isinstance(source, dict) else None
-        if isinstance(rate, int | float) and 0 < rate < 1:
-            return float(rate)
+        value = source.get(name) if isinstance(source, dict) else None
+        if isinstance(value, int | float) and low <= value < high:
+            return float(value)
     return None
+
+
+def _expected_hit_rate(canary: Canary) -> float | None:
+    """The candidate's measured hit rate (strictly between 0 and 1)."""
+    rate = _candidate_figure(canary, "hit_rate", 0.0, 1.0)
+    return rate if rate else None
 
 
 def _expected_hit_rate_se(canary: Canary) -> float | None:
-    """The request-level standard error of the candidate's measured hit rate (live split first)."""
-    figures = canary.arms.get("decision_figures") or {}
-    shadow = canary.arms.get("shadow") or {}
-    for source in (
-        (figures.get("arm_counts") or {}).get("candidate"),
-        (shadow.get("arms") or {}).get("candidate"),
-    ):
-        se = source.get("hit_rate_se") if isinstance(source, dict) else None
-        if isinstance(se, int | float) and se >= 0:
-            return float(se)
-    return None
+    """The request-level standard error of the candidate's measured hit rate."""
+    return _candidate_figure(canary, "hit_rate_se", 0.0, math.inf)
 
 
 def reject(

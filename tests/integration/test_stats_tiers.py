@@ -233,15 +233,16 @@ def test_series_match_a_brute_force_recount(stored: tuple[Session, int, list[Acc
             case = (
                 f"{start.isoformat()} .. {end.isoformat()} / {bucket_seconds}s, arm {arm}, version {version}"
             )
-            result = acceptance_series(
-                session=session,
-                deployment_id=deployment_id,
-                start=start,
-                end=end,
-                bucket_seconds=bucket_seconds,
-                arm=arm,
-                drafter_version=version,
-            )
+            query = {
+                "session": session,
+                "deployment_id": deployment_id,
+                "start": start,
+                "end": end,
+                "bucket_seconds": bucket_seconds,
+                "arm": arm,
+                "drafter_version": version,
+            }
+            result = acceptance_series(**query)
             expected = _brute_force(records, start, end, bucket_seconds, arm, version)
             assert [b["start"] for b in result["buckets"]] == [
                 (start + timedelta(seconds=i * bucket_seconds)).isoformat() for i in sorted(expected)
@@ -251,16 +252,7 @@ def test_series_match_a_brute_force_recount(stored: tuple[Session, int, list[Acc
             everything = [rec for chunk in expected.values() for rec in chunk]
             _check(result["total"], everything, int((end - start).total_seconds()))
             # Counts only: the same figures, and no percentile read or guessed.
-            counts_only = acceptance_series(
-                session=session,
-                deployment_id=deployment_id,
-                start=start,
-                end=end,
-                bucket_seconds=bucket_seconds,
-                arm=arm,
-                drafter_version=version,
-                percentiles=False,
-            )
+            counts_only = acceptance_series(**query, percentiles=False)
             for full, lean in zip(
                 [*result["buckets"], result["total"]],
                 [*counts_only["buckets"], counts_only["total"]],
