@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from workers.engine.model import ModelConfig, build_model
+from workers.engine.model import FastLinear, ModelConfig, build_model
 
 ConfigFactory = Callable[..., ModelConfig]
 
@@ -119,3 +120,32 @@ def test_cached_path_follows_weight_updates(tiny_config: ConfigFactory) -> None:
     model.invalidate_fast_path()
     with torch.inference_mode():
         torch.testing.assert_close(cached_logits(), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_fast_linear_matches_f_linear_and_follows_in_place_weight_changes() -> None:
+    torch.manual_seed(0)
+    # Big enough for the oneDNN path on several rows (where this torch build has it).
+    weights = [torch.nn.Parameter(torch.randn(512, 384) * 0.05) for _ in range(3)]
+    biases = [torch.nn.Parameter(torch.randn(512) * 0.05), None, torch.nn.Parameter(torch.randn(512) * 0.05)]
+    fused = FastLinear(weights, biases)
+    x = torch.randn(1, 5, 384)
+
+    def expected() -> list[torch.Tensor]:
+        return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
+    with torch.inference_mode():
+        for got, want in zip(fused.parts(x), expected(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        one_row = fused.parts(x[:, :1])
+        for got, want in zip(one_row, [e[:, :1] for e in expected()], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # An optimizer step changes the weights in place: the packed copy must not be served stale.
+    with torch.no_grad():
+        weights[1].mul_(-2.0)
+        biases[2].add_(1.0)
+    with torch.inference_mode():
+        for got, want in zip(fused.parts(x), expected(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # With gradients wanted, the product goes through the parameters themselves.
+    fused.parts(x)[0].sum().backward()
+    assert weights[0].grad is not None and biases[0].grad is not None
