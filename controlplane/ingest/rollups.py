@@ -1,7 +1,7 @@
 """Rollups of acceptance records: pure aggregation, log histograms, and the database upsert.
 
 Records are summed per (minute, arm, drafter version) and, in the same transaction, per coarser
-tier (5 min, 1 h, 1 day): ``acceptance_rollups`` holds one row per (resolution, bucket, arm,
+tier (5 min, 1 h, 6 h, 1 day): ``acceptance_rollups`` holds one row per (resolution, bucket, arm,
 drafter version), so a stats query reads at most a few hundred rows whatever the range. Every
 tier's buckets start at multiples of its resolution since the Unix epoch, and each resolution
 divides the next.
@@ -37,9 +37,12 @@ HIST_MIN_MS = 0.01
 _LOG_RATIO = math.log(HIST_RATIO)
 
 # Rollup resolutions in seconds, finest first. Each divides the next (and a UTC day), so a row
-# of one tier is the exact sum of the rows of any finer tier inside it.
+# of one tier is the exact sum of the rows of any finer tier inside it. The 6-hour tier lets a
+# 30-day chart (120 six-hour buckets) read one row per bucket instead of merging six hourly
+# rows' histograms for each.
 MINUTE = 60
-RESOLUTIONS = (MINUTE, 300, 3600, 86400)
+SIX_HOURS = 6 * 3600
+RESOLUTIONS = (MINUTE, 300, 3600, SIX_HOURS, 86400)
 TIER_RESOLUTIONS = RESOLUTIONS[1:]
 
 # The latency figures every rollup row precomputes, as (histogram column, percentile columns).
