@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from itertools import accumulate, islice, zip_longest
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, insert, select, tuple_, update
+from sqlalchemy import Table, bindparam, insert, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -241,8 +241,9 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
 
     Rows are first created empty (insert-or-ignore), then locked in key order and updated, so
     concurrent batches touching the same buckets serialise instead of losing counts or
-    deadlocking. Three statements whatever the number of tiers: this runs in every ingest
-    transaction, where round trips dominate.
+    deadlocking. Three statements whatever the number of tiers (two on PostgreSQL, where one
+    upsert creates, locks and reads): this runs in every ingest transaction, where round trips
+    dominate.
     """
     if not deltas:
         return
@@ -263,10 +264,14 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
     rows.update(tier_deltas(minutes))
     keys = sorted(rows)
     like = keys[0][1]
-    _insert_empty(session, deployment_id, keys)
+    if session.get_bind().dialect.name == "postgresql":
+        current = _upsert_locking(session, deployment_id, keys)
+    else:
+        _insert_empty(session, deployment_id, keys)
+        current = _lock_rows(session, deployment_id, keys)
     locked = {
         (row.resolution_s, _aware(row.bucket_start, like), row.arm, row.drafter_version): row
-        for row in _lock_rows(session, deployment_id, keys)
+        for row in current
     }
     # A Core executemany on the table: the ORM's bulk-update path costs several times more CPU
     # per row, and this runs in every ingest transaction.
@@ -275,12 +280,7 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
 
 
 def _insert_empty(session: Session, deployment_id: int, keys: Sequence[TierKey]) -> None:
-    empty = {
-        "deployment_id": deployment_id,
-        **dict.fromkeys(_SUM_COLUMNS, 0),
-        "accepted_per_position": [],
-        **{name: [] for name in HISTOGRAMS},
-    }
+    empty = _empty_row(deployment_id)
     stmt: Any
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
@@ -295,6 +295,40 @@ def _insert_empty(session: Session, deployment_id: int, keys: Sequence[TierKey])
             {**empty, "resolution_s": r, "bucket_start": b, "arm": a, "drafter_version": v}
             for r, b, a, v in keys
         ],
+    )
+
+
+def _empty_row(deployment_id: int) -> dict[str, Any]:
+    return {
+        "deployment_id": deployment_id,
+        **dict.fromkeys(_SUM_COLUMNS, 0),
+        "accepted_per_position": [],
+        **{name: [] for name in HISTOGRAMS},
+    }
+
+
+def _upsert_locking(session: Session, deployment_id: int, keys: Sequence[TierKey]) -> list[Any]:
+    """PostgreSQL: create the missing rows of sorted ``keys``, lock all of them and read them, in
+    one statement.
+
+    The no-op DO UPDATE locks an existing row and RETURNING hands back its current values.
+    Rows are processed, and so locked, in key order (WITH ORDINALITY), the same sorted order in
+    every writer, so concurrent batches cannot deadlock. The keys travel as four arrays, so the
+    statement's text is the same whatever their number: the driver parses it once and the
+    server prepares it, where a VALUES list would be a new statement of hundreds of
+    placeholders on every call.
+    """
+    return list(
+        session.execute(
+            _UPSERT_LOCKING,
+            {
+                "deployment_id": deployment_id,
+                "resolutions": [key[0] for key in keys],
+                "starts": [key[1] for key in keys],
+                "arms": [key[2] for key in keys],
+                "versions": [key[3] for key in keys],
+            },
+        )
     )
 
 
@@ -364,3 +398,29 @@ def _aware(value: datetime, like: datetime) -> datetime:
     if value.tzinfo is None and like.tzinfo is not None:
         return value.replace(tzinfo=like.tzinfo)
     return value
+
+
+_LOCKED_COLUMNS = (
+    "id",
+    "resolution_s",
+    "bucket_start",
+    "arm",
+    "drafter_version",
+    *_SUM_COLUMNS,
+    "accepted_per_position",
+    *HISTOGRAMS,
+)
+_UPSERT_LOCKING = text(
+    f"""
+    INSERT INTO acceptance_rollups (deployment_id, resolution_s, bucket_start, arm, drafter_version,
+        {", ".join(_SUM_COLUMNS)}, accepted_per_position, {", ".join(HISTOGRAMS)})
+    SELECT :deployment_id, k.resolution_s, k.bucket_start, k.arm, k.drafter_version,
+        {", ".join("0" for _ in _SUM_COLUMNS)}, '[]', {", ".join("'[]'" for _ in HISTOGRAMS)}
+    FROM unnest(CAST(:resolutions AS integer[]), CAST(:starts AS timestamptz[]),
+                CAST(:arms AS varchar[]), CAST(:versions AS integer[]))
+         WITH ORDINALITY AS k(resolution_s, bucket_start, arm, drafter_version, position)
+    ORDER BY k.position
+    ON CONFLICT ON CONSTRAINT uq_acceptance_rollups_key DO UPDATE SET requests = acceptance_rollups.requests
+    RETURNING {", ".join(_LOCKED_COLUMNS)}
+    """
+).columns(**{name: _ROLLUP_TABLE.c[name].type for name in _LOCKED_COLUMNS})

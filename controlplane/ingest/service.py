@@ -1,8 +1,10 @@
 """Writing acceptance records: idempotent by request id, all or nothing per batch, fast.
 
-PostgreSQL takes new rows through binary COPY (an order of magnitude faster than INSERTs);
-SQLite through one executemany. Either way the per-minute rollups are updated in the same
-transaction, from exactly the rows that were new, so a retried batch changes nothing.
+PostgreSQL takes large batches through binary COPY (an order of magnitude faster than INSERTs)
+and small ones through one INSERT ... ON CONFLICT DO NOTHING RETURNING, a single round trip
+that also names the rows it stored; SQLite takes every batch through one executemany. Either
+way the rollups are updated in the same transaction, from exactly the rows that were new, so a
+retried batch changes nothing.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import psycopg
-from sqlalchemy import insert, select, text
+from sqlalchemy import Table, insert, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -25,6 +28,17 @@ from controlplane.ingest.rollups import aggregate, apply_deltas
 # Duplicate ids echoed back to the caller are capped so a huge retried batch stays a small reply.
 MAX_ECHOED_DUPLICATES = 100
 _LOOKUP_CHUNK = 5_000
+# Batches up to this size skip COPY on PostgreSQL: COPY needs a savepoint around it (and, when a
+# stored id makes it fail, a lookup and a second write), three or more round trips where the
+# INSERT below takes one. Past it, COPY's speed per row wins.
+SMALL_BATCH_RECORDS = 64
+
+_RECORDS_TABLE = cast(Table, AcceptanceRecordRow.__table__)
+_INSERT_NEW_RETURNING = (
+    pg_insert(_RECORDS_TABLE)
+    .on_conflict_do_nothing(constraint="uq_acceptance_records_deployment_request")
+    .returning(_RECORDS_TABLE.c.request_id)
+)
 
 COPY_COLUMNS = (
     "deployment_id",
@@ -101,16 +115,6 @@ def _check_unique_within_batch(records: Sequence[AcceptanceRecord]) -> None:
 
 
 def _existing_ids(session: Session, deployment_id: int, ids: list[str]) -> set[str]:
-    if session.get_bind().dialect.name == "postgresql":
-        # One array parameter instead of thousands of bound values.
-        rows = session.execute(
-            text(
-                "SELECT request_id FROM acceptance_records"
-                " WHERE deployment_id = :d AND request_id = ANY(:ids)"
-            ),
-            {"d": deployment_id, "ids": ids},
-        )
-        return {row[0] for row in rows}
     found: set[str] = set()
     for start in range(0, len(ids), _LOOKUP_CHUNK):
         chunk = ids[start : start + _LOOKUP_CHUNK]
@@ -165,33 +169,48 @@ def _copy_with(
             )
 
 
+def _row_values(
+    deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "deployment_id": deployment_id,
+            "request_id": rec.request_id,
+            "created_at": rec.created_at or now,
+            "arm": rec.arm,
+            "drafter_version": rec.drafter_version,
+            "k": rec.k,
+            "drafted_tokens": rec.drafted_tokens,
+            "accepted_tokens": rec.accepted_tokens,
+            "verify_steps": rec.verify_steps,
+            "generated_tokens": rec.generated_tokens,
+            "prompt_tokens": rec.prompt_tokens,
+            "accepted_per_position": rec.accepted_per_position,
+            "ttft_ms": rec.ttft_ms,
+            "inter_token_ms": rec.inter_token_ms,
+            "total_ms": rec.total_ms,
+            "category": rec.category,
+        }
+        for rec in records
+    ]
+
+
 def _insert_rows(
     session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
 ) -> None:
-    session.execute(
-        insert(AcceptanceRecordRow),
-        [
-            {
-                "deployment_id": deployment_id,
-                "request_id": rec.request_id,
-                "created_at": rec.created_at or now,
-                "arm": rec.arm,
-                "drafter_version": rec.drafter_version,
-                "k": rec.k,
-                "drafted_tokens": rec.drafted_tokens,
-                "accepted_tokens": rec.accepted_tokens,
-                "verify_steps": rec.verify_steps,
-                "generated_tokens": rec.generated_tokens,
-                "prompt_tokens": rec.prompt_tokens,
-                "accepted_per_position": rec.accepted_per_position,
-                "ttft_ms": rec.ttft_ms,
-                "inter_token_ms": rec.inter_token_ms,
-                "total_ms": rec.total_ms,
-                "category": rec.category,
-            }
-            for rec in records
-        ],
-    )
+    session.execute(insert(AcceptanceRecordRow), _row_values(deployment_id, records, now))
+
+
+def _insert_new_rows(
+    session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
+) -> set[str]:
+    """PostgreSQL: store the records whose id is not yet stored; returns the ids stored.
+
+    ON CONFLICT DO NOTHING waits for a concurrent writer of the same id and then skips it, so
+    this never fails on a duplicate and needs no savepoint.
+    """
+    rows = session.execute(_INSERT_NEW_RETURNING, _row_values(deployment_id, records, now))
+    return {row[0] for row in rows}
 
 
 def store_records(
@@ -208,10 +227,8 @@ def store_batches(
 
     A request id already stored for the deployment, or already taken by an earlier batch of the
     same call, is skipped and reported as a duplicate of that batch, which makes retries
-    idempotent. The common case (no stored ids) goes straight to COPY inside a savepoint; only
-    when the unique constraint fires are stored ids looked up and skipped. A concurrent writer
-    storing the same ids between lookup and write makes the constraint fail again; the caller
-    then retries once.
+    idempotent. On PostgreSQL no duplicate, even one a concurrent writer is storing, makes this
+    fail (see _store_postgres); on SQLite a lookup after a conflict finds the stored ids.
     """
     for _, records in batches:
         _check_unique_within_batch(records)
@@ -233,19 +250,13 @@ def store_batches(
                 planned.setdefault(deployment_id, []).append(rec)
         repeated.append(repeats)
     stored_before: dict[int, set[str]] = {}
-    for deployment_id, candidates in planned.items():
-        existing: set[str] = set()
-        fresh = candidates
-        try:
-            with session.begin_nested():
-                _write_rows(session, deployment_id, fresh, now)
-        except IntegrityError as exc:
-            if not is_unique_violation(exc):
-                raise
-            existing = _existing_ids(session, deployment_id, [r.request_id for r in candidates])
-            fresh = [r for r in candidates if r.request_id not in existing]
-            if fresh:
-                _write_rows(session, deployment_id, fresh, now)
+    postgres = session.get_bind().dialect.name == "postgresql"
+    # Deployments in id order, like the rows inside each: concurrent writers lock in one order.
+    for deployment_id, candidates in sorted(planned.items()):
+        if postgres:
+            fresh, existing = _store_postgres(session, deployment_id, candidates, now)
+        else:
+            fresh, existing = _store_sqlite(session, deployment_id, candidates, now)
         if fresh:
             apply_deltas(
                 session=session, deployment_id=deployment_id, deltas=aggregate(fresh, when_default=now)
@@ -266,14 +277,60 @@ def store_batches(
     return results
 
 
-def _write_rows(
-    session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
-) -> None:
-    if session.get_bind().dialect.name == "postgresql":
-        _copy_rows(session, deployment_id, records, now)
-    else:
-        _insert_rows(session, deployment_id, records, now)
+def _request_id(record: AcceptanceRecord) -> str:
+    return record.request_id
+
+
+def _store_postgres(
+    session: Session, deployment_id: int, candidates: list[AcceptanceRecord], now: datetime
+) -> tuple[list[AcceptanceRecord], set[str]]:
+    """Write the candidates not stored yet; returns (written, ids already stored).
+
+    A large batch goes by COPY inside a savepoint. Should an id already be stored (a retry), or
+    be written by a concurrent writer meanwhile, the savepoint is undone and the batch goes
+    through INSERT ... ON CONFLICT DO NOTHING instead, which skips such ids, waiting for a
+    concurrent writer to finish first, and so never fails on a duplicate however many writers
+    race on the same ids. Rows go in request-id order: a writer waits on another's uncommitted
+    id only, and every writer takes its ids in the same order, so two batches sharing ids
+    cannot deadlock.
+    """
+    candidates = sorted(candidates, key=_request_id)
+    if len(candidates) > SMALL_BATCH_RECORDS:
+        try:
+            with session.begin_nested():
+                _copy_rows(session, deployment_id, candidates, now)
+            return candidates, set()
+        except IntegrityError as exc:
+            if not is_unique_violation(exc):
+                raise
+    stored = _insert_new_rows(session, deployment_id, candidates, now)
+    if len(stored) == len(candidates):
+        return candidates, set()
+    return [r for r in candidates if r.request_id in stored], {r.request_id for r in candidates} - stored
+
+
+def _store_sqlite(
+    session: Session, deployment_id: int, candidates: list[AcceptanceRecord], now: datetime
+) -> tuple[list[AcceptanceRecord], set[str]]:
+    """Write the candidates not stored yet; returns (written, ids already stored).
+
+    SQLite has one writer at a time, so ids looked up after a conflict cannot change before
+    the second write.
+    """
+    try:
+        with session.begin_nested():
+            _insert_rows(session, deployment_id, candidates, now)
+            session.flush()
+        return candidates, set()
+    except IntegrityError as exc:
+        if not is_unique_violation(exc):
+            raise
+    existing = _existing_ids(session, deployment_id, [r.request_id for r in candidates])
+    fresh = [r for r in candidates if r.request_id not in existing]
+    if fresh:
+        _insert_rows(session, deployment_id, fresh, now)
         session.flush()
+    return fresh, existing
 
 
 def is_unique_violation(exc: IntegrityError) -> bool:

@@ -1,0 +1,156 @@
+"""Concurrent writers on real PostgreSQL: overlapping request ids and shared rollup rows.
+
+Several threads, each with its own connection and transactions (as several API processes
+would), store batches that repeat each other's ids, through both write paths (the one-statement
+INSERT for small batches, COPY for large ones). Every id must be stored once, every batch's
+inserted + duplicate counts must add up to what was stored, no writer may deadlock, and every
+rollup tier must equal a recount of the stored rows.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import func, select, text
+
+from controlplane.db.migrate import upgrade_to_head
+from controlplane.db.models import (
+    AcceptanceRecordRow,
+    AcceptanceRollupRow,
+    Account,
+    Deployment,
+    SpeculationMode,
+)
+from controlplane.db.session import get_sessionmaker
+from controlplane.ingest.record import AcceptanceRecord
+from controlplane.ingest.rollups import RESOLUTIONS
+from controlplane.ingest.service import SMALL_BATCH_RECORDS, IngestResult, store_batches
+from tests.conftest import recreate_pg_database
+
+WRITERS = 4
+ROUNDS = 30
+START = datetime(2026, 11, 2, 5, 58, tzinfo=UTC)  # minutes cross an hour and a 6-hour edge
+
+
+def _record(request_id: str, rng: random.Random) -> AcceptanceRecord:
+    accepted = rng.randint(0, 8)
+    return AcceptanceRecord(
+        request_id=request_id,
+        drafted_tokens=8,
+        accepted_tokens=accepted,
+        verify_steps=2,
+        generated_tokens=accepted + 2,
+        accepted_per_position=[min(accepted, 4), max(0, min(accepted - 4, 4))],
+        inter_token_ms=rng.uniform(5, 30),
+        total_ms=rng.uniform(100, 900),
+        arm=rng.choice(["live", "baseline"]),
+        created_at=START + timedelta(seconds=rng.randrange(0, 5 * 60)),
+    )
+
+
+@pytest.mark.parametrize("batch_size", [1, SMALL_BATCH_RECORDS, SMALL_BATCH_RECORDS * 4])
+def test_concurrent_writers_store_each_id_once_and_keep_rollups_exact(batch_size: int) -> None:
+    url = recreate_pg_database(f"controlplane_writers_{batch_size}")
+    upgrade_to_head(url)
+    sessions = get_sessionmaker(url)
+    with sessions() as session:
+        account = Account(name="writers")
+        session.add(account)
+        session.flush()
+        deployment = Deployment(
+            account_id=account.id,
+            name="d",
+            target_model="m",
+            speculation_mode=SpeculationMode.default,
+            drift_policy={},
+            canary_policy={},
+        )
+        session.add(deployment)
+        session.commit()
+        deployment_id = deployment.id
+
+    # Ids drawn from a pool shared by every writer, so batches collide both inside one round
+    # and with what earlier rounds stored.
+    pool = [f"req-{i}" for i in range(batch_size * WRITERS * 3)]
+    results: list[IngestResult] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(WRITERS)
+    lock = threading.Lock()
+
+    def writer(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(ROUNDS):
+                ids = rng.sample(pool, batch_size)
+                records = [_record(request_id, rng) for request_id in ids]
+                barrier.wait(timeout=60)
+                # No retry: on PostgreSQL a duplicate, even one in flight, must never fail a batch.
+                with sessions() as session:
+                    [result] = store_batches(session=session, batches=[(deployment_id, records)])
+                    session.commit()
+                with lock:
+                    results.append(result)
+        except BaseException as exc:  # reported below, with the barrier released for the others
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(WRITERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    assert len(results) == WRITERS * ROUNDS
+
+    with sessions() as session:
+        stored = session.scalars(
+            select(AcceptanceRecordRow.request_id).where(AcceptanceRecordRow.deployment_id == deployment_id)
+        ).all()
+        assert len(stored) == len(set(stored))  # the unique constraint held
+        assert sum(r.inserted for r in results) == len(stored)
+        assert sum(r.inserted + r.duplicates for r in results) == WRITERS * ROUNDS * batch_size
+        assert any(r.duplicates for r in results)  # the ids really collided
+
+        # Every tier equals a recount of the stored rows, per arm.
+        truth = Counter()
+        for arm, requests, accepted in session.execute(
+            select(AcceptanceRecordRow.arm, func.count(), func.sum(AcceptanceRecordRow.accepted_tokens))
+            .where(AcceptanceRecordRow.deployment_id == deployment_id)
+            .group_by(AcceptanceRecordRow.arm)
+        ):
+            truth[(arm, "requests")] = requests
+            truth[(arm, "accepted")] = accepted
+        for resolution in RESOLUTIONS:
+            tier = Counter()
+            for arm, requests, accepted in session.execute(
+                select(
+                    AcceptanceRollupRow.arm,
+                    func.sum(AcceptanceRollupRow.requests),
+                    func.sum(AcceptanceRollupRow.accepted_tokens),
+                )
+                .where(
+                    AcceptanceRollupRow.deployment_id == deployment_id,
+                    AcceptanceRollupRow.resolution_s == resolution,
+                )
+                .group_by(AcceptanceRollupRow.arm)
+            ):
+                tier[(arm, "requests")] = requests
+                tier[(arm, "accepted")] = accepted
+            assert tier == truth, resolution
+        # Histograms count every stored request once, in every tier.
+        hist_total = session.execute(
+            text(
+                "SELECT resolution_s, SUM((SELECT SUM(value::bigint)"
+                " FROM json_array_elements_text(total_ms_hist) WITH ORDINALITY AS e(value, n)"
+                " WHERE n > 1)) FROM acceptance_rollups"
+                " WHERE deployment_id = :d GROUP BY resolution_s"
+            ),
+            {"d": deployment_id},
+        ).all()
+        assert {resolution: int(total) for resolution, total in hist_total} == dict.fromkeys(
+            RESOLUTIONS, len(stored)
+        )
