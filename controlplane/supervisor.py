@@ -360,6 +360,9 @@ def child_specs(settings: Settings, options: UpOptions, *, account: str, key_fil
     # free cores spin-wait each other into order-of-magnitude slowdowns.
     threads = options.serve_threads or max(1, (os.cpu_count() or 2) // 2)
     serve_argv += ["--threads", str(threads)]
+    # Verify passes may take every core when that is measured faster: the server times both
+    # counts as it serves and falls back to its own share while the worker trains.
+    serve_argv += ["--multi-row-threads", str(max(threads, os.cpu_count() or 1))]
     return [
         ChildSpec(
             "api",

@@ -8,7 +8,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from workers.engine.decoder import ContextLengthError, SpeculativeDecoder, generate_batch, greedy_reference
+from workers.engine.decoder import (
+    ContextLengthError,
+    MultiRowThreads,
+    SpeculativeDecoder,
+    generate_batch,
+    greedy_reference,
+)
 from workers.engine.model import Transformer
 from workers.engine.proposers import DraftModelProposer, NgramProposer, PredictedOutputProposer, Proposer
 from workers.engine.tokenizer import Tokenizer
@@ -155,3 +161,47 @@ def test_text_prompt_and_batch_helper(
     assert out.shape == (5, 10)
     for row, prompt in zip(out.tolist(), batch.tolist(), strict=True):
         assert row == greedy_reference(target, prompt, 10)
+
+
+def test_multi_row_threads_keep_output_identical_and_restore_the_thread_count(
+    target: Transformer,
+    drafter: Transformer,
+    tokenizer: Tokenizer,
+    references: list[tuple[list[int], list[int]]],
+) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dec = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=4, multi_row_threads=2)
+        for prompt, want in references[:6]:
+            assert dec.generate(prompt, N_NEW, stop_at_eos=False).token_ids == want
+            assert torch.get_num_threads() == 1  # verify passes hand the count back
+        chooser = dec._thread_choice
+        assert chooser is not None and chooser.options == (1, 2)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="multi_row_threads"):
+        SpeculativeDecoder(target, tokenizer, None, multi_row_threads=0)
+
+
+def _run_chooser(chooser: MultiRowThreads, seconds: Callable[[int], float], rounds: int) -> list[int]:
+    picks = []
+    for _ in range(rounds):
+        option = chooser.choose()
+        chooser.record(option, seconds(option))
+        picks.append(option)
+    return picks
+
+
+def test_multi_row_threads_follow_a_busy_neighbour_coming_and_going() -> None:
+    chooser = MultiRowThreads(1, 2)
+    idle = {1: 0.015, 2: 0.011}  # two threads faster on an idle machine
+    busy = {1: 0.015, 2: 0.060}  # and far slower while another process holds a core
+    picks = _run_chooser(chooser, idle.__getitem__, 200)
+    assert picks[:2] == [1, 2]  # each measured once first
+    assert picks[2:].count(2) / len(picks[2:]) > 0.9
+    picks = _run_chooser(chooser, busy.__getitem__, 400)
+    assert picks[:3].count(1) >= 1  # switches within the first slow rounds
+    assert picks[-300:].count(2) <= 4  # and retries the slow option less and less often
+    picks = _run_chooser(chooser, idle.__getitem__, 600)
+    assert picks[-100:].count(2) > 90  # the neighbour left: back to two threads

@@ -8,13 +8,16 @@ plain decoding of equal-length prompts, for producing training traces quickly).
 Per-round overhead is what separates realised speed-ups from the Leviathan prediction on a CPU, so
 the loop keeps it small: preallocated KV caches rolled back in O(1), one target forward per round,
 one host sync (the accepted count), append-only Python lists for the context, and no per-token
-allocation beyond a 1-element tensor. `torch.set_num_threads` is left to the caller.
+allocation beyond a 1-element tensor. `torch.set_num_threads` is left to the caller, except that
+`multi_row_threads` lets passes over several rows (prefill, verification) use more threads than
+one-row steps (`MultiRowThreads`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +61,7 @@ class SpeculativeDecoder:
         proposer: Proposer | None = None,
         k: int = 4,
         max_len: int | None = None,
+        multi_row_threads: int | None = None,
     ) -> None:
         if k < 1 and proposer is not None:
             raise ValueError(f"k must be >= 1 with a proposer, got {k}")
@@ -70,6 +74,10 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.k = k
         self.cache = target.new_cache(1, max_len)
+        if multi_row_threads is not None and multi_row_threads < 1:
+            raise ValueError(f"multi_row_threads must be >= 1, got {multi_row_threads}")
+        self.multi_row_threads = multi_row_threads
+        self._thread_choice: MultiRowThreads | None = None
 
     @property
     def max_len(self) -> int:
@@ -116,9 +124,13 @@ class SpeculativeDecoder:
         target, cache = self.target, self.cache
         greedy = params.greedy
 
-        with torch.inference_mode():
+        base_threads = torch.get_num_threads()
+        chooser = self._threads_chooser(base_threads)
+        prefill_threads = chooser.best() if chooser is not None and len(prompt_ids) > 1 else None
+        with torch.inference_mode(), _threads(prefill_threads, base_threads):
             cache.reset()
             logits = target.forward_cached(torch.tensor([prompt_ids]), cache, last_only=True)[0, -1]  # [V]
+        with torch.inference_mode():
             first = sample_token(logits, params, generator)
             t_first = time.perf_counter()
             ctx = list(prompt_ids)  # prompt + output, append-only: proposers read it every round
@@ -147,8 +159,19 @@ class SpeculativeDecoder:
                 drafts = props.token_ids  # [k']
                 pos0 = cache.pos
                 t_b = clock()
-                target_logits = score(target, cache, last, drafts)  # [k'+1, V]
-                t_c = clock()
+                if chooser is not None and len(drafts):
+                    threads = chooser.choose()
+                    torch.set_num_threads(threads)
+                    try:
+                        target_logits = score(target, cache, last, drafts)  # [k'+1, V]
+                    finally:
+                        torch.set_num_threads(base_threads)
+                    t_c = clock()
+                    if len(drafts) == k:  # full rounds only: comparable row counts
+                        chooser.record(threads, t_c - t_b)
+                else:
+                    target_logits = score(target, cache, last, drafts)  # [k'+1, V]
+                    t_c = clock()
                 propose_s += t_b - t_a
                 score_s += t_c - t_b
                 if greedy:
@@ -180,6 +203,86 @@ class SpeculativeDecoder:
         if metrics.generated_tokens > 1:
             metrics.inter_token_ms = (t_end - t_first) * 1000.0 / (metrics.generated_tokens - 1)
         return GenerationResult(out, self.tokenizer.decode(out), metrics, finish, prompt_ids)
+
+    def _threads_chooser(self, base_threads: int) -> MultiRowThreads | None:
+        wanted = self.multi_row_threads
+        if wanted is None or wanted == base_threads:
+            return None
+        choice = self._thread_choice
+        if choice is None or choice.options != (base_threads, wanted):
+            choice = self._thread_choice = MultiRowThreads(base_threads, wanted)
+        return choice
+
+
+class MultiRowThreads:
+    """Picks the torch thread count for verify passes by timing them, as they run.
+
+    On a small CPU a one-row step (memory- and overhead-bound) runs as fast on one thread as on
+    two, while a verify pass over k+1 rows is compute-bound: ~20-30% faster on two threads of an
+    idle 2-core machine. But when another process keeps a core busy (a training job on the same
+    machine), a two-thread pass waits at every barrier for its descheduled thread and takes 2-8x
+    longer. So neither count is right everywhere: this keeps a moving average of each option's
+    verify time, uses the faster, and re-tries the other now and then (less often each time it
+    loses, so a busy neighbour costs little), which follows the neighbour coming and going.
+    """
+
+    SMOOTHING = 0.2
+    FIRST_RETRY = 16  # rounds before the losing option is tried again
+    LONGEST_RETRY = 512
+
+    def __init__(self, base: int, wide: int) -> None:
+        self.options = (base, wide)
+        self._mean: dict[int, float] = {}
+        self._best = wide
+        self._retry_in = 0
+        self._retry_every = self.FIRST_RETRY
+
+    def best(self) -> int:
+        """The option measured fastest so far (the wider one until there is evidence)."""
+        return self._best
+
+    def choose(self) -> int:
+        """The option for the next verify pass: each until measured, then mostly the best."""
+        for option in self.options:
+            if option not in self._mean:
+                return option
+        self._retry_in -= 1
+        if self._retry_in <= 0:
+            self._retry_in = self._retry_every
+            return self.options[1] if self._best == self.options[0] else self.options[0]
+        return self._best
+
+    def record(self, option: int, seconds: float) -> None:
+        mean = self._mean.get(option)
+        # The option in use is averaged; a retried one is taken as just measured, since its old
+        # average describes a machine that may since have changed.
+        in_use = option == self._best and len(self._mean) == len(self.options)
+        self._mean[option] = (
+            mean + self.SMOOTHING * (seconds - mean) if in_use and mean is not None else seconds
+        )
+        if len(self._mean) < len(self.options):
+            return
+        best = min(self.options, key=lambda o: self._mean[o])
+        if best != self._best:
+            self._best = best
+            self._retry_every = self.FIRST_RETRY
+        elif option != best:  # the retried option lost again: wait longer before the next try
+            self._retry_every = min(self._retry_every * 2, self.LONGEST_RETRY)
+        if self._retry_in <= 0 or self._retry_in > self._retry_every:
+            self._retry_in = self._retry_every
+
+
+@contextmanager
+def _threads(count: int | None, restore: int) -> Iterator[None]:
+    """Run the block on ``count`` torch threads (None: unchanged), then go back to ``restore``."""
+    if count is None:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(restore)
 
 
 @torch.inference_mode()

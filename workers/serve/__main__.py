@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument(
+        "--multi-row-threads",
+        type=int,
+        default=None,
+        help="threads verify passes may use instead; the faster of the two, as timed while serving, "
+        "is used (default: --threads for every pass)",
+    )
     return ap
 
 
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             serving_config=http_serving_config(url, api_key, ttl_s=args.config_ttl), model_names=args.model
         )
     config.trace_sample_rate = args.trace_sample_rate
+    config.multi_row_threads = args.multi_row_threads
     if report_url and not args.no_report:
         reporter = ControlPlaneReporter(report_url, api_key=api_key)
         config.on_record = reporter.record

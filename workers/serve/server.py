@@ -85,6 +85,9 @@ class ServerConfig:
     # Trace sample rate when the serving config does not carry `trace_sample_rate`.
     trace_sample_rate: float = 0.0
     max_decoders: int = 8
+    # Torch threads verify passes may use (decoder.MultiRowThreads picks between these and the
+    # process's own count by timing them); None: the process's count for every pass.
+    multi_row_threads: int | None = None
     # Called once when the app shuts down (e.g. to flush a reporter): uvicorn re-raises SIGTERM
     # after its graceful shutdown, so code after `uvicorn.run` would never run.
     on_shutdown: Callable[[], None] | None = None
@@ -289,7 +292,14 @@ class Engine:
             proposer = DraftModelProposer(drafter, name=dep.drafter_path)
         elif dep.speculation == "ngram":
             proposer = NgramProposer(dep.ngram_length)
-        dec = SpeculativeDecoder(target, tok, proposer, k=dep.k, max_len=dep.max_len)
+        dec = SpeculativeDecoder(
+            target,
+            tok,
+            proposer,
+            k=dep.k,
+            max_len=dep.max_len,
+            multi_row_threads=self.config.multi_row_threads,
+        )
         self._decoders[dep] = dec
         while len(self._decoders) > self.config.max_decoders:
             self._decoders.popitem(last=False)
