@@ -44,8 +44,8 @@ class TimeRange:
     bucket_seconds: int
 
 
-# Buckets are multiples of a rollup tier (60 s, 5 min, 1 h, 1 day) so that each is read as a few
-# whole rollup rows; 30 days in 6-hour buckets reads hourly rows, still a few hundred.
+# Each range's bucket is one rollup tier (60 s, 5 min, 1 h, 6 h), so a bucket is one row per arm
+# and drafter version, whose stored percentiles need no histogram merge.
 RANGES: dict[str, TimeRange] = {
     "1h": TimeRange(3600, 60),
     "6h": TimeRange(6 * 3600, 300),

@@ -241,7 +241,7 @@ class AcceptanceRecordRow(Base):
 class AcceptanceRollupRow(Base):
     """Sums of acceptance records over one time bucket, at every rollup resolution.
 
-    Each record is summed into one row per resolution (1 min, 5 min, 1 h, 1 day; see
+    Each record is summed into one row per resolution (1 min, 5 min, 1 h, 6 h, 1 day; see
     controlplane.ingest.rollups), so a long range in wide buckets reads a few hundred rows
     instead of one per minute. Every figure the stats API reports is derived from these raw
     counts, never from stored ratios, so rows of any resolution combine exactly. Rows of every

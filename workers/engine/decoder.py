@@ -15,6 +15,7 @@ one-row steps (`MultiRowThreads`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +36,8 @@ from workers.engine.verifier import (
     verify_greedy,
     verify_sampled,
 )
+
+log = logging.getLogger(__name__)
 
 
 class ContextLengthError(ValueError):
@@ -238,8 +241,9 @@ class MultiRowThreads:
         self._retry_every = self.FIRST_RETRY
 
     def best(self) -> int:
-        """The option measured fastest so far (the wider one until there is evidence)."""
-        return self._best
+        """The option measured fastest so far; the process's own count until both are measured
+        (a prefill on two threads next to a busy neighbour would cost several times more)."""
+        return self._best if len(self._mean) == len(self.options) else self.options[0]
 
     def choose(self) -> int:
         """The option for the next verify pass: each until measured, then mostly the best."""
@@ -264,6 +268,13 @@ class MultiRowThreads:
             return
         best = min(self.options, key=lambda o: self._mean[o])
         if best != self._best:
+            log.info(
+                "verify passes now on %d torch threads (%.1f ms vs %.1f ms on %d)",
+                best,
+                self._mean[best] * 1000,
+                self._mean[self._best] * 1000,
+                self._best,
+            )
             self._best = best
             self._retry_every = self.FIRST_RETRY
         elif option != best:  # the retried option lost again: wait longer before the next try
