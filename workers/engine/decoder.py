@@ -16,6 +16,7 @@ one-row steps (`MultiRowThreads`).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -224,63 +225,78 @@ class MultiRowThreads:
     two, while a verify pass over k+1 rows is compute-bound: ~20-30% faster on two threads of an
     idle 2-core machine. But when another process keeps a core busy (a training job on the same
     machine), a two-thread pass waits at every barrier for its descheduled thread and takes 2-8x
-    longer. So neither count is right everywhere: this keeps a moving average of each option's
-    verify time, uses the faster, and re-tries the other now and then (less often each time it
-    loses, so a busy neighbour costs little), which follows the neighbour coming and going.
+    longer. So neither count is right everywhere. This keeps a moving average of the verify time
+    of the count in use and, now and then, times a short burst of the other count (less often
+    each time it loses, so a busy neighbour costs little); it switches when either is clearly
+    faster, which follows a neighbour coming and going without flapping on noise.
     """
 
     SMOOTHING = 0.2
-    FIRST_RETRY = 16  # rounds before the losing option is tried again
+    BURST = 4  # rounds timed on the other count per retry; their median is its figure
+    MARGIN = 0.10  # the other count must be this much faster to switch
+    FIRST_RETRY = 16  # rounds on the count in use before the other is tried again
     LONGEST_RETRY = 512
 
     def __init__(self, base: int, wide: int) -> None:
         self.options = (base, wide)
         self._mean: dict[int, float] = {}
-        self._best = wide
-        self._retry_in = 0
+        self._best = base
+        self._retry_in = self.BURST  # time the process's own count first, then try the other
         self._retry_every = self.FIRST_RETRY
+        self._burst: list[float] = []
+        self._burst_left = 0
+
+    def _other(self) -> int:
+        return self.options[1] if self._best == self.options[0] else self.options[0]
 
     def best(self) -> int:
-        """The option measured fastest so far; the process's own count until both are measured
-        (a prefill on two threads next to a busy neighbour would cost several times more)."""
-        return self._best if len(self._mean) == len(self.options) else self.options[0]
+        """The count in use: the process's own until the other has been measured faster."""
+        return self._best
 
     def choose(self) -> int:
-        """The option for the next verify pass: each until measured, then mostly the best."""
-        for option in self.options:
-            if option not in self._mean:
-                return option
+        """The count for the next verify pass."""
+        if self._burst_left > 0:
+            return self._other()
         self._retry_in -= 1
         if self._retry_in <= 0:
-            self._retry_in = self._retry_every
-            return self.options[1] if self._best == self.options[0] else self.options[0]
+            self._burst_left, self._burst = self.BURST, []
+            return self._other()
         return self._best
 
     def record(self, option: int, seconds: float) -> None:
-        mean = self._mean.get(option)
-        # The option in use is averaged; a retried one is taken as just measured, since its old
-        # average describes a machine that may since have changed.
-        in_use = option == self._best and len(self._mean) == len(self.options)
-        self._mean[option] = (
-            mean + self.SMOOTHING * (seconds - mean) if in_use and mean is not None else seconds
-        )
-        if len(self._mean) < len(self.options):
+        """The time of a verify pass run on ``option`` threads."""
+        if option == self._best:
+            mean = self._mean.get(option)
+            self._mean[option] = seconds if mean is None else mean + self.SMOOTHING * (seconds - mean)
+            other = self._mean.get(self._other())
+            # The count in use got slow (a neighbour arrived): go back to the other at once.
+            if other is not None and other < self._mean[option] * (1 - self.MARGIN):
+                self._switch()
             return
-        best = min(self.options, key=lambda o: self._mean[o])
-        if best != self._best:
-            log.info(
-                "verify passes now on %d torch threads (%.1f ms vs %.1f ms on %d)",
-                best,
-                self._mean[best] * 1000,
-                self._mean[self._best] * 1000,
-                self._best,
-            )
-            self._best = best
-            self._retry_every = self.FIRST_RETRY
-        elif option != best:  # the retried option lost again: wait longer before the next try
+        self._burst.append(seconds)
+        self._burst_left -= 1
+        if self._burst_left > 0:
+            return
+        self._mean[option] = statistics.median(self._burst)
+        if self._mean[option] < self._mean.get(self._best, float("inf")) * (1 - self.MARGIN):
+            self._switch()
+        else:  # lost again: wait longer before the next try
             self._retry_every = min(self._retry_every * 2, self.LONGEST_RETRY)
-        if self._retry_in <= 0 or self._retry_in > self._retry_every:
             self._retry_in = self._retry_every
+
+    def _switch(self) -> None:
+        before, after = self._best, self._other()
+        log.info(
+            "verify passes now on %d torch threads (%.1f ms vs %.1f ms on %d)",
+            after,
+            self._mean[after] * 1000,
+            self._mean.get(before, float("nan")) * 1000,
+            before,
+        )
+        self._best = after
+        self._burst_left = 0
+        self._retry_every = self.FIRST_RETRY
+        self._retry_in = self._retry_every
 
 
 @contextmanager
