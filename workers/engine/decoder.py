@@ -225,26 +225,34 @@ class MultiRowThreads:
     two, while a verify pass over k+1 rows is compute-bound: ~20-30% faster on two threads of an
     idle 2-core machine. But when another process keeps a core busy (a training job on the same
     machine), a two-thread pass waits at every barrier for its descheduled thread and takes 2-8x
-    longer. So neither count is right everywhere. This keeps a moving average of the verify time
-    of the count in use and, now and then, times a short burst of the other count (less often
-    each time it loses, so a busy neighbour costs little); it switches when either is clearly
-    faster, which follows a neighbour coming and going without flapping on noise.
+    longer. So neither count is right everywhere, and a few passes say little: contention comes
+    and goes within seconds, and a short burst on one count can look fast while sustained use
+    of it is slow. So the counts are compared back to back over whole trials: TRIAL passes on the
+    other count, then TRIAL on the one in use, each timed by the median after a warm-up; the
+    other is adopted only when it is clearly faster. Trials recur less often each time the count
+    in use wins, and at once when the count in use gets much slower than it measured (a
+    neighbour arrived).
     """
 
+    TRIAL = 24  # passes per side of a comparison
+    WARMUP = 8  # passes at the start of each side left out of its median
+    MARGIN = 0.10  # the other count must be this much faster to be adopted
+    FIRST_RETRY = 64  # passes in use before the next comparison
+    LONGEST_RETRY = 2048
+    SLOWDOWN = 1.5  # in-use passes this much slower than measured start a comparison at once
+    EARLY = 4  # a trial whose first passes are SLOWDOWN slower than the count in use stops there
     SMOOTHING = 0.2
-    BURST = 4  # rounds timed on the other count per retry; their median is its figure
-    MARGIN = 0.10  # the other count must be this much faster to switch
-    FIRST_RETRY = 16  # rounds on the count in use before the other is tried again
-    LONGEST_RETRY = 512
 
     def __init__(self, base: int, wide: int) -> None:
         self.options = (base, wide)
-        self._mean: dict[int, float] = {}
         self._best = base
-        self._retry_in = self.BURST  # time the process's own count first, then try the other
+        self._phase = "trial"  # "trial" (other count), "check" (count in use), "steady"
+        self._samples: list[float] = []
+        self._trial_median = 0.0
+        self._reference: float | None = None  # the count in use's median at the last comparison
+        self._recent: float | None = None  # its moving average since
         self._retry_every = self.FIRST_RETRY
-        self._burst: list[float] = []
-        self._burst_left = 0
+        self._retry_in = 0
 
     def _other(self) -> int:
         return self.options[1] if self._best == self.options[0] else self.options[0]
@@ -255,48 +263,61 @@ class MultiRowThreads:
 
     def choose(self) -> int:
         """The count for the next verify pass."""
-        if self._burst_left > 0:
-            return self._other()
-        self._retry_in -= 1
-        if self._retry_in <= 0:
-            self._burst_left, self._burst = self.BURST, []
-            return self._other()
-        return self._best
+        return self._other() if self._phase == "trial" else self._best
 
     def record(self, option: int, seconds: float) -> None:
-        """The time of a verify pass run on ``option`` threads."""
-        if option == self._best:
-            mean = self._mean.get(option)
-            self._mean[option] = seconds if mean is None else mean + self.SMOOTHING * (seconds - mean)
-            other = self._mean.get(self._other())
-            # The count in use got slow (a neighbour arrived): go back to the other at once.
-            if other is not None and other < self._mean[option] * (1 - self.MARGIN):
-                self._switch()
+        """The time of the verify pass just run on ``option`` threads (the count `choose` gave)."""
+        if self._phase == "steady":
+            recent = self._recent
+            self._recent = seconds if recent is None else recent + self.SMOOTHING * (seconds - recent)
+            self._retry_in -= 1
+            slower = self._reference is not None and self._recent > self._reference * self.SLOWDOWN
+            if self._retry_in <= 0 or slower:
+                if slower:
+                    self._retry_every = self.FIRST_RETRY
+                self._phase, self._samples = "trial", []
             return
-        self._burst.append(seconds)
-        self._burst_left -= 1
-        if self._burst_left > 0:
+        self._samples.append(seconds)
+        if (
+            self._phase == "trial"
+            and len(self._samples) == self.EARLY
+            and self._reference is not None
+            and statistics.median(self._samples) > self._reference * self.SLOWDOWN
+        ):
+            # Clearly slower from the start (a busy neighbour): no need for the whole trial. The
+            # count in use may have slowed too (the whole machine is busier): that is its figure now.
+            self._reference = max(self._reference, self._recent or 0.0)
+            self._lost()
             return
-        self._mean[option] = statistics.median(self._burst)
-        if self._mean[option] < self._mean.get(self._best, float("inf")) * (1 - self.MARGIN):
-            self._switch()
-        else:  # lost again: wait longer before the next try
-            self._retry_every = min(self._retry_every * 2, self.LONGEST_RETRY)
-            self._retry_in = self._retry_every
+        if len(self._samples) < self.TRIAL:
+            return
+        median = statistics.median(self._samples[self.WARMUP :])
+        self._samples = []
+        if self._phase == "trial":
+            self._trial_median, self._phase = median, "check"
+            return
+        if self._trial_median < median * (1 - self.MARGIN):
+            log.info(
+                "verify passes now on %d torch threads (%.1f ms vs %.1f ms on %d)",
+                self._other(),
+                self._trial_median * 1000,
+                median * 1000,
+                self._best,
+            )
+            self._best = self._other()
+            self._reference = self._trial_median
+            self._retry_every = self.FIRST_RETRY
+            self._recent = self._reference
+            self._phase, self._retry_in = "steady", self._retry_every
+        else:
+            self._reference = median
+            self._lost()
 
-    def _switch(self) -> None:
-        before, after = self._best, self._other()
-        log.info(
-            "verify passes now on %d torch threads (%.1f ms vs %.1f ms on %d)",
-            after,
-            self._mean[after] * 1000,
-            self._mean.get(before, float("nan")) * 1000,
-            before,
-        )
-        self._best = after
-        self._burst_left = 0
-        self._retry_every = self.FIRST_RETRY
-        self._retry_in = self._retry_every
+    def _lost(self) -> None:
+        """The count in use stays; the next comparison waits twice as long."""
+        self._retry_every = min(self._retry_every * 2, self.LONGEST_RETRY)
+        self._samples, self._recent = [], self._reference
+        self._phase, self._retry_in = "steady", self._retry_every
 
 
 @contextmanager
