@@ -33,6 +33,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 from sqlalchemy import create_engine, func, select, text
@@ -285,7 +286,8 @@ def measure_in_browser(
 ) -> list[dict[str, Any]]:
     from playwright.sync_api import sync_playwright
 
-    query = f"?range={range_name}" + (f"&end={target['end']}" if target["end"] else "")
+    # Encoded: the end's "+00:00" would otherwise arrive as a space and the page's data request fail.
+    query = "?" + urlencode({"range": range_name} | ({"end": target["end"]} if target["end"] else {}))
     path = f"/dashboard/deployments/{target['deployment']}{query}"
     runs = []
     with sync_playwright() as playwright, tempfile.TemporaryDirectory() as profile:
