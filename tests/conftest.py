@@ -23,7 +23,7 @@ from controlplane.api.deps import get_ingest_batcher, get_session, get_session_f
 from controlplane.app import create_app
 from controlplane.config import Settings
 from controlplane.db.migrate import downgrade_to_base, upgrade_to_head
-from controlplane.db.models import Account, Role
+from controlplane.db.models import Account, Deployment, Role, SpeculationMode
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.ingest.batcher import IngestBatcher
 
@@ -120,6 +120,24 @@ class Tenant:
 
     def headers(self, role: Role) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.keys[role]}"}
+
+
+def add_deployment(session: Session, account_name: str, name: str = "d") -> Deployment:
+    """A bare account with one default-speculation deployment, flushed (for write-path tests)."""
+    account = Account(name=account_name)
+    session.add(account)
+    session.flush()
+    deployment = Deployment(
+        account_id=account.id,
+        name=name,
+        target_model="m",
+        speculation_mode=SpeculationMode.default,
+        drift_policy={},
+        canary_policy={},
+    )
+    session.add(deployment)
+    session.flush()
+    return deployment
 
 
 def make_tenant(session: Session, name: str) -> Tenant:

@@ -24,8 +24,7 @@ from datetime import UTC, datetime
 from itertools import accumulate, islice, zip_longest
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, insert, select, text, tuple_, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import Table, bindparam, select, text, tuple_, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
@@ -280,17 +279,10 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
 
 
 def _insert_empty(session: Session, deployment_id: int, keys: Sequence[TierKey]) -> None:
+    """SQLite: create the missing rows of ``keys`` (PostgreSQL uses _upsert_locking)."""
     empty = _empty_row(deployment_id)
-    stmt: Any
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        stmt = pg_insert(AcceptanceRollupRow).on_conflict_do_nothing(constraint="uq_acceptance_rollups_key")
-    elif dialect == "sqlite":
-        stmt = sqlite_insert(AcceptanceRollupRow).on_conflict_do_nothing()
-    else:  # pragma: no cover - only the two supported dialects reach here
-        stmt = insert(AcceptanceRollupRow)
     session.execute(
-        stmt,
+        sqlite_insert(AcceptanceRollupRow).on_conflict_do_nothing(),
         [
             {**empty, "resolution_s": r, "bucket_start": b, "arm": a, "drafter_version": v}
             for r, b, a, v in keys

@@ -21,15 +21,12 @@ from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import (
     AcceptanceRecordRow,
     AcceptanceRollupRow,
-    Account,
-    Deployment,
-    SpeculationMode,
 )
 from controlplane.db.session import get_sessionmaker
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import RESOLUTIONS
 from controlplane.ingest.service import SMALL_BATCH_RECORDS, IngestResult, store_batches
-from tests.conftest import recreate_pg_database
+from tests.conftest import add_deployment, recreate_pg_database
 
 WRITERS = 4
 ROUNDS = 30
@@ -58,20 +55,8 @@ def test_concurrent_writers_store_each_id_once_and_keep_rollups_exact(batch_size
     upgrade_to_head(url)
     sessions = get_sessionmaker(url)
     with sessions() as session:
-        account = Account(name="writers")
-        session.add(account)
-        session.flush()
-        deployment = Deployment(
-            account_id=account.id,
-            name="d",
-            target_model="m",
-            speculation_mode=SpeculationMode.default,
-            drift_policy={},
-            canary_policy={},
-        )
-        session.add(deployment)
+        deployment_id = add_deployment(session, "writers").id
         session.commit()
-        deployment_id = deployment.id
 
     # Ids drawn from a pool shared by every writer, so batches collide both inside one round
     # and with what earlier rounds stored.

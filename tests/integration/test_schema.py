@@ -27,7 +27,6 @@ from controlplane.db.migrate import (
 from controlplane.db.models import (
     AcceptanceRecordRow,
     AcceptanceRollupRow,
-    Account,
     Base,
     Deployment,
     DrafterState,
@@ -35,13 +34,12 @@ from controlplane.db.models import (
     Job,
     JobKind,
     JobState,
-    SpeculationMode,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import SIX_HOURS
 from controlplane.ingest.service import store_records
-from tests.conftest import Database, recreate_pg_database
+from tests.conftest import Database, add_deployment, recreate_pg_database
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
@@ -64,20 +62,7 @@ def test_upgrade_downgrade_upgrade_matches_the_models(dialect: str, tmp_path: Pa
 
 
 def _deployment(session: Session) -> Deployment:
-    account = Account(name=f"acct-{datetime.now(UTC).timestamp():.0f}")
-    session.add(account)
-    session.flush()
-    deployment = Deployment(
-        account_id=account.id,
-        name="d",
-        target_model="m",
-        speculation_mode=SpeculationMode.default,
-        drift_policy={},
-        canary_policy={},
-    )
-    session.add(deployment)
-    session.flush()
-    return deployment
+    return add_deployment(session, f"acct-{datetime.now(UTC).timestamp():.0f}")
 
 
 def _violates(session: Session, action: Callable[[Session], None]) -> bool:
