@@ -16,9 +16,6 @@ from sqlalchemy.orm import Session
 from controlplane.db.models import (
     AcceptanceRollup,
     AcceptanceRollupRow,
-    Account,
-    Deployment,
-    SpeculationMode,
 )
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import (
@@ -35,7 +32,7 @@ from controlplane.ingest.rollups import (
 )
 from controlplane.ingest.service import store_records
 from controlplane.stats.service import acceptance_series
-from tests.conftest import Database
+from tests.conftest import Database, add_deployment
 
 DAY = datetime(2026, 11, 1, tzinfo=UTC)
 # Records from 30 minutes before the day to 2 h after it, so ranges cross the day boundary.
@@ -43,23 +40,6 @@ SPAN_START = DAY - timedelta(minutes=30)
 SPAN_SECONDS = 26 * 3600 + 1800
 ARMS = ("live", "baseline")
 VERSIONS = (None, 2)
-
-
-def _deployment(session: Session) -> int:
-    account = Account(name="tiers")
-    session.add(account)
-    session.flush()
-    deployment = Deployment(
-        account_id=account.id,
-        name="tiers",
-        target_model="m",
-        speculation_mode=SpeculationMode.default,
-        drift_policy={},
-        canary_policy={},
-    )
-    session.add(deployment)
-    session.flush()
-    return deployment.id
 
 
 def _records(count: int, seed: int) -> list[AcceptanceRecord]:
@@ -96,7 +76,7 @@ def _records(count: int, seed: int) -> list[AcceptanceRecord]:
 @pytest.fixture
 def stored(db: Database) -> Iterator[tuple[Session, int, list[AcceptanceRecord]]]:
     session = db.new_session()
-    deployment_id = _deployment(session)
+    deployment_id = add_deployment(session, "tiers", name="tiers").id
     records = _records(3000, seed=1)
     # Several batches, so rows are updated (merged) as well as created.
     for offset in range(0, len(records), 700):
