@@ -173,13 +173,18 @@ def test_multi_row_threads_keep_output_identical_and_restore_the_thread_count(
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        # A verify pass of k+1 rows runs in NumPy on one thread: nothing for the chooser to pick.
         dec = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=4, multi_row_threads=2)
+        assert dec.generate(references[0][0], N_NEW, stop_at_eos=False).token_ids == references[0][1]
+        assert dec._thread_choice is None
+        target.numpy_steps = False  # torch verify passes: the chooser times 1 against 2 threads
         for prompt, want in references[:6]:
             assert dec.generate(prompt, N_NEW, stop_at_eos=False).token_ids == want
             assert torch.get_num_threads() == 1  # verify passes hand the count back
         chooser = dec._thread_choice
         assert chooser is not None and chooser.options == (1, 2)
     finally:
+        target.numpy_steps = True
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="multi_row_threads"):
         SpeculativeDecoder(target, tokenizer, None, multi_row_threads=0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.model import FastLinear, ModelConfig, build_model
+from workers.engine.model import NUMPY_STEP_MAX_ROWS, FastLinear, ModelConfig, build_model
 
 ConfigFactory = Callable[..., ModelConfig]
 
@@ -24,6 +24,64 @@ def test_cached_prefill_and_steps_match_full_forward(n_kv_heads: int, tiny_confi
         for t in range(17, 40):
             parts.append(model.forward_cached(x[:, t : t + 1], cache))
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_numpy_steps_match_torch_and_share_its_cache(n_kv_heads: int, tiny_config: ConfigFactory) -> None:
+    """Steps of 1..NUMPY_STEP_MAX_ROWS rows run in NumPy on the torch cache's buffers: same logits,
+    same cached keys/values, also after a rollback, with any grouping of query heads."""
+    model = build_model(tiny_config(n_kv_heads=n_kv_heads), seed=13).eval()
+    x = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for numpy_steps in (False, True):
+        model.numpy_steps = numpy_steps
+        with torch.inference_mode():
+            cache = model.new_cache()
+            out = [model.forward_cached(x[:, :17], cache)]  # prefill: torch either way
+            t = 17
+            for rows in (1, 3, NUMPY_STEP_MAX_ROWS, 1, 2):
+                out.append(model.forward_cached(x[:, t : t + rows], cache))
+                t += rows
+            cache.rollback(t - 4)  # undo a rejected draft, then continue from there
+            out.append(model.forward_cached(x[:, t - 4 : t + 1], cache, last_only=True))
+        end = cache.pos
+        runs[numpy_steps] = (out, cache.k[:, :, :, :end].clone(), cache.v[:, :, :, :end].clone())
+    assert model._numpy is not None  # the NumPy path really ran
+    with torch.inference_mode():
+        full = model(x[:, : t + 1])
+    torch.testing.assert_close(torch.cat(runs[True][0][:-1], dim=1), full[:, :t], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runs[True][0][-1][0, 0], full[0, t], atol=1e-5, rtol=1e-5)
+    for got, want in zip(runs[True][0], runs[False][0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runs[True][2], runs[False][2], atol=1e-5, rtol=1e-5)
+
+
+def test_numpy_steps_follow_weight_updates_and_stay_out_of_autograd(tiny_config: ConfigFactory) -> None:
+    model = build_model(tiny_config(), seed=14).eval()
+    x = torch.randint(0, 320, (1, 12))
+
+    def step_logits() -> torch.Tensor:
+        with torch.inference_mode():
+            cache = model.new_cache()
+            model.forward_cached(x[:, :10], cache)
+            return model.forward_cached(x[:, 10:], cache)  # 2 rows: NumPy
+
+    step_logits()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(x).logsumexp(-1).mean().backward()
+    opt.step()  # in place: the NumPy weight copies must be rebuilt
+    model.eval()
+    assert model.steps_in_numpy(2)
+    with torch.inference_mode():
+        torch.testing.assert_close(step_logits(), model(x)[:, 10:], atol=1e-5, rtol=1e-5)
+    # With autograd on, a step stays on torch, whose output carries the graph to the parameters.
+    model.invalidate_fast_path()
+    assert model.forward_cached(x[:, :2], model.new_cache()).requires_grad
+    assert model._numpy is None
+    assert not model.steps_in_numpy(NUMPY_STEP_MAX_ROWS + 1)
+    assert not build_model(tiny_config(attention_bias=True), seed=1).steps_in_numpy(1)
 
 
 def test_rollback_equals_recomputation(tiny_config: ConfigFactory) -> None:

@@ -210,8 +210,8 @@ class SpeculativeDecoder:
 
     def _threads_chooser(self, base_threads: int) -> MultiRowThreads | None:
         wanted = self.multi_row_threads
-        if wanted is None or wanted == base_threads:
-            return None
+        if wanted is None or wanted == base_threads or self.target.steps_in_numpy(self.k + 1):
+            return None  # nothing to choose: NumPy takes the verify passes, on one thread
         choice = self._thread_choice
         if choice is None or choice.options != (base_threads, wanted):
             choice = self._thread_choice = MultiRowThreads(base_threads, wanted)
