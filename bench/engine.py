@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from workers import corpora  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
 from workers.engine.hf_io import load_hf_folder  # noqa: E402
-from workers.engine.model import Transformer  # noqa: E402
+from workers.engine.model import NUMPY_STEP_ROWS, Transformer  # noqa: E402
 from workers.engine.proposers import DraftModelProposer, NgramProposer  # noqa: E402
 from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer  # noqa: E402
 
@@ -272,6 +272,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    p.add_argument(
+        "--torch-steps",
+        action="store_true",
+        help="decode every step on torch (by default the engine runs one-row steps in NumPy)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -279,6 +284,10 @@ def main() -> None:
 
     target, drafter, tokenizer = load_pair(args.reference)
     prompts = make_prompts(tokenizer, args.prompts)
+    # Both step kernels' costs, measured back to back, then the run uses the chosen one.
+    for model in (target, drafter):
+        model.numpy_step_rows = NUMPY_STEP_ROWS if args.torch_steps else 0
+    other = "torch" if not args.torch_steps else "numpy"
     n_prompt = {d: statistics.mean(len(x) for x in v) for d, v in prompts.items()}
     print(
         f"target {target.num_params():,} params, generic drafter {drafter.num_params():,}; "
@@ -288,7 +297,18 @@ def main() -> None:
     )
 
     mean_len = int(statistics.mean(len(x) for v in prompts.values() for x in v)) + args.new_tokens // 2
+    other_costs = measure_costs(target, drafter, mean_len)
+    for model in (target, drafter):
+        model.numpy_step_rows = 0 if args.torch_steps else NUMPY_STEP_ROWS
+    kernel = "torch" if args.torch_steps else "numpy"
     costs = measure_costs(target, drafter, mean_len)
+    print(
+        f"decoding steps on {kernel} (target step {costs['target_step_ms']:.2f} ms, drafter step "
+        f"{costs['drafter_step_ms']:.3f} ms); on {other}: target step "
+        f"{other_costs['target_step_ms']:.2f} ms, drafter step {other_costs['drafter_step_ms']:.3f} ms, "
+        "verify k+1 vs 1: " + ", ".join(f"k={k}: {v:.2f}x" for k, v in other_costs["verify_cost"].items()),
+        flush=True,
+    )
     print(
         f"costs at position {mean_len}: target step {costs['target_step_ms']:.2f} ms, drafter step "
         f"{costs['drafter_step_ms']:.3f} ms, c = {costs['c']:.3f}, verify k+1 vs 1: "
@@ -382,6 +402,8 @@ def main() -> None:
         "efficiency_vs_leviathan": min(efficiency),
         "speedup_vs_hf_assisted": hf.get("ratio_min"),
         "costs": costs,
+        "step_kernel": kernel,
+        f"costs_with_{other}_steps": other_costs,
         "hf_assisted": hf,
         "cells": rows,
         "settings": {

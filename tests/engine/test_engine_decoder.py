@@ -16,7 +16,7 @@ from workers.engine.decoder import (
     generate_batch,
     greedy_reference,
 )
-from workers.engine.model import Transformer
+from workers.engine.model import NUMPY_STEP_ROWS, Transformer
 from workers.engine.proposers import DraftModelProposer, NgramProposer, PredictedOutputProposer, Proposer
 from workers.engine.tokenizer import Tokenizer
 
@@ -173,18 +173,19 @@ def test_multi_row_threads_keep_output_identical_and_restore_the_thread_count(
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        # A verify pass of k+1 rows runs in NumPy on one thread: nothing for the chooser to pick.
+        # Verify passes of k+1 rows in NumPy (on one thread) leave the chooser nothing to pick.
+        target.numpy_step_rows = 5
         dec = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=4, multi_row_threads=2)
         assert dec.generate(references[0][0], N_NEW, stop_at_eos=False).token_ids == references[0][1]
         assert dec._thread_choice is None
-        target.numpy_steps = False  # torch verify passes: the chooser times 1 against 2 threads
+        target.numpy_step_rows = 1  # torch verify passes: the chooser times 1 against 2 threads
         for prompt, want in references[:6]:
             assert dec.generate(prompt, N_NEW, stop_at_eos=False).token_ids == want
             assert torch.get_num_threads() == 1  # verify passes hand the count back
         chooser = dec._thread_choice
         assert chooser is not None and chooser.options == (1, 2)
     finally:
-        target.numpy_steps = True
+        target.numpy_step_rows = NUMPY_STEP_ROWS
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="multi_row_threads"):
         SpeculativeDecoder(target, tokenizer, None, multi_row_threads=0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.model import NUMPY_STEP_MAX_ROWS, FastLinear, ModelConfig, build_model
+from workers.engine.model import NUMPY_STEP_ROWS, FastLinear, ModelConfig, build_model
 
 ConfigFactory = Callable[..., ModelConfig]
 
@@ -28,18 +28,18 @@ def test_cached_prefill_and_steps_match_full_forward(n_kv_heads: int, tiny_confi
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
 def test_numpy_steps_match_torch_and_share_its_cache(n_kv_heads: int, tiny_config: ConfigFactory) -> None:
-    """Steps of 1..NUMPY_STEP_MAX_ROWS rows run in NumPy on the torch cache's buffers: same logits,
-    same cached keys/values, also after a rollback, with any grouping of query heads."""
+    """Steps of one or several rows run in NumPy on the torch cache's buffers: same logits, same
+    cached keys/values, also after a rollback, with any grouping of query heads."""
     model = build_model(tiny_config(n_kv_heads=n_kv_heads), seed=13).eval()
     x = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(2))
     runs = {}
     for numpy_steps in (False, True):
-        model.numpy_steps = numpy_steps
+        model.numpy_step_rows = 8 if numpy_steps else 0
         with torch.inference_mode():
             cache = model.new_cache()
             out = [model.forward_cached(x[:, :17], cache)]  # prefill: torch either way
             t = 17
-            for rows in (1, 3, NUMPY_STEP_MAX_ROWS, 1, 2):
+            for rows in (1, 3, 8, 1, 2):
                 out.append(model.forward_cached(x[:, t : t + rows], cache))
                 t += rows
             cache.rollback(t - 4)  # undo a rejected draft, then continue from there
@@ -59,13 +59,14 @@ def test_numpy_steps_match_torch_and_share_its_cache(n_kv_heads: int, tiny_confi
 
 def test_numpy_steps_follow_weight_updates_and_stay_out_of_autograd(tiny_config: ConfigFactory) -> None:
     model = build_model(tiny_config(), seed=14).eval()
+    model.numpy_step_rows = 2
     x = torch.randint(0, 320, (1, 12))
 
     def step_logits() -> torch.Tensor:
         with torch.inference_mode():
             cache = model.new_cache()
             model.forward_cached(x[:, :10], cache)
-            return model.forward_cached(x[:, 10:], cache)  # 2 rows: NumPy
+            return model.forward_cached(x[:, 10:], cache)  # 2 rows, in NumPy here
 
     step_logits()
     model.train()
@@ -80,7 +81,9 @@ def test_numpy_steps_follow_weight_updates_and_stay_out_of_autograd(tiny_config:
     model.invalidate_fast_path()
     assert model.forward_cached(x[:, :2], model.new_cache()).requires_grad
     assert model._numpy is None
-    assert not model.steps_in_numpy(NUMPY_STEP_MAX_ROWS + 1)
+    assert not model.steps_in_numpy(3)
+    default = build_model(tiny_config(), seed=1)
+    assert default.steps_in_numpy(NUMPY_STEP_ROWS) and not default.steps_in_numpy(NUMPY_STEP_ROWS + 1)
     assert not build_model(tiny_config(attention_bias=True), seed=1).steps_in_numpy(1)
 
 

@@ -411,9 +411,9 @@ class Transformer(nn.Module):
         super().__init__()
         self._fast: _FastWeights | None = None
         self._numpy: NumpyStep | None = None
-        # Decoding steps of up to NUMPY_STEP_MAX_ROWS rows run in NumPy where it can (see NumpyStep);
-        # False keeps every step on torch (tests compare the two).
-        self.numpy_steps = True
+        # Steps of one sequence over at most this many rows run in NumPy where it can (NumpyStep);
+        # 0 keeps every step on torch. Default: one-row steps only (see NUMPY_STEP_ROWS).
+        self.numpy_step_rows = NUMPY_STEP_ROWS
         self.config = cfg
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -481,12 +481,7 @@ class Transformer(nn.Module):
         end = pos + t
         if end > cache.max_len:
             raise ValueError(f"KV cache full: {pos} + {t} tokens > {cache.max_len}")
-        if (
-            t <= NUMPY_STEP_MAX_ROWS
-            and tokens.shape[0] == 1
-            and self.numpy_steps
-            and not torch.is_grad_enabled()
-        ):
+        if t <= self.numpy_step_rows and tokens.shape[0] == 1 and not torch.is_grad_enabled():
             step = self._numpy_step()
             if step is not None:
                 return step(tokens, cache, last_only)
@@ -557,7 +552,7 @@ class Transformer(nn.Module):
 
     def steps_in_numpy(self, rows: int) -> bool:
         """Whether `forward_cached` over `rows` rows of one sequence, without autograd, runs in NumPy."""
-        return self.numpy_steps and rows <= NUMPY_STEP_MAX_ROWS and NumpyStep.supports(self)
+        return rows <= self.numpy_step_rows and NumpyStep.supports(self)
 
     def _numpy_step(self) -> NumpyStep | None:
         step = self._numpy
@@ -589,9 +584,11 @@ _LayerWeights = tuple[torch.Tensor, FastLinear, FastLinear, torch.Tensor, FastLi
 _FastWeights = tuple[list[_LayerWeights], torch.Tensor, torch.Tensor, FastLinear]
 
 
-# Decoding steps up to this many rows (a drafter step, a verify pass over k+1 <= 8 rows) run in
-# NumPy; longer inputs (prefill) stay on torch, whose threaded GEMMs win there.
-NUMPY_STEP_MAX_ROWS = 8
+# One-row decoding steps (every drafter step, every plain target step) run in NumPy by default.
+# Verify passes of k+1 rows stay on torch: there NumPy on one thread was only even with it (target,
+# five rows: 9.7 against 10.6 ms idle, 11.8 against 11.4 ms next to a busy process), and torch can
+# take a second thread when the machine has one to spare (MultiRowThreads). Prefill stays on torch.
+NUMPY_STEP_ROWS = 1
 
 
 _blas_pinned = False
@@ -616,10 +613,10 @@ class NumpyStep:
     Why: a decoding step of a small model is dozens of tiny operators, and torch spends ~15-20 us
     dispatching each; NumPy spends a few. Measured on this project's 2-core AMD EPYC, one thread:
     a 0.92M-parameter drafter step 0.5 ms against 1.2 ms, the 12.2M target's one-row step 3.5-4.6 ms
-    against 6.2-7.6 ms, and its five-row verify pass 7.8-9.2 ms against 8.9-10.5 ms (there MKL's
-    small-row GEMM is also slower than OpenBLAS's on this CPU). Same arithmetic in float32, so the
-    logits agree with torch's to float rounding. NumPy's BLAS is pinned to one thread (see
-    `_pin_numpy_blas_to_one_thread`).
+    against 6.2-7.6 ms (MKL's one-row product is also slower than OpenBLAS's on this CPU). It runs
+    any number of rows; which ones it gets is `Transformer.numpy_step_rows`. Same arithmetic in
+    float32, so the logits agree with torch's to float rounding. NumPy's BLAS is pinned to one
+    thread (see `_pin_numpy_blas_to_one_thread`).
 
     It reads and writes the same `KVCache` buffers (NumPy views of them), so a request can prefill
     on torch and decode here. Weight copies (fused q/k/v and gate/up, transposed) are rebuilt when
