@@ -273,9 +273,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument(
-        "--torch-steps",
+        "--numpy-steps",
         action="store_true",
-        help="decode every step on torch (by default the engine runs one-row steps in NumPy)",
+        help="decode one-row steps in NumPy (off by default in the engine: see workers/engine/model.py)",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -286,8 +286,8 @@ def main() -> None:
     prompts = make_prompts(tokenizer, args.prompts)
     # Both step kernels' costs, measured back to back, then the run uses the chosen one.
     for model in (target, drafter):
-        model.numpy_step_rows = NUMPY_STEP_ROWS if args.torch_steps else 0
-    other = "torch" if not args.torch_steps else "numpy"
+        model.numpy_step_rows = 0 if args.numpy_steps else NUMPY_STEP_ROWS
+    other = "numpy" if not args.numpy_steps else "torch"
     n_prompt = {d: statistics.mean(len(x) for x in v) for d, v in prompts.items()}
     print(
         f"target {target.num_params():,} params, generic drafter {drafter.num_params():,}; "
@@ -299,8 +299,8 @@ def main() -> None:
     mean_len = int(statistics.mean(len(x) for v in prompts.values() for x in v)) + args.new_tokens // 2
     other_costs = measure_costs(target, drafter, mean_len)
     for model in (target, drafter):
-        model.numpy_step_rows = 0 if args.torch_steps else NUMPY_STEP_ROWS
-    kernel = "torch" if args.torch_steps else "numpy"
+        model.numpy_step_rows = NUMPY_STEP_ROWS if args.numpy_steps else 0
+    kernel = "numpy" if args.numpy_steps else "torch"
     costs = measure_costs(target, drafter, mean_len)
     print(
         f"decoding steps on {kernel} (target step {costs['target_step_ms']:.2f} ms, drafter step "

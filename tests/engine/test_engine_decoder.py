@@ -178,14 +178,14 @@ def test_multi_row_threads_keep_output_identical_and_restore_the_thread_count(
         dec = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=4, multi_row_threads=2)
         assert dec.generate(references[0][0], N_NEW, stop_at_eos=False).token_ids == references[0][1]
         assert dec._thread_choice is None
-        target.numpy_step_rows = 1  # torch verify passes: the chooser times 1 against 2 threads
+        target.numpy_step_rows = NUMPY_STEP_ROWS  # torch verify passes: the chooser times 1 against 2 threads
         for prompt, want in references[:6]:
             assert dec.generate(prompt, N_NEW, stop_at_eos=False).token_ids == want
             assert torch.get_num_threads() == 1  # verify passes hand the count back
         chooser = dec._thread_choice
         assert chooser is not None and chooser.options == (1, 2)
     finally:
-        target.numpy_step_rows = NUMPY_STEP_ROWS
+        target.numpy_step_rows = 0
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="multi_row_threads"):
         SpeculativeDecoder(target, tokenizer, None, multi_row_threads=0)

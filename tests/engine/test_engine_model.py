@@ -82,8 +82,10 @@ def test_numpy_steps_follow_weight_updates_and_stay_out_of_autograd(tiny_config:
     assert model.forward_cached(x[:, :2], model.new_cache()).requires_grad
     assert model._numpy is None
     assert not model.steps_in_numpy(3)
-    default = build_model(tiny_config(), seed=1)
-    assert default.steps_in_numpy(NUMPY_STEP_ROWS) and not default.steps_in_numpy(NUMPY_STEP_ROWS + 1)
+    other = build_model(tiny_config(), seed=1)
+    assert not other.steps_in_numpy(1)  # off by default
+    other.numpy_step_rows = NUMPY_STEP_ROWS
+    assert other.steps_in_numpy(NUMPY_STEP_ROWS) and not other.steps_in_numpy(NUMPY_STEP_ROWS + 1)
     assert not build_model(tiny_config(attention_bias=True), seed=1).steps_in_numpy(1)
 
 

@@ -412,8 +412,8 @@ class Transformer(nn.Module):
         self._fast: _FastWeights | None = None
         self._numpy: NumpyStep | None = None
         # Steps of one sequence over at most this many rows run in NumPy where it can (NumpyStep);
-        # 0 keeps every step on torch. Default: one-row steps only (see NUMPY_STEP_ROWS).
-        self.numpy_step_rows = NUMPY_STEP_ROWS
+        # 0, the default for now, keeps every step on torch (see NUMPY_STEP_ROWS for why).
+        self.numpy_step_rows = 0
         self.config = cfg
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -584,10 +584,18 @@ _LayerWeights = tuple[torch.Tensor, FastLinear, FastLinear, torch.Tensor, FastLi
 _FastWeights = tuple[list[_LayerWeights], torch.Tensor, torch.Tensor, FastLinear]
 
 
-# One-row decoding steps (every drafter step, every plain target step) run in NumPy by default.
-# Verify passes of k+1 rows stay on torch: there NumPy on one thread was only even with it (target,
-# five rows: 9.7 against 10.6 ms idle, 11.8 against 11.4 ms next to a busy process), and torch can
-# take a second thread when the machine has one to spare (MultiRowThreads). Prefill stays on torch.
+# What `Transformer.numpy_step_rows` should be set to when NumPy steps are wanted: one-row steps
+# (every drafter step, every plain target step). Verify passes of k+1 rows stay on torch: there
+# NumPy on one thread was only even with it (target, five rows: 9.7 against 10.6 ms idle, 11.8
+# against 11.4 ms next to a busy process; NumPy products with oneDNN's in between gained nothing
+# measurable), and torch can take a second thread (MultiRowThreads). Prefill stays on torch.
+#
+# Off by default for now. It makes every arm faster (bench/engine.py --numpy-steps: plain step
+# 4.2 against 6.6 ms, drafter step 0.62 against 1.19 ms) but the plain arm most, because a verify
+# pass still costs 1.9x a NumPy step: speculation's edge on this CPU fell from 1.7-1.9x to 1.15x
+# in the full demo, and in the fast end-to-end demo (45 s of realignment) the candidate no longer
+# beat no speculation, so the canary rightly never promoted and the loop could not close in the
+# test's budget. Turning it on waits for a cheaper verify pass.
 NUMPY_STEP_ROWS = 1
 
 
