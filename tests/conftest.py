@@ -127,8 +127,13 @@ def add_deployment(session: Session, account_name: str, name: str = "d") -> Depl
     account = Account(name=account_name)
     session.add(account)
     session.flush()
+    return add_deployment_to(session, account.id, name)
+
+
+def add_deployment_to(session: Session, account_id: int, name: str = "d") -> Deployment:
+    """A default-speculation deployment in an existing account, flushed."""
     deployment = Deployment(
-        account_id=account.id,
+        account_id=account_id,
         name=name,
         target_model="m",
         speculation_mode=SpeculationMode.default,

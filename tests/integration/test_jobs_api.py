@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
 from controlplane.api.jobs import get_job_queue
-from controlplane.db.models import Account, Deployment, Job, JobState, Role, SpeculationMode
+from controlplane.db.models import Account, Deployment, Job, JobState, Role
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.jobs.service import (
     finish_job,
@@ -22,7 +22,7 @@ from controlplane.jobs.service import (
     start_job,
 )
 from controlplane.jobs.states import ALLOWED, IllegalTransitionError, can_transition, transition
-from tests.conftest import Database, Tenant, make_tenant
+from tests.conftest import Database, Tenant, add_deployment_to, make_tenant
 
 BASE = "/v1/accounts/acme/deployments"
 
@@ -157,15 +157,7 @@ def test_two_concurrent_requests_start_one_job(
     sessions = get_sessionmaker(url)
     with sessions() as session:
         tenant = make_tenant(session, f"race{dialect}")
-        deployment = Deployment(
-            account_id=tenant.account_id,
-            name="svc",
-            target_model="m",
-            speculation_mode=SpeculationMode.default,
-            drift_policy={},
-            canary_policy={},
-        )
-        session.add(deployment)
+        deployment = add_deployment_to(session, tenant.account_id, "svc")
         session.commit()
         deployment_id = deployment.id
     try:
