@@ -14,8 +14,9 @@ Two forward paths:
 - `forward_cached(tokens, cache)` appends `tokens` at `cache.pos` and attends over everything cached.
   `cache.rollback(pos)` forgets every position >= pos, which is how a rejected draft is undone: the
   stale keys/values stay in the preallocated buffer but are never read again and are overwritten by
-  the next write. A decoding step of a few rows on a CPU runs in NumPy (`NumpyStep`), on the same
-  cache buffers, because torch's per-operator cost dominates at that size.
+  the next write. A decoding step of a few rows on a CPU can run in NumPy instead (`NumpyStep`, on
+  the same cache buffers; off by default, see NUMPY_STEP_ROWS): torch's per-operator cost
+  dominates at that size.
 """
 
 from __future__ import annotations
