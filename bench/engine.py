@@ -284,10 +284,12 @@ def main() -> None:
 
     target, drafter, tokenizer = load_pair(args.reference)
     prompts = make_prompts(tokenizer, args.prompts)
-    # Both step kernels' costs, measured back to back, then the run uses the chosen one.
-    for model in (target, drafter):
-        model.numpy_step_rows = 0 if args.numpy_steps else NUMPY_STEP_ROWS
-    other = "numpy" if not args.numpy_steps else "torch"
+    kernel, other = ("numpy", "torch") if args.numpy_steps else ("torch", "numpy")
+
+    def use_steps(name: str) -> None:
+        for model in (target, drafter):
+            model.numpy_step_rows = NUMPY_STEP_ROWS if name == "numpy" else 0
+
     n_prompt = {d: statistics.mean(len(x) for x in v) for d, v in prompts.items()}
     print(
         f"target {target.num_params():,} params, generic drafter {drafter.num_params():,}; "
@@ -297,10 +299,10 @@ def main() -> None:
     )
 
     mean_len = int(statistics.mean(len(x) for v in prompts.values() for x in v)) + args.new_tokens // 2
+    # Both step kernels' costs, measured back to back; the run then uses the chosen one.
+    use_steps(other)
     other_costs = measure_costs(target, drafter, mean_len)
-    for model in (target, drafter):
-        model.numpy_step_rows = NUMPY_STEP_ROWS if args.numpy_steps else 0
-    kernel = "numpy" if args.numpy_steps else "torch"
+    use_steps(kernel)
     costs = measure_costs(target, drafter, mean_len)
     print(
         f"decoding steps on {kernel} (target step {costs['target_step_ms']:.2f} ms, drafter step "
