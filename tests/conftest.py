@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.service import create_account, issue_key
-from controlplane.api.deps import get_ingest_batcher, get_session, get_session_factory
+from controlplane.api.deps import get_session
 from controlplane.app import create_app
 from controlplane.config import Settings
 from controlplane.db.migrate import downgrade_to_base, upgrade_to_head
@@ -185,10 +185,10 @@ def client(db: Database, settings: Settings) -> Iterator[TestClient]:
             session.close()
 
     app.dependency_overrides[get_session] = session_override
-    app.dependency_overrides[get_session_factory] = lambda: db.new_session
-    # The shared ingest writer must write inside the test's transaction too.
-    test_batcher = IngestBatcher(db.new_session)
-    app.dependency_overrides[get_ingest_batcher] = lambda: test_batcher
+    # Routes on the hot path read these from app state, not through dependencies: every session
+    # they open, and the shared ingest writer, must work inside the test's transaction too.
+    app.state.session_factory = db.new_session
+    app.state.ingest_batcher = IngestBatcher(db.new_session)
     with TestClient(app) as test_client:
         yield test_client
 

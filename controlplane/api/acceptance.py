@@ -12,17 +12,17 @@ from fastapi.concurrency import run_in_threadpool
 
 from controlplane.api.deps import (
     DataWriter,
-    DeploymentIdCacheDep,
-    IngestBatcherDep,
+    DeploymentIdCache,
     Reader,
     SessionDep,
     SessionFactory,
-    SessionFactoryDep,
     SettingsDep,
     read_body_limited,
 )
+from controlplane.config import Settings
 from controlplane.deployments.service import get_deployment, resolve_deployment_id
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
+from controlplane.ingest.batcher import IngestBatcher
 from controlplane.ingest.formats import BatchTooLargeError, BatchValidationError, parse_batch
 from controlplane.ingest.prometheus_push import store_prometheus_push
 from controlplane.stats.service import acceptance_series
@@ -43,16 +43,19 @@ async def ingest_batch(
     deployment: str,
     request: Request,
     principal: DataWriter,
-    settings: SettingsDep,
-    batcher: IngestBatcherDep,
-    deployment_ids: DeploymentIdCacheDep,
-    session_factory: SessionFactoryDep,
 ) -> dict[str, Any]:
     """Store a batch of acceptance records (native, Fireworks, vLLM, SGLang or TensorRT-LLM shape).
 
     All or nothing: any invalid record rejects the whole batch with every problem listed.
     Records whose request id is already stored are skipped and reported (idempotent retries).
     """
+    # The hot path of the API: app state is read directly, not through one FastAPI dependency
+    # each (resolving a dependency costs more CPU than the cache lookups it would wrap).
+    state = request.app.state
+    settings: Settings = state.settings
+    batcher: IngestBatcher = state.ingest_batcher
+    deployment_ids: DeploymentIdCache = state.deployment_id_cache
+    session_factory: SessionFactory = state.session_factory
     body = await read_body_limited(request, settings.max_body_bytes)
     try:
         payload = orjson.loads(body)
