@@ -185,6 +185,7 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=24)
     parser.add_argument("--eval-tokens", type=int, default=96)
     parser.add_argument("--time-budget-s", type=float, default=240.0)
+    parser.add_argument("--max-epochs", type=float, default=RealignConfig.max_epochs)
     parser.add_argument("--teacher", choices=["auto", "topk", "tokens"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -213,6 +214,7 @@ def main() -> None:
             seed=args.seed,
             time_budget_s=args.time_budget_s,
             teacher=args.teacher,
+            max_epochs=args.max_epochs,
             train_threads=args.train_threads,
         )
         result, _ = realign_for_domain(
