@@ -232,3 +232,45 @@ def test_prometheus_pushes_become_counter_deltas(
     assert deltas == [(10, 40, 25, [9, 8, 5, 3]), (5, 20, 8, [4, 2, 2, 0]), (2, 8, 5, [2, 2, 1, 0])]
     garbage = client.post(url, content="this is not prometheus {{{", headers=headers)
     assert garbage.status_code == 422
+
+
+@pytest.mark.parametrize("size", [1, 3, 20])
+def test_stored_rows_equal_what_was_sent(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database, size: int
+) -> None:
+    """Each write path (a VALUES list for tiny batches, column arrays past 50 parameters on
+    PostgreSQL) stores every field as sent, optional ones left out included."""
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    rng = random.Random(size)
+    records = [native_record(i, rng) for i in range(size)]
+    for i, record in enumerate(records):
+        if i % 2:
+            for optional in ("prompt_tokens", "ttft_ms", "inter_token_ms", "total_ms"):
+                record.pop(optional)
+        else:
+            record.update(category="sql", drafter_version=3)
+    response = client.post(f"{base}/acceptance", json={"records": records}, headers=acme.headers(Role.ingest))
+    assert response.json()["inserted"] == size, response.text
+    session = db.new_session()
+    try:
+        stored = {row.request_id: row for row in session.scalars(select(AcceptanceRecordRow))}
+    finally:
+        session.close()
+    assert sorted(stored) == sorted(r["request_id"] for r in records)
+    for record in records:
+        row = stored[record["request_id"]]
+        for field in ("drafted_tokens", "accepted_tokens", "verify_steps", "generated_tokens", "k", "arm"):
+            assert getattr(row, field) == record[field], field
+        assert row.accepted_per_position == record["accepted_per_position"]
+        assert row.prompt_tokens == record.get("prompt_tokens")
+        assert row.category == record.get("category")
+        assert row.drafter_version == record.get("drafter_version")
+        for field in ("ttft_ms", "inter_token_ms", "total_ms"):
+            assert (
+                getattr(row, field) == pytest.approx(record[field])
+                if field in record
+                else getattr(row, field) is None
+            )
+        when = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
+        assert when == datetime.fromisoformat(record["created_at"])
