@@ -45,6 +45,10 @@ class Settings(BaseSettings):
 
     # How long a verified API key is trusted without a lookup (revocation delay on other processes).
     auth_cache_ttl_s: float = Field(default=5.0, ge=0)
+    # Move everything alive once the API has started out of the cyclic collector's view (see
+    # controlplane.app). Off for apps built and thrown away by the hundred, as in tests: frozen
+    # objects in reference cycles are never reclaimed.
+    api_gc_freeze: bool = True
     # Ingestion nudges the drift monitor right away (beat also runs it every few seconds).
     drift_enqueue_on_ingest: bool = True
     max_batch_records: int = Field(default=10_000, ge=1)

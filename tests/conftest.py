@@ -168,7 +168,11 @@ def tenants(db: Database) -> tuple[Tenant, Tenant]:
 @pytest.fixture
 def settings(db: Database) -> Settings:
     return Settings(
-        database_url=db.url, environment="test", secret_key=TEST_SECRET, drift_enqueue_on_ingest=False
+        database_url=db.url,
+        environment="test",
+        secret_key=TEST_SECRET,
+        drift_enqueue_on_ingest=False,
+        api_gc_freeze=False,
     )
 
 

@@ -78,13 +78,13 @@ async def ingest_batch(
         raise ValidationProblem(
             f"{len(exc.problems)} problem(s) in the batch; nothing was stored", details=exc.as_dicts()
         ) from exc
-    cache_key = (principal.account_id, deployment)
-    deployment_id = deployment_ids.get(cache_key)
-    if deployment_id is None:
-        deployment_id = await run_in_threadpool(
-            _resolve_deployment, session_factory, principal.account_id, deployment
-        )
-        deployment_ids.put(cache_key, deployment_id)
+    account_id = principal.account_id
+
+    async def load() -> int:
+        return await run_in_threadpool(_resolve_deployment, session_factory, account_id, deployment)
+
+    deployment_id = await deployment_ids.get_or_load((account_id, deployment), load)
+    assert deployment_id is not None  # an unknown deployment raises instead
     result = await batcher.submit(deployment_id, records)
     sender = request.app.state.task_sender
     if result.inserted and sender is not None:
