@@ -41,6 +41,7 @@ def _edit(ids: list[int]) -> list[int]:
         ("draft", 1),
         ("draft", 4),
         ("draft", 6),
+        ("draft-confident", 6),
         ("ngram1", 4),
         ("ngram3", 3),
         ("predicted", 4),
@@ -58,6 +59,7 @@ def test_greedy_speculation_is_token_identical(
     proposer: Proposer | None = {
         "none": None,
         "draft": DraftModelProposer(drafter),
+        "draft-confident": DraftModelProposer(drafter, confidence_threshold=0.5),
         "ngram1": NgramProposer(1),
         "ngram3": NgramProposer(3),
         "predicted": None,
@@ -77,6 +79,32 @@ def test_greedy_speculation_is_token_identical(
     else:
         # The check is only meaningful if drafts were both accepted and rejected along the way.
         assert 0 < accepted < drafted
+
+
+def test_a_confidence_threshold_shortens_doubtful_drafts(
+    target: Transformer, drafter: Transformer, tokenizer: Tokenizer, make_prompts: PromptFactory
+) -> None:
+    """Rounds stop where the drafter doubts its token: fewer drafted tokens per round, and those
+    drafted are accepted at least as often (what stops was mostly going to be rejected)."""
+    figures = {}
+    for threshold in (0.0, 0.5):
+        dec = SpeculativeDecoder(
+            target, tokenizer, DraftModelProposer(drafter, confidence_threshold=threshold), k=6
+        )
+        drafted = accepted = steps = 0
+        for prompt in make_prompts(8):
+            m = dec.generate(prompt, N_NEW, stop_at_eos=False).metrics
+            drafted, accepted, steps = (
+                drafted + m.drafted_tokens,
+                accepted + m.accepted_tokens,
+                steps + m.verify_steps,
+            )
+        figures[threshold] = (drafted / steps, accepted / drafted)
+    # Without a threshold a round drafts k, short of the requested length's end.
+    assert figures[0.5][0] < 0.8 * figures[0.0][0]
+    assert figures[0.5][1] >= figures[0.0][1]
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        DraftModelProposer(drafter, confidence_threshold=1.0)
 
 
 def test_predicted_output_realigns_after_an_edit(

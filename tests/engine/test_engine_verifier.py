@@ -99,7 +99,7 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
     assert logits_to_probs(torch.tensor([1.0, 5.0]), 1.0, top_p=0.01).tolist() == [0.0, 1.0]
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("kind", ["draft", "draft-confident", "ngram"])
 def test_speculative_sampling_matches_target_joint_distribution(
     kind: str, tokenizer: Tokenizer, tiny_config: ConfigFactory, noisy_copy: CopyFactory
 ) -> None:
@@ -121,17 +121,23 @@ def test_speculative_sampling_matches_target_joint_distribution(
     assert sum(1 for v in exact.values() if v == 0.0) > 5  # top-p really pruned something
     assert sum(1 for v in exact.values() if v * n >= 5) > 40  # and many outcomes remain testable
 
-    proposer: Proposer = (
-        DraftModelProposer(noisy_copy(target, 0.3, 2)) if kind == "draft" else NgramProposer(1)
-    )
+    proposer: Proposer = {
+        "draft": lambda: DraftModelProposer(noisy_copy(target, 0.3, 2)),
+        # Rounds end early wherever the drafter's sampled token had q < 0.6: still exact.
+        "draft-confident": lambda: DraftModelProposer(noisy_copy(target, 0.3, 2), confidence_threshold=0.6),
+        "ngram": lambda: NgramProposer(1),
+    }[kind]()
     dec = SpeculativeDecoder(target, tokenizer, proposer, k=3)
     g = torch.Generator().manual_seed(123)
     counts: Counter[tuple[int, ...]] = Counter()
-    drafted = accepted = 0
+    drafted = accepted = steps = 0
     for _ in range(n):
         res = dec.generate(prompt, new, temperature, top_p, generator=g, stop_at_eos=False)
         counts[tuple(res.token_ids)] += 1
         drafted += res.metrics.drafted_tokens
         accepted += res.metrics.accepted_tokens
+        steps += res.metrics.verify_steps
     assert 0 < accepted < drafted
+    if kind == "draft-confident":
+        assert drafted < 3 * steps  # some rounds did stop early
     assert chi_square_z(counts, exact, n) < 4.0

@@ -7,6 +7,10 @@ Owns the `Proposer` protocol, the `Proposals` it returns, and:
   context (undoing rejected drafts) and feeds the rest (usually the target's correction or bonus
   token, plus the last draft when all were accepted) in one forward. Per round that is k drafter
   forwards and O(k) Python work, and it stays correct when another proposer drafted some rounds.
+  With a `confidence_threshold` it stops a round early once the drafter gives its own token less
+  than that probability (dynamic draft length, as Hugging Face's assistant_confidence_threshold):
+  a draft past a token the drafter doubts is mostly rejected, yet costs drafter steps and verify
+  rows. Stopping depends on the drafter alone, so verification stays exact.
 - `NgramProposer(n)`: prompt lookup (`--ngram-speculation-length n`): find the most recent earlier
   occurrence of the context's last n tokens and propose the tokens that followed it; no match means
   no proposal (the step is plain decoding). An incremental n-gram index keeps lookups O(1).
@@ -65,9 +69,18 @@ class Proposer(Protocol):
 
 
 class DraftModelProposer:
-    def __init__(self, drafter: Transformer, max_len: int | None = None, name: str = "drafter") -> None:
+    def __init__(
+        self,
+        drafter: Transformer,
+        max_len: int | None = None,
+        name: str = "drafter",
+        confidence_threshold: float = 0.0,
+    ) -> None:
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         self.drafter = drafter
         self.name = name
+        self.confidence_threshold = confidence_threshold
         self.cache = drafter.new_cache(1, max_len)
         self._ids: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._stable = 0  # prefix of _ids known to equal the context at the last call
@@ -109,6 +122,7 @@ class DraftModelProposer:
         drafter, cache = self.drafter, self.cache
         logits = drafter.forward_cached(torch.tensor([feed]), cache, last_only=True)[0, -1]  # [V]
         greedy = sampling is None or sampling.greedy
+        threshold = self.confidence_threshold
         toks: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for step in range(k):
@@ -120,11 +134,21 @@ class DraftModelProposer:
                 tok = sample_from(q, generator)  # [1]
                 qs.append(q)
             toks.append(tok)
-            if step < k - 1:
-                logits = drafter.forward_cached(tok.view(1, 1), cache)[0, -1]  # [V]
-        drafts = torch.cat(toks)  # [k]
+            if step == k - 1:
+                break
+            if threshold and self._doubts(logits, tok, qs[-1] if qs else None, threshold):
+                break
+            logits = drafter.forward_cached(tok.view(1, 1), cache)[0, -1]  # [V]
+        drafts = torch.cat(toks)  # [k'], k' <= k
         self._ids.extend(drafts[:-1].tolist())  # the last draft was never fed
         return Proposals(drafts, torch.stack(qs) if qs else None)
+
+    @staticmethod
+    def _doubts(logits: torch.Tensor, tok: torch.Tensor, q: torch.Tensor | None, threshold: float) -> bool:
+        """True when the drafter gave its chosen token less than ``threshold`` probability."""
+        if q is None:  # greedy: the chosen token's probability is the distribution's maximum
+            return float(torch.softmax(logits, dim=-1).max()) < threshold
+        return float(q[tok]) < threshold
 
 
 class NgramProposer:

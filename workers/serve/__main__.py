@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads verify passes may use instead; the faster of the two, as timed while serving, "
         "is used (default: --threads for every pass)",
     )
+    ap.add_argument(
+        "--draft-confidence-threshold",
+        type=float,
+        default=0.0,
+        help="end a draft-model round at the first token the drafter gives less than this "
+        "probability (0, the default: always draft k)",
+    )
     return ap
 
 
@@ -87,6 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     config.trace_sample_rate = args.trace_sample_rate
     config.multi_row_threads = args.multi_row_threads
+    if not 0.0 <= args.draft_confidence_threshold < 1.0:
+        raise SystemExit(
+            f"--draft-confidence-threshold must be in [0, 1), got {args.draft_confidence_threshold}"
+        )
+    config.draft_confidence_threshold = args.draft_confidence_threshold
     if report_url and not args.no_report:
         reporter = ControlPlaneReporter(report_url, api_key=api_key)
         config.on_record = reporter.record

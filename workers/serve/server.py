@@ -88,6 +88,9 @@ class ServerConfig:
     # Torch threads verify passes may use (decoder.MultiRowThreads picks between these and the
     # process's own count by timing them); None: the process's count for every pass.
     multi_row_threads: int | None = None
+    # Draft-model rounds stop at the first drafted token the drafter gives less than this
+    # probability (0: always draft k). See DraftModelProposer.
+    draft_confidence_threshold: float = 0.0
     # Called once when the app shuts down (e.g. to flush a reporter): uvicorn re-raises SIGTERM
     # after its graceful shutdown, so code after `uvicorn.run` would never run.
     on_shutdown: Callable[[], None] | None = None
@@ -289,7 +292,9 @@ class Engine:
             assert dep.drafter_path is not None
             drafter, dtok = self.models.get(dep.drafter_path, dep.drafter_sha256)
             ensure_same_tokenizer(tok, dtok, dep.target_path, dep.drafter_path)
-            proposer = DraftModelProposer(drafter, name=dep.drafter_path)
+            proposer = DraftModelProposer(
+                drafter, name=dep.drafter_path, confidence_threshold=self.config.draft_confidence_threshold
+            )
         elif dep.speculation == "ngram":
             proposer = NgramProposer(dep.ngram_length)
         dec = SpeculativeDecoder(
