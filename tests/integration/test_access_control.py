@@ -218,6 +218,20 @@ def test_matrix_covers_every_account_route(client: TestClient) -> None:
     assert routes == {(method, path) for method, path, _, _ in MATRIX}
 
 
+def test_openapi_tells_clients_how_to_present_a_key(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["bearer"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "Authorization: Bearer <key>",
+    }
+    assert schema["components"]["securitySchemes"]["apiKeyHeader"]["name"] == "X-API-Key"
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            secured = operation.get("security") == [{"bearer": []}, {"apiKeyHeader": []}]
+            assert secured == (path.startswith("/v1/") or path == "/metrics"), path
+
+
 def test_other_accounts_and_weak_roles_are_refused(
     client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
 ) -> None:
