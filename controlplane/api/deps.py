@@ -80,8 +80,8 @@ class TtlCache(Generic[K, V]):
     100-300 ms every ``ttl_s`` (measured with bench/ingest.py's single-record client).
     """
 
-    # An entry older than this share of its lifetime is reloaded in the background on its next
-    # use, while callers keep getting it; no entry is served past its ttl.
+    # An entry older than this share of its lifetime is reloaded by its next caller while
+    # concurrent callers keep getting it; no entry is served past its ttl.
     REFRESH_AFTER_SHARE = 0.6
 
     def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
@@ -186,9 +186,9 @@ async def get_principal(request: Request) -> Principal:
     """The caller: the key's principal, from a cache, so that a hot path costs no query.
 
     It reads headers and app state from the request itself rather than through sub-dependencies:
-    FastAPI's dependency resolution costs tens of microseconds per dependency on every request,
-    and this runs on every route (measured on the single-record ingest path: most of the event
-    loop's CPU went to resolving dependencies).
+    FastAPI resolves each dependency on every request, at tens of microseconds apiece on this
+    kind of machine, and this runs on every route (with the ingest route's own, that took a
+    sequential single-record POST from 5.1 to 4.0 ms).
     """
     headers = request.headers
     presented = _presented_key(headers.get("authorization"), headers.get("x-api-key"))
