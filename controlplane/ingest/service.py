@@ -163,6 +163,28 @@ def _copy_rows(
         raise IntegrityError(COPY_SQL, None, exc) from exc
 
 
+def _row(deployment_id: int, rec: AcceptanceRecord, now: datetime) -> tuple[Any, ...]:
+    """One record's column values in COPY_COLUMNS order: the one mapping every write path uses."""
+    return (
+        deployment_id,
+        rec.request_id,
+        rec.created_at or now,
+        rec.arm,
+        rec.drafter_version,
+        rec.k,
+        rec.drafted_tokens,
+        rec.accepted_tokens,
+        rec.verify_steps,
+        rec.generated_tokens,
+        rec.prompt_tokens,
+        rec.accepted_per_position,
+        rec.ttft_ms,
+        rec.inter_token_ms,
+        rec.total_ms,
+        rec.category,
+    )
+
+
 def _copy_with(
     driver_conn: Any, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
 ) -> None:
@@ -170,52 +192,25 @@ def _copy_with(
         copy.set_types(COPY_TYPES)
         write = copy.write_row
         for rec in records:
-            write(
-                (
-                    deployment_id,
-                    rec.request_id,
-                    rec.created_at or now,
-                    rec.arm,
-                    rec.drafter_version,
-                    rec.k,
-                    rec.drafted_tokens,
-                    rec.accepted_tokens,
-                    rec.verify_steps,
-                    rec.generated_tokens,
-                    rec.prompt_tokens,
-                    rec.accepted_per_position,
-                    rec.ttft_ms,
-                    rec.inter_token_ms,
-                    rec.total_ms,
-                    rec.category,
-                )
-            )
+            write(_row(deployment_id, rec, now))
 
 
 def _row_values(
     deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
 ) -> list[dict[str, Any]]:
-    return [
-        {
-            "deployment_id": deployment_id,
-            "request_id": rec.request_id,
-            "created_at": rec.created_at or now,
-            "arm": rec.arm,
-            "drafter_version": rec.drafter_version,
-            "k": rec.k,
-            "drafted_tokens": rec.drafted_tokens,
-            "accepted_tokens": rec.accepted_tokens,
-            "verify_steps": rec.verify_steps,
-            "generated_tokens": rec.generated_tokens,
-            "prompt_tokens": rec.prompt_tokens,
-            "accepted_per_position": rec.accepted_per_position,
-            "ttft_ms": rec.ttft_ms,
-            "inter_token_ms": rec.inter_token_ms,
-            "total_ms": rec.total_ms,
-            "category": rec.category,
-        }
-        for rec in records
+    return [dict(zip(COPY_COLUMNS, _row(deployment_id, rec, now), strict=True)) for rec in records]
+
+
+def _column_arrays(deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime) -> dict[str, Any]:
+    """The parameters of _INSERT_NEW_FROM_ARRAYS: each column but deployment_id as one list."""
+    # Lists, not tuples: psycopg sends a list as an array and a tuple as a record.
+    columns = [
+        list(column) for column in zip(*(_row(deployment_id, rec, now) for rec in records), strict=True)
     ]
+    params: dict[str, Any] = dict(zip(COPY_COLUMNS, columns, strict=True))
+    params["deployment_id"] = deployment_id
+    params["accepted_per_position"] = [json_dumps(p) for p in params["accepted_per_position"]]
+    return params
 
 
 def _insert_rows(
@@ -235,12 +230,7 @@ def _insert_new_rows(
     if len(records) * len(COPY_COLUMNS) <= _VALUES_MAX_PARAMS:
         rows = session.execute(_INSERT_NEW_RETURNING, _row_values(deployment_id, records, now))
         return {row[0] for row in rows}
-    params: dict[str, Any] = {"deployment_id": deployment_id}
-    for name in _ARRAY_COLUMNS:
-        params[name] = [getattr(rec, name) for rec in records]
-    params["created_at"] = [rec.created_at or now for rec in records]
-    params["accepted_per_position"] = [json_dumps(rec.accepted_per_position) for rec in records]
-    rows = session.execute(_INSERT_NEW_FROM_ARRAYS, params)
+    rows = session.execute(_INSERT_NEW_FROM_ARRAYS, _column_arrays(deployment_id, records, now))
     return {row[0] for row in rows}
 
 
