@@ -68,6 +68,12 @@ class Proposer(Protocol):
         ...
 
 
+def check_confidence_threshold(threshold: float) -> None:
+    """A draft-stopping threshold is a probability below 1 (0: never stop early)."""
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"confidence_threshold must be in [0, 1), got {threshold}")
+
+
 class DraftModelProposer:
     def __init__(
         self,
@@ -76,8 +82,7 @@ class DraftModelProposer:
         name: str = "drafter",
         confidence_threshold: float = 0.0,
     ) -> None:
-        if not 0.0 <= confidence_threshold < 1.0:
-            raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
+        check_confidence_threshold(confidence_threshold)
         self.drafter = drafter
         self.name = name
         self.confidence_threshold = confidence_threshold

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from workers.engine.proposers import check_confidence_threshold
 from workers.serve.reporter import ControlPlaneReporter
 from workers.serve.server import ServerConfig, create_app, http_serving_config
 
@@ -94,10 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     config.trace_sample_rate = args.trace_sample_rate
     config.multi_row_threads = args.multi_row_threads
-    if not 0.0 <= args.draft_confidence_threshold < 1.0:
-        raise SystemExit(
-            f"--draft-confidence-threshold must be in [0, 1), got {args.draft_confidence_threshold}"
-        )
+    try:  # drafters load on the first request: refuse a bad value now, not then
+        check_confidence_threshold(args.draft_confidence_threshold)
+    except ValueError as exc:
+        raise SystemExit(f"--draft-confidence-threshold: {exc}") from exc
     config.draft_confidence_threshold = args.draft_confidence_threshold
     if report_url and not args.no_report:
         reporter = ControlPlaneReporter(report_url, api_key=api_key)
