@@ -18,7 +18,7 @@ from controlplane.api.deps import DeploymentIdCache, PrincipalCache
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
 from controlplane.dashboard import routes as dashboard
-from controlplane.db.session import get_sessionmaker
+from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.errors import DomainError
 from controlplane.ingest.batcher import IngestBatcher
 from controlplane.observability import routes as observability
@@ -92,7 +92,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.principal_cache = PrincipalCache(settings.auth_cache_ttl_s)
     app.state.deployment_id_cache = DeploymentIdCache(settings.auth_cache_ttl_s)
     app.state.session_factory = get_sessionmaker(settings.database_url)
-    app.state.ingest_batcher = IngestBatcher(app.state.session_factory)
+    app.state.ingest_batcher = IngestBatcher(
+        app.state.session_factory, engine=get_engine(settings.database_url)
+    )
     app.state.task_sender = TaskSender(settings.broker_url) if settings.drift_enqueue_on_ingest else None
 
     @app.exception_handler(DomainError)

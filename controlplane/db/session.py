@@ -9,7 +9,10 @@ from functools import lru_cache
 from typing import Any
 
 import orjson
+import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -60,6 +63,26 @@ def get_engine(url: str) -> Engine:
         json_deserializer=json_loads,
         json_serializer=json_dumps,
     )
+
+
+@contextmanager
+def driver_cursor(session: Session) -> Iterator[Any]:
+    """A psycopg cursor on the session's own connection, so inside its transaction; rows read
+    by attribute, like SQLAlchemy's. PostgreSQL only.
+
+    For the per-request ingest statements, where SQLAlchemy's execution machinery (parameter
+    processing, result wrapping) cost about as much CPU as the database's own work. The
+    driver's errors leave as SQLAlchemy's (IntegrityError, OperationalError, ...), so callers
+    handle them the same whichever path raised them.
+    """
+    driver_connection: Any = session.connection().connection.driver_connection
+    cursor = driver_connection.cursor(row_factory=namedtuple_row)
+    try:
+        yield cursor
+    except psycopg.Error as exc:
+        raise DBAPIError.instance(None, None, exc, psycopg.Error) from exc
+    finally:
+        cursor.close()
 
 
 @lru_cache(maxsize=8)

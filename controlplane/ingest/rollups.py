@@ -24,11 +24,12 @@ from datetime import UTC, datetime
 from itertools import accumulate, islice, zip_longest
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, select, text, tuple_, update
+from sqlalchemy import Table, bindparam, select, tuple_, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import AcceptanceRollupRow
+from controlplane.db.session import driver_cursor, json_dumps
 from controlplane.ingest.record import AcceptanceRecord
 
 HIST_RATIO = 1.05
@@ -264,10 +265,10 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
     keys = sorted(rows)
     like = keys[0][1]
     if session.get_bind().dialect.name == "postgresql":
-        current = _upsert_locking(session, deployment_id, keys)
-    else:
-        _insert_empty(session, deployment_id, keys)
-        current = _lock_rows(session, deployment_id, keys)
+        _apply_postgres(session, deployment_id, keys, rows)
+        return
+    _insert_empty(session, deployment_id, keys)
+    current = _lock_rows(session, deployment_id, keys)
     locked = {
         (row.resolution_s, _aware(row.bucket_start, like), row.arm, row.drafter_version): row
         for row in current
@@ -299,20 +300,24 @@ def _empty_row(deployment_id: int) -> dict[str, Any]:
     }
 
 
-def _upsert_locking(session: Session, deployment_id: int, keys: Sequence[TierKey]) -> list[Any]:
-    """PostgreSQL: create the missing rows of sorted ``keys``, lock all of them and read them, in
-    one statement.
+def _apply_postgres(
+    session: Session, deployment_id: int, keys: Sequence[TierKey], rows: Mapping[TierKey, RollupDelta]
+) -> None:
+    """PostgreSQL: create the missing rows of sorted ``keys``, lock and read all of them in one
+    statement, then write each one's new values, in the caller's transaction.
 
     The no-op DO UPDATE locks an existing row and RETURNING hands back its current values.
     Rows are processed, and so locked, in key order (WITH ORDINALITY), the same sorted order in
     every writer, so concurrent batches cannot deadlock. The keys travel as four arrays, so the
-    statement's text is the same whatever their number: the driver parses it once and the
-    server prepares it, where a VALUES list would be a new statement of hundreds of
-    placeholders on every call.
+    statement's text is the same whatever their number and the server prepares it once.
+
+    Both statements go straight to the driver's cursor on the session's connection (same
+    transaction): a single-record ingest flush runs this, and SQLAlchemy's per-statement
+    execution machinery cost about as much CPU as the database's work here.
     """
-    return list(
-        session.execute(
-            _UPSERT_LOCKING,
+    with driver_cursor(session) as cursor:
+        cursor.execute(
+            _UPSERT_LOCKING_SQL,
             {
                 "deployment_id": deployment_id,
                 "resolutions": [key[0] for key in keys],
@@ -320,8 +325,19 @@ def _upsert_locking(session: Session, deployment_id: int, keys: Sequence[TierKey
                 "arms": [key[2] for key in keys],
                 "versions": [key[3] for key in keys],
             },
+            prepare=True,
         )
-    )
+        locked = {
+            (row.resolution_s, row.bucket_start, row.arm, row.drafter_version): row
+            for row in cursor.fetchall()
+        }
+        updates = []
+        for key in keys:
+            values = _updated(locked[key], rows[key])
+            for name in _JSON_COLUMNS:
+                values[name] = json_dumps(values[name])
+            updates.append(values)
+        cursor.executemany(_UPDATE_BY_ID_SQL, updates)
 
 
 # Keys locked per SELECT, to keep the bound parameters well under SQLite's limit.
@@ -402,17 +418,22 @@ _LOCKED_COLUMNS = (
     "accepted_per_position",
     *HISTOGRAMS,
 )
-_UPSERT_LOCKING = text(
-    f"""
+_UPSERT_LOCKING_SQL = f"""
     INSERT INTO acceptance_rollups (deployment_id, resolution_s, bucket_start, arm, drafter_version,
         {", ".join(_SUM_COLUMNS)}, accepted_per_position, {", ".join(HISTOGRAMS)})
-    SELECT :deployment_id, k.resolution_s, k.bucket_start, k.arm, k.drafter_version,
+    SELECT %(deployment_id)s, k.resolution_s, k.bucket_start, k.arm, k.drafter_version,
         {", ".join("0" for _ in _SUM_COLUMNS)}, '[]', {", ".join("'[]'" for _ in HISTOGRAMS)}
-    FROM unnest(CAST(:resolutions AS integer[]), CAST(:starts AS timestamptz[]),
-                CAST(:arms AS varchar[]), CAST(:versions AS integer[]))
+    FROM unnest(CAST(%(resolutions)s AS integer[]), CAST(%(starts)s AS timestamptz[]),
+                CAST(%(arms)s AS varchar[]), CAST(%(versions)s AS integer[]))
          WITH ORDINALITY AS k(resolution_s, bucket_start, arm, drafter_version, position)
     ORDER BY k.position
     ON CONFLICT ON CONSTRAINT uq_acceptance_rollups_key DO UPDATE SET requests = acceptance_rollups.requests
     RETURNING {", ".join(_LOCKED_COLUMNS)}
-    """
-).columns(**{name: _ROLLUP_TABLE.c[name].type for name in _LOCKED_COLUMNS})
+"""
+_JSON_COLUMNS = ("accepted_per_position", *HISTOGRAMS)
+_UPDATE_BY_ID_SQL = f"""
+    UPDATE acceptance_rollups SET
+        {", ".join(f"{name} = %({name})s" for name in (*_SUM_COLUMNS, *PERCENTILE_COLUMNS))},
+        {", ".join(f"{name} = CAST(%({name})s AS json)" for name in _JSON_COLUMNS)}
+    WHERE id = %(row_id)s
+"""

@@ -12,16 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
-import psycopg
-from sqlalchemy import Table, insert, select, text
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import AcceptanceRecordRow, utcnow
-from controlplane.db.session import json_dumps
+from controlplane.db.session import driver_cursor, json_dumps
 from controlplane.errors import ValidationProblem
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import aggregate, apply_deltas
@@ -72,34 +70,24 @@ COPY_TYPES = (
 )
 COPY_SQL = f"COPY acceptance_records ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
 
-_RECORDS_TABLE = cast(Table, AcceptanceRecordRow.__table__)
-_INSERT_NEW_RETURNING = (
-    pg_insert(_RECORDS_TABLE)
-    .on_conflict_do_nothing(constraint="uq_acceptance_records_deployment_request")
-    .returning(_RECORDS_TABLE.c.request_id)
-)
-# Past 50 parameters (four records) psycopg parses a statement's text again on every call, and a
-# multi-row VALUES list is a new statement for every batch size. Such batches take each column as
-# one array instead: the statement's text is the same whatever the number of rows, so it is
-# parsed and prepared once (1.2 ms less CPU for 16 records; for one record the array encoding
-# costs 0.3 ms more, so small batches keep VALUES). Rows go in in array order (request-id order,
-# see _store_postgres).
-_VALUES_MAX_PARAMS = 50
+# Small batches go in as one INSERT ... ON CONFLICT DO NOTHING RETURNING that takes each column
+# as one array: the statement's text is the same whatever the number of rows, so the server
+# prepares it once, where a multi-row VALUES list is a new statement for every batch size (and
+# past 50 parameters psycopg parses it again on every call). Rows go in in array order
+# (request-id order, see _store_postgres).
 _ARRAY_COLUMNS = COPY_COLUMNS[1:]
 _ARRAYS = ", ".join(
-    f"CAST(:{name} AS {kind}[])" for name, kind in zip(_ARRAY_COLUMNS, COPY_TYPES[1:], strict=True)
+    f"CAST(%({name})s AS {kind}[])" for name, kind in zip(_ARRAY_COLUMNS, COPY_TYPES[1:], strict=True)
 )
-_INSERT_NEW_FROM_ARRAYS = text(
-    f"""
+_INSERT_NEW_FROM_ARRAYS_SQL = f"""
     INSERT INTO acceptance_records ({", ".join(COPY_COLUMNS)})
-    SELECT :deployment_id, {", ".join(f"r.{name}" for name in _ARRAY_COLUMNS)}
+    SELECT %(deployment_id)s, {", ".join(f"r.{name}" for name in _ARRAY_COLUMNS)}
     FROM unnest({_ARRAYS})
          WITH ORDINALITY AS r({", ".join(_ARRAY_COLUMNS)}, position)
     ORDER BY r.position
     ON CONFLICT ON CONSTRAINT uq_acceptance_records_deployment_request DO NOTHING
     RETURNING request_id
-    """
-)
+"""
 
 
 @dataclass(slots=True)
@@ -155,12 +143,11 @@ def _existing_ids(session: Session, deployment_id: int, ids: list[str]) -> set[s
 def _copy_rows(
     session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
 ) -> None:
-    driver_conn: Any = session.connection().connection.driver_connection
-    try:
-        _copy_with(driver_conn, deployment_id, records, now)
-    except psycopg.errors.IntegrityError as exc:
-        # The raw COPY bypasses SQLAlchemy; give callers the same exception as the ORM path.
-        raise IntegrityError(COPY_SQL, None, exc) from exc
+    with driver_cursor(session) as cursor, cursor.copy(COPY_SQL) as copy:
+        copy.set_types(COPY_TYPES)
+        write = copy.write_row
+        for rec in records:
+            write(_row(deployment_id, rec, now))
 
 
 def _row(deployment_id: int, rec: AcceptanceRecord, now: datetime) -> tuple[Any, ...]:
@@ -183,16 +170,6 @@ def _row(deployment_id: int, rec: AcceptanceRecord, now: datetime) -> tuple[Any,
         rec.total_ms,
         rec.category,
     )
-
-
-def _copy_with(
-    driver_conn: Any, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
-) -> None:
-    with driver_conn.cursor() as cursor, cursor.copy(COPY_SQL) as copy:
-        copy.set_types(COPY_TYPES)
-        write = copy.write_row
-        for rec in records:
-            write(_row(deployment_id, rec, now))
 
 
 def _row_values(
@@ -225,13 +202,12 @@ def _insert_new_rows(
     """PostgreSQL: store the records whose id is not yet stored; returns the ids stored.
 
     ON CONFLICT DO NOTHING waits for a concurrent writer of the same id and then skips it, so
-    this never fails on a duplicate and needs no savepoint.
+    this never fails on a duplicate and needs no savepoint. It runs in every single-record
+    ingest flush, so it goes straight to the driver (see driver_cursor).
     """
-    if len(records) * len(COPY_COLUMNS) <= _VALUES_MAX_PARAMS:
-        rows = session.execute(_INSERT_NEW_RETURNING, _row_values(deployment_id, records, now))
-        return {row[0] for row in rows}
-    rows = session.execute(_INSERT_NEW_FROM_ARRAYS, _column_arrays(deployment_id, records, now))
-    return {row[0] for row in rows}
+    with driver_cursor(session) as cursor:
+        cursor.execute(_INSERT_NEW_FROM_ARRAYS_SQL, _column_arrays(deployment_id, records, now), prepare=True)
+        return {row.request_id for row in cursor.fetchall()}
 
 
 def store_records(

@@ -1,0 +1,117 @@
+"""The ingest batcher's kept connection on real PostgreSQL: one connection for every flush, a new
+one after the database drops it, and none left behind on close."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.exc import OperationalError
+
+from controlplane.db.migrate import upgrade_to_head
+from controlplane.db.models import AcceptanceRecordRow, AcceptanceRollupRow
+from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.ingest.batcher import IngestBatcher
+from controlplane.ingest.record import AcceptanceRecord
+from controlplane.ingest.rollups import MINUTE
+from tests.conftest import PG_ADMIN_URL, add_deployment, recreate_pg_database
+
+
+def _record(request_id: str) -> AcceptanceRecord:
+    return AcceptanceRecord(
+        request_id=request_id,
+        drafted_tokens=8,
+        accepted_tokens=5,
+        verify_steps=2,
+        generated_tokens=7,
+        accepted_per_position=[4, 1],
+        inter_token_ms=9.5,
+        total_ms=120.0,
+    )
+
+
+def _terminate_backends(database: str) -> int:
+    """Kill every server process connected to ``database`` (what a database restart does)."""
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        killed = conn.scalar(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = :name AND pid <> pg_backend_pid()"
+            ),
+            {"name": database},
+        )
+    admin.dispose()
+    return int(killed or 0)
+
+
+@pytest.fixture
+def pg_deployment() -> tuple[str, int]:
+    url = recreate_pg_database("controlplane_batcher")
+    upgrade_to_head(url)
+    with get_sessionmaker(url)() as session:
+        deployment_id = add_deployment(session, "batcher").id
+        session.commit()
+    return url, deployment_id
+
+
+def test_flushes_share_one_kept_connection_and_store_everything(pg_deployment: tuple[str, int]) -> None:
+    url, deployment_id = pg_deployment
+    engine = get_engine(url)
+    batcher = IngestBatcher(get_sessionmaker(url), engine=engine)
+
+    async def run() -> list[int]:
+        results = []
+        for wave in range(5):
+            outcomes = await asyncio.gather(
+                *(batcher.submit(deployment_id, [_record(f"w{wave}-r{i}")]) for i in range(8))
+            )
+            results += [outcome.inserted for outcome in outcomes]
+            # Between flushes the kept connection stays checked out of the pool: no per-flush
+            # checkout (and its ping).
+            assert engine.pool.checkedout() == 1  # type: ignore[attr-defined]
+        await batcher.close()
+        return results
+
+    inserted = asyncio.run(run())
+    assert inserted == [1] * 40
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]  # close returned it
+    with get_sessionmaker(url)() as session:
+        stored = session.scalar(select(func.count()).select_from(AcceptanceRecordRow))
+        minute_requests = session.scalar(
+            select(func.sum(AcceptanceRollupRow.requests)).where(AcceptanceRollupRow.resolution_s == MINUTE)
+        )
+    assert stored == 40
+    assert minute_requests == 40
+
+
+def test_a_connection_the_database_dropped_is_replaced(pg_deployment: tuple[str, int]) -> None:
+    url, deployment_id = pg_deployment
+    database = url.rsplit("/", 1)[1]
+    batcher = IngestBatcher(get_sessionmaker(url), engine=get_engine(url), kept_connection_idle_s=0.5)
+
+    async def run() -> None:
+        assert (await batcher.submit(deployment_id, [_record("before")])).inserted == 1
+        # Dropped right after use: the next flush finds out by failing, with the database's own
+        # error, and stores nothing; the one after runs on a new connection.
+        assert _terminate_backends(database) >= 1
+        with pytest.raises(OperationalError):
+            await batcher.submit(deployment_id, [_record("lost")])
+        assert (await batcher.submit(deployment_id, [_record("lost")])).inserted == 1
+        # Dropped during a quiet spell: the flush after it checks out a pinged connection and
+        # no request fails.
+        assert _terminate_backends(database) >= 1
+        time.sleep(0.6)
+        assert (await batcher.submit(deployment_id, [_record("after-idle")])).inserted == 1
+        await batcher.close()
+
+    asyncio.run(run())
+    with get_sessionmaker(url)() as session:
+        ids = set(session.scalars(select(AcceptanceRecordRow.request_id)))
+        minute_requests = session.scalar(
+            select(func.sum(AcceptanceRollupRow.requests)).where(AcceptanceRollupRow.resolution_s == MINUTE)
+        )
+    assert ids == {"before", "lost", "after-idle"}
+    assert minute_requests == 3
