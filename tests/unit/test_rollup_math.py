@@ -9,6 +9,7 @@ import pytest
 
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import (
+    RollupDelta,
     aggregate,
     floor_to,
     hist_from_counts,
@@ -71,6 +72,70 @@ def test_aggregate_groups_by_minute_arm_and_version() -> None:
     assert live_first.accepted_per_position == [6, 4]
     assert sum(d.requests for d in deltas.values()) == 7
     assert deltas[(t0.replace(second=0), "baseline", 0)].requests == 1
+
+
+def test_aggregate_equals_a_record_by_record_recount() -> None:
+    """Missing optional fields, ragged per-position lists, several arms, versions and time zones,
+    and latencies at and below the histogram's first edge."""
+    rng = random.Random(11)
+    t0 = datetime(2026, 1, 1, 12, 58, tzinfo=UTC)
+    zones = [UTC, timezone(timedelta(hours=2)), timezone(timedelta(hours=-5, minutes=-30))]
+
+    def maybe(value: float) -> float | None:
+        return None if rng.random() < 0.25 else value
+
+    records = [
+        AcceptanceRecord(
+            request_id=f"r{i}",
+            drafted_tokens=rng.randint(0, 40),
+            accepted_tokens=rng.randint(0, 30),
+            verify_steps=rng.randint(1, 10),
+            generated_tokens=rng.randint(1, 50),
+            accepted_per_position=[rng.randint(0, 9) for _ in range(rng.choice([0, 1, 3, 5]))],
+            prompt_tokens=None if rng.random() < 0.3 else rng.randint(0, 900),
+            ttft_ms=maybe(rng.choice([0.0, 0.01, 0.004, rng.uniform(1, 90)])),
+            inter_token_ms=maybe(rng.uniform(0.001, 40)),
+            total_ms=maybe(rng.uniform(50, 900)),
+            arm=rng.choice(["live", "baseline", "canary:3"]),
+            drafter_version=rng.choice([None, 1, 2]),
+            created_at=None
+            if rng.random() < 0.2
+            else (t0 + timedelta(seconds=rng.randrange(300))).astimezone(rng.choice(zones)),
+        )
+        for i in range(3_000)
+    ]
+    now = t0 + timedelta(seconds=42)
+    expected: dict[tuple[datetime, str, int], RollupDelta] = {}
+    for rec in records:  # one record at a time, as plainly as possible
+        when = rec.created_at or now
+        sums = expected.setdefault(
+            (when.replace(second=0, microsecond=0), rec.arm, rec.drafter_version or 0), RollupDelta()
+        )
+        sums.requests += 1
+        sums.drafted_tokens += rec.drafted_tokens
+        sums.accepted_tokens += rec.accepted_tokens
+        sums.verify_steps += rec.verify_steps
+        sums.generated_tokens += rec.generated_tokens
+        sums.prompt_tokens += rec.prompt_tokens or 0
+        if rec.total_ms is not None:
+            sums.total_ms_sum += rec.total_ms
+            sums.timed_requests += 1
+        for i, count in enumerate(rec.accepted_per_position):
+            if i == len(sums.accepted_per_position):
+                sums.accepted_per_position.append(0)
+            sums.accepted_per_position[i] += count
+        for hist, value in (
+            (sums.inter_token_hist, rec.inter_token_ms),
+            (sums.total_ms_hist, rec.total_ms),
+            (sums.ttft_hist, rec.ttft_ms),
+        ):
+            if value is not None:
+                hist[hist_index(value)] = hist.get(hist_index(value), 0) + 1
+    deltas = aggregate(records, when_default=now)
+    assert deltas.keys() == expected.keys()
+    for key, delta in deltas.items():
+        # Exact equality throughout, total_ms_sum included: the same additions in the same order.
+        assert delta == expected[key], key
 
 
 def test_summary_ratios_come_from_counts() -> None:
