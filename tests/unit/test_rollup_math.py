@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import (
+    HIST_MIN_MS,
+    HIST_RATIO,
     RollupDelta,
     aggregate,
     floor_to,
@@ -136,6 +140,34 @@ def test_aggregate_equals_a_record_by_record_recount() -> None:
     for key, delta in deltas.items():
         # Exact equality throughout, total_ms_sum included: the same additions in the same order.
         assert delta == expected[key], key
+
+
+def test_large_groups_bucket_exactly_like_hist_index_even_on_bucket_edges() -> None:
+    """A group big enough for the vectorised path, full of values on and next to bucket edges,
+    at and below the first edge, and ordinary ones."""
+    rng = random.Random(5)
+    edges = [HIST_MIN_MS * HIST_RATIO**k for k in range(400)]
+    values = [*edges, *(math.nextafter(e, 0.0) for e in edges), *(math.nextafter(e, math.inf) for e in edges)]
+    values += [0.0, HIST_MIN_MS / 2, HIST_MIN_MS] + [rng.lognormvariate(2.0, 2.0) for _ in range(2_000)]
+    t0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    records = [
+        AcceptanceRecord(
+            request_id=f"r{i}",
+            drafted_tokens=4,
+            accepted_tokens=2,
+            verify_steps=1,
+            generated_tokens=3,
+            inter_token_ms=value,
+            total_ms=None if i % 3 == 0 else value * 7,
+            created_at=t0,
+        )
+        for i, value in enumerate(values)
+    ]
+    (delta,) = aggregate(records, when_default=t0).values()
+    expected = Counter(hist_index(value) for value in values)
+    assert dict(delta.inter_token_hist) == dict(expected)
+    assert dict(delta.total_ms_hist) == dict(Counter(hist_index(r.total_ms) for r in records if r.total_ms))
+    assert sum(delta.inter_token_hist.values()) == len(values)
 
 
 def test_summary_ratios_come_from_counts() -> None:
