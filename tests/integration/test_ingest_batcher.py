@@ -1,5 +1,5 @@
-"""The ingest batcher's kept connection on real PostgreSQL: one connection for every flush, a new
-one after the database drops it, and none left behind on close."""
+"""The ingest batcher's lanes on real PostgreSQL: kept connections, large flushes side by side, a
+new connection after the database drops one, and none left behind on close."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sqlalchemy.exc import OperationalError
 from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import AcceptanceRecordRow, AcceptanceRollupRow
 from controlplane.db.session import get_engine, get_sessionmaker
-from controlplane.ingest.batcher import IngestBatcher
+from controlplane.ingest.batcher import FLUSH_LANES, IngestBatcher
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import MINUTE
 from tests.conftest import PG_ADMIN_URL, add_deployment, recreate_pg_database
@@ -57,7 +57,7 @@ def pg_deployment() -> tuple[str, int]:
     return url, deployment_id
 
 
-def test_flushes_share_one_kept_connection_and_store_everything(pg_deployment: tuple[str, int]) -> None:
+def test_flushes_keep_their_connections_and_store_everything(pg_deployment: tuple[str, int]) -> None:
     url, deployment_id = pg_deployment
     engine = get_engine(url)
     batcher = IngestBatcher(get_sessionmaker(url), engine=engine)
@@ -69,28 +69,56 @@ def test_flushes_share_one_kept_connection_and_store_everything(pg_deployment: t
                 *(batcher.submit(deployment_id, [_record(f"w{wave}-r{i}")]) for i in range(8))
             )
             results += [outcome.inserted for outcome in outcomes]
-            # Between flushes the kept connection stays checked out of the pool: no per-flush
-            # checkout (and its ping).
-            assert engine.pool.checkedout() == 1  # type: ignore[attr-defined]
+            # Between flushes the lanes keep their connections checked out of the pool: no
+            # per-flush checkout (and its ping).
+            assert 1 <= engine.pool.checkedout() <= FLUSH_LANES  # type: ignore[attr-defined]
         await batcher.close()
         return results
 
     inserted = asyncio.run(run())
     assert inserted == [1] * 40
-    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]  # close returned it
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]  # close returned them
+    _assert_stored(url, 40)
+
+
+def test_large_flushes_run_side_by_side(pg_deployment: tuple[str, int]) -> None:
+    url, deployment_id = pg_deployment
+    engine = get_engine(url)
+    batcher = IngestBatcher(get_sessionmaker(url), engine=engine)
+    size = 10_000  # a flush of this takes a good tenth of a second
+
+    async def run() -> list[int]:
+        first = asyncio.ensure_future(batcher.submit(deployment_id, [_record(f"a{i}") for i in range(size)]))
+        await asyncio.sleep(0.02)  # its flush has started
+        second = await batcher.submit(deployment_id, [_record(f"b{i}") for i in range(size)])
+        # The second batch did not wait for the first one's lane: both lanes hold a connection.
+        assert engine.pool.checkedout() == 2  # type: ignore[attr-defined]
+        outcomes = [await first, second]
+        await batcher.close()
+        return [outcome.inserted for outcome in outcomes]
+
+    assert asyncio.run(run()) == [size, size]
+    _assert_stored(url, 2 * size)
+
+
+def _assert_stored(url: str, count: int) -> None:
+    """``count`` records stored, and the minute rollups count each of them once."""
     with get_sessionmaker(url)() as session:
         stored = session.scalar(select(func.count()).select_from(AcceptanceRecordRow))
         minute_requests = session.scalar(
             select(func.sum(AcceptanceRollupRow.requests)).where(AcceptanceRollupRow.resolution_s == MINUTE)
         )
-    assert stored == 40
-    assert minute_requests == 40
+    assert stored == count
+    assert minute_requests == count
 
 
 def test_a_connection_the_database_dropped_is_replaced(pg_deployment: tuple[str, int]) -> None:
     url, deployment_id = pg_deployment
     database = url.rsplit("/", 1)[1]
-    batcher = IngestBatcher(get_sessionmaker(url), engine=get_engine(url), kept_connection_idle_s=0.5)
+    # One lane, so that the flush after the kill is known to run on the killed connection.
+    batcher = IngestBatcher(
+        get_sessionmaker(url), engine=get_engine(url), kept_connection_idle_s=0.5, lanes=1
+    )
 
     async def run() -> None:
         assert (await batcher.submit(deployment_id, [_record("before")])).inserted == 1
