@@ -30,3 +30,9 @@ class ValidationProblem(DomainError):
 
 class PayloadTooLargeError(DomainError):
     status_code = 413
+
+
+class UnavailableError(DomainError):
+    """The service cannot take this now (shutting down); nothing was done, retry elsewhere."""
+
+    status_code = 503

@@ -21,6 +21,7 @@ the database serialises (see rollups). Small flushes still go one at a time (see
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from controlplane.errors import UnavailableError
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.service import SMALL_BATCH_RECORDS, IngestResult, is_unique_violation, store_batches
 
@@ -42,6 +44,10 @@ KEPT_CONNECTION_IDLE_S = 1.0
 FLUSH_LANES = 2
 # A flush smaller than this waits for the one in flight instead of running beside it.
 PARALLEL_FLUSH_MIN_RECORDS = SMALL_BATCH_RECORDS
+
+
+class BatcherClosedError(UnavailableError):
+    """The batcher was closed before this request's records were flushed (an HTTP 503)."""
 
 
 @dataclass(slots=True)
@@ -144,7 +150,11 @@ class IngestBatcher:
         return await pending.done
 
     async def close(self) -> None:
-        """Stop taking requests, let the flushes in flight finish, return the connections."""
+        """Stop taking requests, let the flushes in flight finish, return the connections.
+
+        Requests not yet in a flush fail with ``BatcherClosedError`` (nothing of them stored)
+        rather than wait forever.
+        """
         if self._worker is not None:
             self._worker.cancel()
             try:
@@ -152,6 +162,10 @@ class IngestBatcher:
             except asyncio.CancelledError:
                 pass
             self._worker = None
+        if self._queue is not None:
+            waiting: list[_Pending] = []
+            self._take_queued(self._queue, waiting, 0, limit=math.inf)
+            _fail(waiting, BatcherClosedError("the API is shutting down; nothing of this batch was stored"))
         if self._in_flight:
             await asyncio.gather(*self._in_flight, return_exceptions=True)
         for lane in self._lanes:
@@ -161,26 +175,34 @@ class IngestBatcher:
         free: asyncio.Queue[_Lane] = asyncio.Queue()
         for lane in self._lanes:
             free.put_nowait(lane)
-        while True:
-            # A lane first, then the requests: whatever arrives while every lane is busy joins
-            # the next flush.
-            lane = await free.get()
-            group = [await queue.get()]
-            size = self._take_queued(queue, group, len(group[0].records))
-            if size < PARALLEL_FLUSH_MIN_RECORDS and self._in_flight:
-                # Small flushes cost mostly per-flush work (round trips, the rollup rows, which
-                # a flush beside this one would hold locked anyway): one at a time, each taking
-                # everything that queued meanwhile (single-record p99 at 500/s: 14 ms with
-                # overlapping small flushes, 10-12 without).
-                await asyncio.wait(set(self._in_flight))
-                size = self._take_queued(queue, group, size)
-            task = asyncio.get_running_loop().create_task(self._flush(lane, group, free))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
+        group: list[_Pending] = []
+        try:
+            while True:
+                # A lane first, then the requests: whatever arrives while every lane is busy
+                # joins the next flush.
+                lane = await free.get()
+                group = [await queue.get()]
+                size = self._take_queued(queue, group, len(group[0].records), self._max_records)
+                if size < PARALLEL_FLUSH_MIN_RECORDS and self._in_flight:
+                    # Small flushes cost mostly per-flush work (round trips, the rollup rows,
+                    # which a flush beside this one would hold locked anyway): one at a time,
+                    # each taking everything that queued meanwhile (single-record p99 at 500/s:
+                    # 14 ms with overlapping small flushes, 10-12 without).
+                    await asyncio.wait(set(self._in_flight))
+                    size = self._take_queued(queue, group, size, self._max_records)
+                task = asyncio.get_running_loop().create_task(self._flush(lane, group, free))
+                self._in_flight.add(task)
+                task.add_done_callback(self._in_flight.discard)
+                group = []
+        except asyncio.CancelledError:
+            _fail(group, BatcherClosedError("the API is shutting down; nothing of this batch was stored"))
+            raise
 
-    def _take_queued(self, queue: asyncio.Queue[_Pending], group: list[_Pending], size: int) -> int:
-        """Move queued requests into ``group`` up to the flush size; returns its record count."""
-        while size < self._max_records and not queue.empty():
+    @staticmethod
+    def _take_queued(queue: asyncio.Queue[_Pending], group: list[_Pending], size: int, limit: float) -> int:
+        """Move queued requests into ``group`` until it holds ``limit`` records or the queue is
+        empty; returns the group's record count."""
+        while size < limit and not queue.empty():
             item = queue.get_nowait()
             group.append(item)
             size += len(item.records)
@@ -192,12 +214,16 @@ class IngestBatcher:
                 lane.flush, [(item.deployment_id, item.records) for item in group]
             )
         except Exception as exc:  # every request of the flush learns why it failed
-            for item in group:
-                if not item.done.done():
-                    item.done.set_exception(exc)
+            _fail(group, exc)
             return
         finally:
             free.put_nowait(lane)
         for item, result in zip(group, results, strict=True):
             if not item.done.done():
                 item.done.set_result(result)
+
+
+def _fail(group: Sequence[_Pending], exc: BaseException) -> None:
+    for item in group:
+        if not item.done.done():
+            item.done.set_exception(exc)

@@ -13,9 +13,10 @@ from sqlalchemy.exc import OperationalError
 from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import AcceptanceRecordRow, AcceptanceRollupRow
 from controlplane.db.session import get_engine, get_sessionmaker
-from controlplane.ingest.batcher import FLUSH_LANES, IngestBatcher
+from controlplane.ingest.batcher import FLUSH_LANES, BatcherClosedError, IngestBatcher
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import MINUTE
+from controlplane.ingest.service import IngestResult
 from tests.conftest import PG_ADMIN_URL, add_deployment, recreate_pg_database
 
 
@@ -143,3 +144,33 @@ def test_a_connection_the_database_dropped_is_replaced(pg_deployment: tuple[str,
         )
     assert ids == {"before", "lost", "after-idle"}
     assert minute_requests == 3
+
+
+def test_close_finishes_the_flushes_in_flight_and_refuses_the_rest(
+    pg_deployment: tuple[str, int],
+) -> None:
+    """No request is left waiting forever: each is stored and answered, or answered with a 503
+    error and stores nothing."""
+    url, deployment_id = pg_deployment
+    # One request per flush: two flushes run, the other requests queue behind them.
+    batcher = IngestBatcher(get_sessionmaker(url), engine=get_engine(url), max_records=200)
+
+    async def run() -> list[IngestResult | BaseException]:
+        tasks = [
+            asyncio.ensure_future(batcher.submit(deployment_id, [_record(f"c{i}-{j}") for j in range(200)]))
+            for i in range(30)
+        ]
+        await asyncio.sleep(0.01)  # the first flushes start
+        await batcher.close()
+        done, pending = await asyncio.wait(tasks, timeout=30)
+        assert not pending, "a request was left waiting after close"
+        return [task.result() if task.exception() is None else task.exception() for task in tasks]  # type: ignore[misc]
+
+    outcomes = asyncio.run(run())
+    stored = [o for o in outcomes if isinstance(o, IngestResult)]
+    refused = [o for o in outcomes if not isinstance(o, IngestResult)]
+    assert stored, "the flushes in flight at close were not finished"
+    assert refused, "close did not refuse the queued requests"
+    assert all(isinstance(o, BatcherClosedError) and o.status_code == 503 for o in refused)
+    assert all(o.inserted == 200 for o in stored)
+    _assert_stored(url, 200 * len(stored))
