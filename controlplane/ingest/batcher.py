@@ -127,12 +127,13 @@ class IngestBatcher:
         kept_connection_idle_s: float = KEPT_CONNECTION_IDLE_S,
         lanes: int = FLUSH_LANES,
     ):
-        """Flushes run in ``lanes`` lanes on connections of ``engine`` when one is given; else in
-        one lane, on a new session of ``session_factory`` each (tests bind those to a transaction
-        they roll back, which two threads must not share)."""
+        """Flushes run in ``lanes`` lanes on connections of ``engine`` when one is given (one on
+        SQLite); else in one lane, on a new session of ``session_factory`` each (tests bind those
+        to a transaction they roll back, which two threads must not share)."""
         if lanes < 1:
             raise ValueError(f"lanes must be at least 1, got {lanes}")
-        count = lanes if engine is not None else 1
+        # SQLite takes one writer at a time: a second lane would only wait for its lock.
+        count = lanes if engine is not None and engine.dialect.name != "sqlite" else 1
         self._lanes = [_Lane(session_factory, engine, kept_connection_idle_s) for _ in range(count)]
         self._max_records = max_records
         self._queue: asyncio.Queue[_Pending] | None = None

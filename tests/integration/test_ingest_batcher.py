@@ -4,7 +4,9 @@ new connection after the database drops one, and none left behind on close."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, func, select, text
@@ -174,3 +176,30 @@ def test_close_finishes_the_flushes_in_flight_and_refuses_the_rest(
     assert all(isinstance(o, BatcherClosedError) and o.status_code == 503 for o in refused)
     assert all(o.inserted == 200 for o in stored)
     _assert_stored(url, 200 * len(stored))
+
+
+def test_sqlite_flushes_in_one_lane(sqlite_template: Path, tmp_path: Path) -> None:
+    """SQLite has one writer at a time: a second lane would only queue on its lock."""
+    path = tmp_path / "controlplane.db"
+    shutil.copy(sqlite_template, path)
+    url = f"sqlite:///{path}"
+    engine = get_engine(url)
+    with get_sessionmaker(url)() as session:
+        deployment_id = add_deployment(session, "lite").id
+        session.commit()
+    batcher = IngestBatcher(get_sessionmaker(url), engine=engine)
+
+    async def run() -> list[int]:
+        first = asyncio.ensure_future(batcher.submit(deployment_id, [_record(f"a{i}") for i in range(5_000)]))
+        await asyncio.sleep(0.02)
+        second = await batcher.submit(deployment_id, [_record(f"b{i}") for i in range(5_000)])
+        assert engine.pool.checkedout() == 1  # type: ignore[attr-defined]
+        outcomes = [await first, second]
+        await batcher.close()
+        return [outcome.inserted for outcome in outcomes]
+
+    try:
+        assert asyncio.run(run()) == [5_000, 5_000]
+        _assert_stored(url, 10_000)
+    finally:
+        engine.dispose()
