@@ -80,7 +80,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
         "watch_requests": 100,
         "tune_draft_length": True,
     },
-    "realign": {"time_budget_s": 150, "min_traces": 250, "max_wait_s": 300},
+    "realign": {"time_budget_s": 150, "min_traces": 400, "max_wait_s": 300},
 }
 FAST_OVERRIDES: dict[str, Any] = {
     "calibration_requests": 6,
