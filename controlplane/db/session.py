@@ -1,4 +1,5 @@
-"""Engine and session factory, and the unit of work that is the one transaction boundary."""
+"""Engine and session factory, the unit of work that is the one transaction boundary, and the
+driver-level cursor that hot write paths use inside a session's transaction."""
 
 from __future__ import annotations
 
