@@ -221,16 +221,9 @@ def _histogram(values: Iterable[float | None]) -> dict[int, int]:
     hist_index does, so the result is identical either way.
     """
     present = [value for value in values if value is not None]
-    if len(present) < _VECTOR_MIN_VALUES:  # hist_index inlined: a call per value costs more
-        return Counter(
-            [
-                0 if value <= HIST_MIN_MS else 1 + int(math.log(value / HIST_MIN_MS) / _LOG_RATIO)
-                for value in present
-            ]
-        )
-    array = np.array(present, dtype=np.float64)
-    if not np.isfinite(array).all():
-        return Counter([hist_index(value) for value in present])  # fails as hist_index does
+    array = np.array(present, dtype=np.float64) if len(present) >= _VECTOR_MIN_VALUES else None
+    if array is None or not np.isfinite(array).all():  # small, or fails as hist_index does
+        return Counter(map(hist_index, present))
     with np.errstate(divide="ignore", invalid="ignore"):  # values <= HIST_MIN_MS are masked out
         position = np.log(array / HIST_MIN_MS) / _LOG_RATIO
         above = array > HIST_MIN_MS
@@ -319,10 +312,10 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
     rows: dict[TierKey, RollupDelta] = {(MINUTE, *key): delta for key, delta in minutes.items()}
     rows.update(tier_deltas(minutes))
     keys = sorted(rows)
-    like = keys[0][1]
     if session.get_bind().dialect.name == "postgresql":
         _apply_postgres(session, deployment_id, keys, rows)
         return
+    like = keys[0][1]
     _insert_empty(session, deployment_id, keys)
     current = _lock_rows(session, deployment_id, keys)
     locked = {
