@@ -9,7 +9,6 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel
 
 from controlplane.api.deps import (
     DataWriter,
@@ -26,6 +25,7 @@ from controlplane.errors import DomainError, PayloadTooLargeError, ValidationPro
 from controlplane.ingest.batcher import IngestBatcher
 from controlplane.ingest.formats import BatchTooLargeError, BatchValidationError, parse_batch
 from controlplane.ingest.prometheus_push import store_prometheus_push
+from controlplane.ingest.service import IngestResult
 from controlplane.stats.service import acceptance_series
 
 INLINE_PARSE_BYTES = 16 * 1024
@@ -38,16 +38,7 @@ def _resolve_deployment(factory: SessionFactory, account_id: int, name: str) -> 
         return resolve_deployment_id(session=session, account_id=account_id, name=name)
 
 
-class IngestReply(BaseModel):
-    """What a stored batch did (the OpenAPI schema of the ingest route's reply)."""
-
-    received: int
-    inserted: int
-    duplicates: int
-    duplicate_request_ids: list[str]
-
-
-@router.post("/acceptance", response_model=IngestReply)
+@router.post("/acceptance", response_model=IngestResult)  # the reply's schema, for OpenAPI
 async def ingest_batch(
     account: str,
     deployment: str,
