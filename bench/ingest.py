@@ -9,6 +9,9 @@ Measures, in one run so that the ratios are fair on a noisy shared machine:
      after phase 1 (VACUUM ANALYZE of what it wrote, then CHECKPOINT: see settle_database);
   3. the stats query (24 h, 5-minute buckets) over a deployment holding 10M records, served from
      the per-minute rollups, timed in-process and through HTTP.
+After the server stops, every tier of the ingest deployment's rollups must count each stored
+record exactly once (single-record flushes defer their sums to a fold; see
+controlplane.ingest.batcher), or the bench fails.
 Prints a table and writes bench/results/ingest.json.
 
 Usage: .venv/bin/python bench/ingest.py [--records 400000] [--stats-records 10000000]
@@ -339,6 +342,27 @@ def settle_database(url: str) -> float:
     return time.perf_counter() - start
 
 
+def rollup_check(url: str, deployment_id: int) -> tuple[int, int, dict[int, int]]:
+    """Records stored for the deployment, records still pending a rollup fold, and the requests
+    each rollup tier counts."""
+    with get_sessionmaker(url)() as session:
+        stored = session.scalar(
+            text("SELECT count(*) FROM acceptance_records WHERE deployment_id = :d"), {"d": deployment_id}
+        )
+        pending = session.scalar(
+            text("SELECT count(*) FROM acceptance_rollup_pending WHERE deployment_id = :d"),
+            {"d": deployment_id},
+        )
+        tiers = session.execute(
+            text(
+                "SELECT resolution_s, sum(requests) FROM acceptance_rollups WHERE deployment_id = :d"
+                " GROUP BY resolution_s"
+            ),
+            {"d": deployment_id},
+        ).all()
+    return int(stored or 0), int(pending or 0), {int(r): int(n) for r, n in tiers}
+
+
 def ensure_stats_deployment(url: str, target: int) -> int:
     """A deployment with ``target`` records spread over one day, built through the real write path."""
     sessions = get_sessionmaker(url)
@@ -419,7 +443,7 @@ def main() -> None:
     args = parser.parse_args()
 
     url = prepare_database(args.fresh)
-    key, _, raw_copy_id = ensure_tenant(url)
+    key, ingest_id, raw_copy_id = ensure_tenant(url)
     print(f"stats deployment: {args.stats_records:,} records through the write path (reused if present)")
     stats_id = ensure_stats_deployment(url, args.stats_records)
 
@@ -500,6 +524,9 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
+    stored, pending, tier_sums = rollup_check(url, ingest_id)
+    assert pending == 0 and set(tier_sums.values()) == {stored}, (stored, pending, tier_sums)
+    print(f"  rollups after shutdown: {stored:,} records stored, every tier counts {stored:,}, none pending")
 
     results = {
         "batch_records_per_s": round(batch_rate),

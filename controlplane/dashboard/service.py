@@ -30,6 +30,7 @@ from controlplane.db.models import (
 )
 from controlplane.deployments.service import describe, resource_name
 from controlplane.errors import ValidationProblem
+from controlplane.ingest.service import fold_before_reading
 from controlplane.jobs.service import job_summary
 from controlplane.stats.service import acceptance_series
 
@@ -491,6 +492,7 @@ def _arm_series(
     # About 120 points whatever the window, in whole minutes.
     bucket = max(60, math.ceil(span / 120 / 60) * 60)
     end = start + timedelta(seconds=math.ceil(span / bucket) * bucket)
+    fold_before_reading(session=session, deployment_ids=[deployment_id])  # arms of deferred sums too
     arms = session.scalars(
         select(AcceptanceRollupRow.arm)
         .where(

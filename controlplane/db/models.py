@@ -238,6 +238,25 @@ class AcceptanceRecordRow(Base):
     category: Mapped[str | None] = mapped_column(String(100))
 
 
+class AcceptanceRollupPendingRow(Base):
+    """A stored acceptance record whose rollup sums are not added yet (PostgreSQL only).
+
+    A small ingest flush stores its records and one of these rows each, in one statement, and
+    leaves the rollup update (a read-merge-write of five hot rows, more than half of a
+    single-record flush) to a fold that takes many records at once within a fraction of a
+    second (controlplane.ingest.service.fold_pending_rollups). The fold deletes the rows it
+    adds in the same transaction, so every record is summed exactly once; readers of rollups
+    fold first, so nothing they read lags what was acknowledged.
+    """
+
+    __tablename__ = "acceptance_rollup_pending"
+
+    record_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("acceptance_records.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+
+
 class AcceptanceRollupRow(Base):
     """Sums of acceptance records over one time bucket, at every rollup resolution.
 

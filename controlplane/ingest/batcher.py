@@ -16,11 +16,19 @@ next flush of that lane starts on a fresh one. Two lanes let a large flush run i
 the other waits on the database (its COPY, its commit), so neither side of a 2-core machine
 idles (batch ingest 54-59k -> 69-70k records/s); they share nothing but the rollup rows, which
 the database serialises (see rollups). Small flushes still go one at a time (see _run).
+
+On PostgreSQL with an engine, a small flush leaves its rollup sums to a fold (see
+controlplane.ingest.service.fold_pending_rollups): the rollup read-merge-write of five hot rows
+was more than half of a single-record flush (1.8 ms in isolation, 0.7 ms without it). The
+batcher folds at most FOLD_DELAY_S after a flush, on a connection of its own, summing whatever
+queued meanwhile in one transaction, and once more when it closes; readers of rollups fold
+before they read, so none of them sees a lagging sum.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -34,7 +42,16 @@ from sqlalchemy.orm import Session
 
 from controlplane.errors import UnavailableError
 from controlplane.ingest.record import AcceptanceRecord
-from controlplane.ingest.service import SMALL_BATCH_RECORDS, IngestResult, is_unique_violation, store_batches
+from controlplane.ingest.service import (
+    SMALL_BATCH_RECORDS,
+    IngestResult,
+    fold_pending_rollups,
+    is_unique_violation,
+    rollups_deferrable,
+    store_batches,
+)
+
+log = logging.getLogger(__name__)
 
 MAX_RECORDS_PER_FLUSH = 50_000
 # A kept connection idle longer than this goes back to the pool and the flush checks out another,
@@ -44,6 +61,11 @@ KEPT_CONNECTION_IDLE_S = 1.0
 FLUSH_LANES = 2
 # A flush smaller than this waits for the one in flight instead of running beside it.
 PARALLEL_FLUSH_MIN_RECORDS = SMALL_BATCH_RECORDS
+# How long deferred rollup sums may wait for their fold. Longer folds more records per
+# transaction; readers never wait for it (they fold first).
+FOLD_DELAY_S = 0.05
+# After a failed fold (the database away), the next try waits this long.
+FOLD_RETRY_S = 1.0
 
 
 class BatcherClosedError(UnavailableError):
@@ -73,13 +95,17 @@ class _Lane:
         # outlives a cancelled task) before closing the connection under it.
         self._lock = threading.Lock()
 
-    def flush(self, batches: list[tuple[int, Sequence[AcceptanceRecord]]]) -> list[IngestResult]:
+    def flush(
+        self, batches: list[tuple[int, Sequence[AcceptanceRecord]]], defer_rollups: bool = False
+    ) -> list[IngestResult]:
         with self._lock:
             try:
                 for attempt in range(2):
                     with self._open_session() as session:
                         try:
-                            results = store_batches(session=session, batches=batches)
+                            results = store_batches(
+                                session=session, batches=batches, defer_rollups=defer_rollups
+                            )
                             session.commit()
                             return results
                         except IntegrityError as exc:
@@ -93,6 +119,18 @@ class _Lane:
                 self._drop_connection()
                 raise
             raise AssertionError("unreachable")
+
+    def fold(self) -> int:
+        """Fold every pending rollup sum in one transaction; returns the records folded."""
+        with self._lock:
+            try:
+                with self._open_session() as session:
+                    folded = fold_pending_rollups(session=session)
+                    session.commit()
+                    return folded
+            except BaseException:
+                self._drop_connection()
+                raise
 
     def close(self) -> None:
         with self._lock:
@@ -126,15 +164,26 @@ class IngestBatcher:
         max_records: int = MAX_RECORDS_PER_FLUSH,
         kept_connection_idle_s: float = KEPT_CONNECTION_IDLE_S,
         lanes: int = FLUSH_LANES,
+        defer_rollups: bool = True,
+        fold_delay_s: float = FOLD_DELAY_S,
     ):
         """Flushes run in ``lanes`` lanes on connections of ``engine`` when one is given (one on
         SQLite); else in one lane, on a new session of ``session_factory`` each (tests bind those
-        to a transaction they roll back, which two threads must not share)."""
+        to a transaction they roll back, which two threads must not share). Small flushes
+        defer their rollup sums to a fold ``fold_delay_s`` later when ``defer_rollups`` and the
+        engine is PostgreSQL's."""
         if lanes < 1:
             raise ValueError(f"lanes must be at least 1, got {lanes}")
         # SQLite takes one writer at a time: a second lane would only wait for its lock.
         count = lanes if engine is not None and engine.dialect.name != "sqlite" else 1
         self._lanes = [_Lane(session_factory, engine, kept_connection_idle_s) for _ in range(count)]
+        self._defer_rollups = defer_rollups and engine is not None and engine.dialect.name == "postgresql"
+        self._fold_lane = (
+            _Lane(session_factory, engine, kept_connection_idle_s) if self._defer_rollups else None
+        )
+        self._fold_delay_s = fold_delay_s
+        self._fold_wanted = False
+        self._folder: asyncio.Task[None] | None = None
         self._max_records = max_records
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -169,6 +218,17 @@ class IngestBatcher:
             _fail(waiting, BatcherClosedError("the API is shutting down; nothing of this batch was stored"))
         if self._in_flight:
             await asyncio.gather(*self._in_flight, return_exceptions=True)
+        if self._folder is not None:
+            self._folder.cancel()
+            await asyncio.gather(self._folder, return_exceptions=True)
+            self._folder = None
+        if self._fold_lane is not None:
+            # Nothing left pending by a clean shutdown (a crash leaves it to the next fold).
+            try:
+                await run_in_threadpool(self._fold_lane.fold)
+            except Exception:
+                log.exception("final rollup fold failed; the next fold or reader will add the sums")
+            await run_in_threadpool(self._fold_lane.close)
         for lane in self._lanes:
             await run_in_threadpool(lane.close)
 
@@ -212,16 +272,45 @@ class IngestBatcher:
     async def _flush(self, lane: _Lane, group: list[_Pending], free: asyncio.Queue[_Lane]) -> None:
         try:
             results = await run_in_threadpool(
-                lane.flush, [(item.deployment_id, item.records) for item in group]
+                lane.flush, [(item.deployment_id, item.records) for item in group], self._defer_rollups
             )
         except Exception as exc:  # every request of the flush learns why it failed
             _fail(group, exc)
             return
         finally:
             free.put_nowait(lane)
+        if self._defer_rollups and _defers_any(group):
+            self._want_fold()
         for item, result in zip(group, results, strict=True):
             if not item.done.done():
                 item.done.set_result(result)
+
+    def _want_fold(self) -> None:
+        self._fold_wanted = True
+        if self._folder is None or self._folder.done():
+            self._folder = asyncio.get_running_loop().create_task(self._fold_soon(), name="rollup-fold")
+
+    async def _fold_soon(self) -> None:
+        """Fold after FOLD_DELAY_S, again after each later flush, until flushes stop."""
+        assert self._fold_lane is not None
+        delay = self._fold_delay_s
+        while self._fold_wanted:
+            self._fold_wanted = False
+            await asyncio.sleep(delay)
+            try:
+                await run_in_threadpool(self._fold_lane.fold)
+                delay = self._fold_delay_s
+            except Exception:
+                log.exception("rollup fold failed; retrying in %.1f s", FOLD_RETRY_S)
+                self._fold_wanted, delay = True, FOLD_RETRY_S
+
+
+def _defers_any(group: Sequence[_Pending]) -> bool:
+    """Whether a flush of ``group`` deferred some rollup sums (see store_batches)."""
+    counts: dict[int, int] = {}
+    for item in group:
+        counts[item.deployment_id] = counts.get(item.deployment_id, 0) + len(item.records)
+    return any(rollups_deferrable(count) for count in counts.values())
 
 
 def _fail(group: Sequence[_Pending], exc: BaseException) -> None:

@@ -2,9 +2,12 @@
 
 PostgreSQL takes large batches through binary COPY (an order of magnitude faster than INSERTs)
 and small ones through one INSERT ... ON CONFLICT DO NOTHING RETURNING, a single round trip
-that also names the rows it stored; SQLite takes every batch through one executemany. Either
-way the rollups are updated in the same transaction, from exactly the rows that were new, so a
-retried batch changes nothing.
+that also names the rows it stored; SQLite takes every batch through one executemany. The
+rollups are updated from exactly the rows that were new, so a retried batch changes nothing:
+in the same transaction, or, for a small batch on PostgreSQL when the caller asks
+(``defer_rollups``), by a later fold that sums many such batches' records at once
+(fold_pending_rollups; the API's batcher runs it within a fraction of a second, and every
+reader of rollups runs it first).
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import insert, select
+from sqlalchemy import Engine, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -88,6 +91,55 @@ _INSERT_NEW_FROM_ARRAYS_SQL = f"""
     ON CONFLICT ON CONSTRAINT uq_acceptance_records_deployment_request DO NOTHING
     RETURNING request_id
 """
+# The same insert, also queueing each stored row for the rollup fold (see fold_pending_rollups).
+_RETURNING_IDS = _INSERT_NEW_FROM_ARRAYS_SQL.replace("RETURNING request_id", "RETURNING id, request_id")
+_INSERT_NEW_DEFERRING_ROLLUPS_SQL = f"""
+    WITH stored AS ({_RETURNING_IDS}),
+    queued AS (
+        INSERT INTO acceptance_rollup_pending (record_id, deployment_id)
+        SELECT id, %(deployment_id)s FROM stored
+    )
+    SELECT request_id FROM stored
+"""
+# Records summed per fold statement: a fold of a busy API's last fraction of a second is a few
+# hundred; a reader after a long outage folds the backlog in several transactions' worth of
+# statements without holding one huge result in memory.
+FOLD_CHUNK_RECORDS = 5_000
+_FOLDED_COLUMNS = (
+    "deployment_id",
+    "created_at",
+    "arm",
+    "drafter_version",
+    "drafted_tokens",
+    "accepted_tokens",
+    "verify_steps",
+    "generated_tokens",
+    "prompt_tokens",
+    "accepted_per_position",
+    "ttft_ms",
+    "inter_token_ms",
+    "total_ms",
+)
+# Pending rows are taken, and so locked, in record order by every fold, whatever its filter,
+# and each fold runs in a transaction of its own that locks rollup rows only after it holds
+# every pending row it takes: a transaction waiting for pending rows then never holds a rollup
+# row, so folds, and the flushes that lock rollup rows, cannot wait on each other in a cycle.
+_FOLD_SQL_TEMPLATE = """
+    WITH taken AS (
+        DELETE FROM acceptance_rollup_pending
+        WHERE record_id IN (
+            SELECT record_id FROM acceptance_rollup_pending {where}
+            ORDER BY record_id LIMIT %(limit)s FOR UPDATE
+        )
+        RETURNING record_id
+    )
+    SELECT {columns} FROM acceptance_records r JOIN taken ON r.id = taken.record_id
+"""
+_FOLD_ALL_SQL = _FOLD_SQL_TEMPLATE.format(where="", columns=", ".join(f"r.{c}" for c in _FOLDED_COLUMNS))
+_FOLD_DEPLOYMENTS_SQL = _FOLD_SQL_TEMPLATE.format(
+    where="WHERE deployment_id = ANY(%(deployment_ids)s)",
+    columns=", ".join(f"r.{c}" for c in _FOLDED_COLUMNS),
+)
 
 
 @dataclass(slots=True)
@@ -197,17 +249,88 @@ def _insert_rows(
 
 
 def _insert_new_rows(
-    session: Session, deployment_id: int, records: Sequence[AcceptanceRecord], now: datetime
+    session: Session,
+    deployment_id: int,
+    records: Sequence[AcceptanceRecord],
+    now: datetime,
+    *,
+    defer_rollups: bool = False,
 ) -> set[str]:
-    """PostgreSQL: store the records whose id is not yet stored; returns the ids stored.
+    """PostgreSQL: store the records whose id is not yet stored (queueing them for the rollup
+    fold when ``defer_rollups``); returns the ids stored.
 
     ON CONFLICT DO NOTHING waits for a concurrent writer of the same id and then skips it, so
     this never fails on a duplicate and needs no savepoint. It runs in every single-record
     ingest flush, so it goes straight to the driver (see driver_cursor).
     """
+    sql = _INSERT_NEW_DEFERRING_ROLLUPS_SQL if defer_rollups else _INSERT_NEW_FROM_ARRAYS_SQL
     with driver_cursor(session) as cursor:
-        cursor.execute(_INSERT_NEW_FROM_ARRAYS_SQL, _column_arrays(deployment_id, records, now), prepare=True)
+        cursor.execute(sql, _column_arrays(deployment_id, records, now), prepare=True)
         return {row.request_id for row in cursor.fetchall()}
+
+
+def rollups_deferrable(record_count: int) -> bool:
+    """Whether a deployment's records of one store_batches call may defer their rollup sums:
+    those that go in by one INSERT (a COPY's batch is large enough to sum in place cheaply)."""
+    return record_count <= SMALL_BATCH_RECORDS
+
+
+def fold_pending_rollups(*, session: Session, deployment_ids: Sequence[int] | None = None) -> int:
+    """Add the rollup sums of records stored with deferred rollups (of the given deployments,
+    or all) in the caller's transaction, which must hold no rollup row yet (a fresh one: see
+    _FOLD_SQL_TEMPLATE); returns how many records were folded. A no-op on SQLite, which never
+    defers.
+
+    Each pending row is deleted in the statement that reads its record, so a record is summed
+    once whichever of several concurrent folds takes it: a fold waits for rows another one
+    holds and then skips them (gone once that one commits), and a fold that fails leaves them
+    for the next. Every pending row is taken before any rollup row is locked.
+    """
+    if session.get_bind().dialect.name != "postgresql":
+        return 0
+    params: dict[str, Any] = {"limit": FOLD_CHUNK_RECORDS}
+    if deployment_ids is None:
+        sql = _FOLD_ALL_SQL
+    else:
+        sql = _FOLD_DEPLOYMENTS_SQL
+        params["deployment_ids"] = list(deployment_ids)
+    by_deployment: dict[int, list[Any]] = {}
+    folded = 0
+    with driver_cursor(session) as cursor:
+        while True:
+            cursor.execute(sql, params, prepare=True)
+            rows = cursor.fetchall()
+            for row in rows:
+                by_deployment.setdefault(row.deployment_id, []).append(row)
+            folded += len(rows)
+            if len(rows) < FOLD_CHUNK_RECORDS:
+                break
+    now = utcnow()
+    for deployment_id, records in sorted(by_deployment.items()):
+        # The rows carry every attribute aggregate() reads, under the record's names.
+        deltas = aggregate(cast(list[AcceptanceRecord], records), when_default=now)
+        apply_deltas(session=session, deployment_id=deployment_id, deltas=deltas)
+    return folded
+
+
+def fold_before_reading(*, session: Session, deployment_ids: Sequence[int]) -> None:
+    """Fold the deployments' deferred rollup sums before ``session`` reads their rollups, so
+    that the read counts every acknowledged record.
+
+    The fold commits in a transaction of its own (on a connection of the session's engine),
+    as every fold must, whatever the reader's transaction holds or does next. A session bound
+    to one connection (tests binding everything to a transaction they roll back) folds in
+    its own transaction instead: nothing there defers (the batcher defers only on an engine).
+    """
+    bind = session.get_bind()
+    if bind.dialect.name != "postgresql" or not deployment_ids:
+        return
+    if isinstance(bind, Engine):
+        with Session(bind=bind) as own:
+            fold_pending_rollups(session=own, deployment_ids=deployment_ids)
+            own.commit()
+    else:
+        fold_pending_rollups(session=session, deployment_ids=deployment_ids)
 
 
 def store_records(
@@ -218,7 +341,10 @@ def store_records(
 
 
 def store_batches(
-    *, session: Session, batches: Sequence[tuple[int, Sequence[AcceptanceRecord]]]
+    *,
+    session: Session,
+    batches: Sequence[tuple[int, Sequence[AcceptanceRecord]]],
+    defer_rollups: bool = False,
 ) -> list[IngestResult]:
     """Store several batches (possibly of several deployments) in the caller's transaction.
 
@@ -226,6 +352,10 @@ def store_batches(
     same call, is skipped and reported as a duplicate of that batch, which makes retries
     idempotent. On PostgreSQL no duplicate, even one a concurrent writer is storing, makes this
     fail (see _store_postgres); on SQLite a lookup after a conflict finds the stored ids.
+
+    With ``defer_rollups``, a deployment's records that go in by one INSERT (at most
+    SMALL_BATCH_RECORDS, on PostgreSQL) are queued for fold_pending_rollups instead of summed
+    here; the caller must see that a fold follows.
     """
     for _, records in batches:
         _check_unique_within_batch(records)
@@ -250,11 +380,12 @@ def store_batches(
     postgres = session.get_bind().dialect.name == "postgresql"
     # Deployments in id order, like the rows inside each: concurrent writers lock in one order.
     for deployment_id, candidates in sorted(planned.items()):
+        deferred = postgres and defer_rollups and rollups_deferrable(len(candidates))
         if postgres:
-            fresh, existing = _store_postgres(session, deployment_id, candidates, now)
+            fresh, existing = _store_postgres(session, deployment_id, candidates, now, defer_rollups=deferred)
         else:
             fresh, existing = _store_sqlite(session, deployment_id, candidates, now)
-        if fresh:
+        if fresh and not deferred:
             apply_deltas(
                 session=session, deployment_id=deployment_id, deltas=aggregate(fresh, when_default=now)
             )
@@ -279,7 +410,12 @@ def _request_id(record: AcceptanceRecord) -> str:
 
 
 def _store_postgres(
-    session: Session, deployment_id: int, candidates: list[AcceptanceRecord], now: datetime
+    session: Session,
+    deployment_id: int,
+    candidates: list[AcceptanceRecord],
+    now: datetime,
+    *,
+    defer_rollups: bool = False,
 ) -> tuple[list[AcceptanceRecord], set[str]]:
     """Write the candidates not stored yet; returns (written, ids already stored).
 
@@ -300,7 +436,7 @@ def _store_postgres(
         except IntegrityError as exc:
             if not is_unique_violation(exc):
                 raise
-    stored = _insert_new_rows(session, deployment_id, candidates, now)
+    stored = _insert_new_rows(session, deployment_id, candidates, now, defer_rollups=defer_rollups)
     if len(stored) == len(candidates):
         return candidates, set()
     return [r for r in candidates if r.request_id in stored], {r.request_id for r in candidates} - stored

@@ -42,6 +42,7 @@ from controlplane.db.models import (
 )
 from controlplane.deployments.service import active_drafter, resource_name
 from controlplane.drift.service import monitor_status
+from controlplane.ingest.service import fold_before_reading
 
 DAY = 86400
 RECENT_WINDOW = timedelta(minutes=5)
@@ -85,6 +86,8 @@ def account_metrics(
         )
     )
     names = {d.id: d.name for d in deployments}
+    # The rollups below then count every acknowledged record.
+    fold_before_reading(session=session, deployment_ids=list(names))
     families: list[Metric] = []
     families += _acceptance_totals(session, account_name, names)
     families += _acceptance_recent(session, account_name, names, now)

@@ -30,6 +30,7 @@ from controlplane.ingest.rollups import (
     merge_positions,
     row_percentiles,
 )
+from controlplane.ingest.service import fold_before_reading
 
 MAX_BUCKETS = 10_000
 
@@ -332,6 +333,9 @@ def acceptance_series(
         raise ValidationProblem("end must be after start")
     if (end - start).total_seconds() / bucket_seconds > MAX_BUCKETS:
         raise ValidationProblem(f"at most {MAX_BUCKETS} buckets per query; widen bucket_seconds")
+    # Sums small ingest flushes deferred are added first: the series counts every acknowledged
+    # record.
+    fold_before_reading(session=session, deployment_ids=[deployment_id])
     filters = {"deployment_id": deployment_id, "arm": arm, "drafter_version": drafter_version}
     # The minutes counted are those starting in [start, end), i.e. in [lo, hi). Bucket edges at
     # start + j * bucket_seconds group minutes exactly as edges at lo + j * bucket_seconds do

@@ -1,11 +1,13 @@
 """The ingest batcher's lanes on real PostgreSQL: kept connections, large flushes side by side, a
-new connection after the database drops one, and none left behind on close."""
+new connection after the database drops one, none left behind on close, and small flushes'
+rollup sums deferred to one fold that readers never outrun."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -13,12 +15,13 @@ from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.exc import OperationalError
 
 from controlplane.db.migrate import upgrade_to_head
-from controlplane.db.models import AcceptanceRecordRow, AcceptanceRollupRow
+from controlplane.db.models import AcceptanceRecordRow, AcceptanceRollupPendingRow, AcceptanceRollupRow
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.ingest.batcher import FLUSH_LANES, BatcherClosedError, IngestBatcher
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import MINUTE
 from controlplane.ingest.service import IngestResult
+from controlplane.stats.service import acceptance_series
 from tests.conftest import PG_ADMIN_URL, add_deployment, recreate_pg_database
 
 
@@ -73,8 +76,8 @@ def test_flushes_keep_their_connections_and_store_everything(pg_deployment: tupl
             )
             results += [outcome.inserted for outcome in outcomes]
             # Between flushes the lanes keep their connections checked out of the pool: no
-            # per-flush checkout (and its ping).
-            assert 1 <= engine.pool.checkedout() <= FLUSH_LANES  # type: ignore[attr-defined]
+            # per-flush checkout (and its ping). The rollup fold keeps one more.
+            assert 1 <= engine.pool.checkedout() <= FLUSH_LANES + 1  # type: ignore[attr-defined]
         await batcher.close()
         return results
 
@@ -203,3 +206,76 @@ def test_sqlite_flushes_in_one_lane(sqlite_template: Path, tmp_path: Path) -> No
         _assert_stored(url, 10_000)
     finally:
         engine.dispose()
+
+
+def _pending_and_minute_sum(url: str) -> tuple[int, int]:
+    with get_sessionmaker(url)() as session:
+        pending = session.scalar(select(func.count()).select_from(AcceptanceRollupPendingRow))
+        minute_requests = session.scalar(
+            select(func.sum(AcceptanceRollupRow.requests)).where(AcceptanceRollupRow.resolution_s == MINUTE)
+        )
+    return int(pending or 0), int(minute_requests or 0)
+
+
+def test_small_flushes_leave_rollups_to_a_fold_that_readers_run_first(pg_deployment: tuple[str, int]) -> None:
+    url, deployment_id = pg_deployment
+    # No background fold during the test: only the reader and close() fold.
+    batcher = IngestBatcher(get_sessionmaker(url), engine=get_engine(url), fold_delay_s=60)
+    now = datetime.now(UTC)
+    window = {"start": now - timedelta(days=1), "end": now + timedelta(days=1)}
+
+    async def run() -> None:
+        outcomes = await asyncio.gather(
+            *(batcher.submit(deployment_id, [_record(f"s{i}")]) for i in range(20))
+        )
+        assert [outcome.inserted for outcome in outcomes] == [1] * 20
+        # Stored and acknowledged, the sums still queued for the fold.
+        assert _pending_and_minute_sum(url) == (20, 0)
+        # A retry of stored ids queues nothing.
+        assert (await batcher.submit(deployment_id, [_record("s0")])).duplicates == 1
+        assert _pending_and_minute_sum(url) == (20, 0)
+        with get_sessionmaker(url)() as session:
+            series = acceptance_series(
+                session=session, deployment_id=deployment_id, bucket_seconds=86400, **window
+            )
+            # The reader folded first: every acknowledged record counted, with its tokens.
+            assert series["total"]["requests"] == 20
+            assert series["total"]["hit_rate"] == pytest.approx(5 / 8)
+            session.commit()
+        assert _pending_and_minute_sum(url) == (0, 20)
+        await asyncio.gather(*(batcher.submit(deployment_id, [_record(f"t{i}")]) for i in range(5)))
+        assert _pending_and_minute_sum(url) == (5, 20)
+        await batcher.close()  # folds what is left
+
+    asyncio.run(run())
+    assert _pending_and_minute_sum(url) == (0, 25)
+    _assert_stored(url, 25)
+
+
+def test_the_batcher_folds_soon_after_flushes_without_any_reader(pg_deployment: tuple[str, int]) -> None:
+    url, deployment_id = pg_deployment
+    batcher = IngestBatcher(get_sessionmaker(url), engine=get_engine(url), fold_delay_s=0.05)
+
+    async def run() -> tuple[int, int]:
+        for i in range(10):
+            await batcher.submit(deployment_id, [_record(f"f{i}")])
+        deadline = time.monotonic() + 10
+        while _pending_and_minute_sum(url) != (0, 10) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        folded = _pending_and_minute_sum(url)
+        await batcher.close()
+        return folded
+
+    assert asyncio.run(run()) == (0, 10)
+
+
+def test_rollups_stay_inline_when_deferral_is_off(pg_deployment: tuple[str, int]) -> None:
+    url, deployment_id = pg_deployment
+    batcher = IngestBatcher(get_sessionmaker(url), engine=get_engine(url), defer_rollups=False)
+
+    async def run() -> None:
+        await batcher.submit(deployment_id, [_record("inline")])
+        assert _pending_and_minute_sum(url) == (0, 1)
+        await batcher.close()
+
+    asyncio.run(run())

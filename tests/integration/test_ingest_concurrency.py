@@ -4,7 +4,9 @@ Several threads, each with its own connection and transactions (as several API p
 would), store batches that repeat each other's ids, through both write paths (the one-statement
 INSERT for small batches, COPY for large ones). Every id must be stored once, every batch's
 inserted + duplicate counts must add up to what was stored, no writer may deadlock, and every
-rollup tier must equal a recount of the stored rows.
+rollup tier must equal a recount of the stored rows. With deferred rollups, a folding thread
+runs beside the writers (as the batcher of every API process does) and must add each record's
+sums exactly once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from controlplane.db.models import (
 from controlplane.db.session import get_sessionmaker
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import RESOLUTIONS
-from controlplane.ingest.service import SMALL_BATCH_RECORDS, IngestResult, store_batches
+from controlplane.ingest.service import SMALL_BATCH_RECORDS, IngestResult, fold_pending_rollups, store_batches
 from tests.conftest import add_deployment, recreate_pg_database
 
 WRITERS = 4
@@ -49,9 +51,20 @@ def _record(request_id: str, rng: random.Random) -> AcceptanceRecord:
     )
 
 
-@pytest.mark.parametrize("batch_size", [1, SMALL_BATCH_RECORDS, SMALL_BATCH_RECORDS * 4])
-def test_concurrent_writers_store_each_id_once_and_keep_rollups_exact(batch_size: int) -> None:
-    url = recreate_pg_database(f"controlplane_writers_{batch_size}")
+@pytest.mark.parametrize(
+    ("batch_size", "deferred"),
+    [
+        (1, False),
+        (SMALL_BATCH_RECORDS, False),
+        (SMALL_BATCH_RECORDS * 4, False),
+        (1, True),
+        (SMALL_BATCH_RECORDS, True),
+    ],
+)
+def test_concurrent_writers_store_each_id_once_and_keep_rollups_exact(
+    batch_size: int, deferred: bool
+) -> None:
+    url = recreate_pg_database(f"controlplane_writers_{batch_size}_{int(deferred)}")
     upgrade_to_head(url)
     sessions = get_sessionmaker(url)
     with sessions() as session:
@@ -75,7 +88,9 @@ def test_concurrent_writers_store_each_id_once_and_keep_rollups_exact(batch_size
                 barrier.wait(timeout=60)
                 # No retry: on PostgreSQL a duplicate, even one in flight, must never fail a batch.
                 with sessions() as session:
-                    [result] = store_batches(session=session, batches=[(deployment_id, records)])
+                    [result] = store_batches(
+                        session=session, batches=[(deployment_id, records)], defer_rollups=deferred
+                    )
                     session.commit()
                 with lock:
                     results.append(result)
@@ -83,12 +98,39 @@ def test_concurrent_writers_store_each_id_once_and_keep_rollups_exact(batch_size
             errors.append(exc)
             barrier.abort()
 
+    writing = threading.Event()
+    writing.set()
+    folds: list[int] = []
+
+    def folder() -> None:
+        # Each fold in a transaction of its own, with either filter, as the batchers of several
+        # API processes and readers of rollups run them.
+        try:
+            while writing.is_set():
+                with sessions() as session:
+                    folds.append(fold_pending_rollups(session=session))
+                    session.commit()
+                with sessions() as session:
+                    folds.append(fold_pending_rollups(session=session, deployment_ids=[deployment_id]))
+                    session.commit()
+        except BaseException as exc:
+            errors.append(exc)
+
     threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(WRITERS)]
-    for thread in threads:
+    folders = [threading.Thread(target=folder) for _ in range(2 if deferred else 0)]
+    for thread in threads + folders:
         thread.start()
     for thread in threads:
         thread.join(timeout=300)
+    writing.clear()
+    for thread in folders:
+        thread.join(timeout=60)
     assert not errors, errors
+    if deferred:
+        assert sum(folds) > 0  # the folders ran while writers wrote
+        with sessions() as session:
+            fold_pending_rollups(session=session)
+            session.commit()
     assert len(results) == WRITERS * ROUNDS
 
     with sessions() as session:

@@ -13,7 +13,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, select
+from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -26,6 +26,7 @@ from controlplane.db.migrate import (
 )
 from controlplane.db.models import (
     AcceptanceRecordRow,
+    AcceptanceRollupPendingRow,
     AcceptanceRollupRow,
     Base,
     Deployment,
@@ -38,7 +39,7 @@ from controlplane.db.models import (
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import SIX_HOURS
-from controlplane.ingest.service import store_records
+from controlplane.ingest.service import fold_pending_rollups, store_batches, store_records
 from tests.conftest import Database, add_deployment, recreate_pg_database
 
 
@@ -127,22 +128,82 @@ def test_database_enforces_invariants(db: Database) -> None:
 
 
 def _six_hour_rows(url: str) -> list[dict[str, Any]]:
+    return _rollup_rows(url, AcceptanceRollupRow.resolution_s == SIX_HOURS)
+
+
+def _rollup_rows(url: str, *conditions: Any) -> list[dict[str, Any]]:
     with get_sessionmaker(url)() as session:
         rows = session.scalars(
             select(AcceptanceRollupRow)
-            .where(AcceptanceRollupRow.resolution_s == SIX_HOURS)
+            .where(*conditions)
             .order_by(
-                AcceptanceRollupRow.arm, AcceptanceRollupRow.drafter_version, AcceptanceRollupRow.bucket_start
+                AcceptanceRollupRow.resolution_s,
+                AcceptanceRollupRow.arm,
+                AcceptanceRollupRow.drafter_version,
+                AcceptanceRollupRow.bucket_start,
             )
         ).all()
         return [
             {
                 column.name: getattr(row, column.name)
                 for column in AcceptanceRollupRow.__table__.columns
-                if column.name != "id"
+                if column.name not in ("id", "deployment_id")
             }
             for row in rows
         ]
+
+
+def _random_records(rng: random.Random, batch: int, start: datetime, size: int) -> list[AcceptanceRecord]:
+    return [
+        AcceptanceRecord(
+            request_id=f"r{batch}-{i}",
+            drafted_tokens=12,
+            accepted_tokens=(accepted := rng.randint(0, 12)),
+            verify_steps=4,
+            generated_tokens=accepted + 4,
+            accepted_per_position=[min(accepted, 4), max(0, min(accepted - 4, 4))],
+            inter_token_ms=rng.lognormvariate(2.5, 0.4),
+            total_ms=rng.lognormvariate(6.0, 0.5),
+            ttft_ms=rng.lognormvariate(3.5, 0.3) if i % 3 else None,
+            arm=rng.choice(["live", "baseline"]),
+            drafter_version=rng.choice([None, 2]),
+            created_at=start + timedelta(minutes=rng.randrange(0, 40 * 60)),
+        )
+        for i in range(size)
+    ]
+
+
+def test_deferred_rollups_fold_into_exactly_what_inline_ingestion_writes() -> None:
+    """The same records, ingested with rollups summed in place into one deployment and deferred
+    (in batches of 1 to 8, folded now and then) into another, give identical rollup rows; a
+    downgrade past the pending table folds what it still holds first."""
+    url = recreate_pg_database("controlplane_deferred")
+    upgrade_to_head(url)
+    rng = random.Random(8)
+    start = datetime(2026, 11, 1, 3, 17, tzinfo=UTC)
+    batches = [_random_records(rng, batch, start, rng.randint(1, 8)) for batch in range(120)]
+    with get_sessionmaker(url)() as session:
+        inline, deferred = _deployment(session).id, add_deployment(session, "deferred").id
+        for number, records in enumerate(batches):
+            store_records(session=session, deployment_id=inline, records=records)
+            store_batches(session=session, batches=[(deferred, records)], defer_rollups=True)
+            session.commit()
+            if number % 25 == 24:
+                assert fold_pending_rollups(session=session, deployment_ids=[deferred]) > 0
+                session.commit()
+        left = sum(len(records) for records in batches[100:])
+        assert session.scalar(select(func.count()).select_from(AcceptanceRollupPendingRow)) == left
+
+    command.downgrade(alembic_config(url), "0004")
+    written = _rollup_rows(url, AcceptanceRollupRow.deployment_id == inline)
+    folded = _rollup_rows(url, AcceptanceRollupRow.deployment_id == deferred)
+    assert len(written) > 100  # every tier, several arms and versions
+    assert [{**row, "total_ms_sum": None} for row in folded] == [
+        {**row, "total_ms_sum": None} for row in written
+    ]
+    # Summed in another order: equal up to floating-point rounding.
+    assert [row["total_ms_sum"] for row in folded] == pytest.approx([row["total_ms_sum"] for row in written])
+    get_engine(url).dispose()
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
@@ -158,23 +219,7 @@ def test_six_hour_backfill_rebuilds_exactly_what_ingestion_writes(dialect: str, 
     with get_sessionmaker(url)() as session:
         deployment_id = _deployment(session).id
         for batch in range(40):
-            records = [
-                AcceptanceRecord(
-                    request_id=f"r{batch}-{i}",
-                    drafted_tokens=12,
-                    accepted_tokens=(accepted := rng.randint(0, 12)),
-                    verify_steps=4,
-                    generated_tokens=accepted + 4,
-                    accepted_per_position=[min(accepted, 4), max(0, min(accepted - 4, 4))],
-                    inter_token_ms=rng.lognormvariate(2.5, 0.4),
-                    total_ms=rng.lognormvariate(6.0, 0.5),
-                    ttft_ms=rng.lognormvariate(3.5, 0.3) if i % 3 else None,
-                    arm=rng.choice(["live", "baseline"]),
-                    drafter_version=rng.choice([None, 2]),
-                    created_at=start + timedelta(minutes=rng.randrange(0, 40 * 60)),
-                )
-                for i in range(25)
-            ]
+            records = _random_records(rng, batch, start, 25)
             store_records(session=session, deployment_id=deployment_id, records=records)
             session.commit()
     written = _six_hour_rows(url)
