@@ -25,7 +25,7 @@ from controlplane.db.models import AcceptanceRecordRow, utcnow
 from controlplane.db.session import driver_cursor, json_dumps
 from controlplane.errors import ValidationProblem
 from controlplane.ingest.record import AcceptanceRecord
-from controlplane.ingest.rollups import aggregate, apply_deltas
+from controlplane.ingest.rollups import RollupDelta, RollupKey, aggregate, apply_deltas
 
 # Duplicate ids echoed back to the caller are capped so a huge retried batch stays a small reply.
 MAX_ECHOED_DUPLICATES = 100
@@ -101,25 +101,12 @@ _INSERT_NEW_DEFERRING_ROLLUPS_SQL = f"""
     )
     SELECT request_id FROM stored
 """
-# Records summed per fold statement: a fold of a busy API's last fraction of a second is a few
-# hundred; a reader after a long outage folds the backlog in several transactions' worth of
-# statements without holding one huge result in memory.
+# Records taken per fold statement: a fold of a busy API's last fraction of a second is a few
+# dozen; a backlog (folds failing while the database was away) is taken in chunks, each summed
+# into the fold's deltas at once, so memory holds one chunk of rows whatever the backlog.
 FOLD_CHUNK_RECORDS = 5_000
-_FOLDED_COLUMNS = (
-    "deployment_id",
-    "created_at",
-    "arm",
-    "drafter_version",
-    "drafted_tokens",
-    "accepted_tokens",
-    "verify_steps",
-    "generated_tokens",
-    "prompt_tokens",
-    "accepted_per_position",
-    "ttft_ms",
-    "inter_token_ms",
-    "total_ms",
-)
+# A fold reads the columns every write path stores (aggregate() reads most of them by name).
+_FOLDED_COLUMNS = ", ".join(f"r.{name}" for name in COPY_COLUMNS)
 # Pending rows are taken, and so locked, in record order by every fold, whatever its filter,
 # and each fold runs in a transaction of its own that locks rollup rows only after it holds
 # every pending row it takes: a transaction waiting for pending rows then never holds a rollup
@@ -135,10 +122,9 @@ _FOLD_SQL_TEMPLATE = """
     )
     SELECT {columns} FROM acceptance_records r JOIN taken ON r.id = taken.record_id
 """
-_FOLD_ALL_SQL = _FOLD_SQL_TEMPLATE.format(where="", columns=", ".join(f"r.{c}" for c in _FOLDED_COLUMNS))
+_FOLD_ALL_SQL = _FOLD_SQL_TEMPLATE.format(where="", columns=_FOLDED_COLUMNS)
 _FOLD_DEPLOYMENTS_SQL = _FOLD_SQL_TEMPLATE.format(
-    where="WHERE deployment_id = ANY(%(deployment_ids)s)",
-    columns=", ".join(f"r.{c}" for c in _FOLDED_COLUMNS),
+    where="WHERE deployment_id = ANY(%(deployment_ids)s)", columns=_FOLDED_COLUMNS
 )
 
 
@@ -294,22 +280,29 @@ def fold_pending_rollups(*, session: Session, deployment_ids: Sequence[int] | No
     else:
         sql = _FOLD_DEPLOYMENTS_SQL
         params["deployment_ids"] = list(deployment_ids)
-    by_deployment: dict[int, list[Any]] = {}
+    deltas: dict[int, dict[RollupKey, RollupDelta]] = {}
     folded = 0
+    now = utcnow()
     with driver_cursor(session) as cursor:
         while True:
             cursor.execute(sql, params, prepare=True)
             rows = cursor.fetchall()
+            by_deployment: dict[int, list[Any]] = {}
             for row in rows:
                 by_deployment.setdefault(row.deployment_id, []).append(row)
+            for deployment_id, records in by_deployment.items():
+                # The rows carry every attribute aggregate() reads, under the record's names.
+                into = deltas.setdefault(deployment_id, {})
+                for key, delta in aggregate(cast(list[AcceptanceRecord], records), when_default=now).items():
+                    if key in into:
+                        into[key].add(delta)
+                    else:
+                        into[key] = delta
             folded += len(rows)
             if len(rows) < FOLD_CHUNK_RECORDS:
                 break
-    now = utcnow()
-    for deployment_id, records in sorted(by_deployment.items()):
-        # The rows carry every attribute aggregate() reads, under the record's names.
-        deltas = aggregate(cast(list[AcceptanceRecord], records), when_default=now)
-        apply_deltas(session=session, deployment_id=deployment_id, deltas=deltas)
+    for deployment_id, summed in sorted(deltas.items()):
+        apply_deltas(session=session, deployment_id=deployment_id, deltas=summed)
     return folded
 
 

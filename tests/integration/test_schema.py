@@ -37,6 +37,7 @@ from controlplane.db.models import (
     JobState,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.ingest import service as ingest_service
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import SIX_HOURS
 from controlplane.ingest.service import fold_pending_rollups, store_batches, store_records
@@ -173,10 +174,14 @@ def _random_records(rng: random.Random, batch: int, start: datetime, size: int) 
     ]
 
 
-def test_deferred_rollups_fold_into_exactly_what_inline_ingestion_writes() -> None:
+def test_deferred_rollups_fold_into_exactly_what_inline_ingestion_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The same records, ingested with rollups summed in place into one deployment and deferred
     (in batches of 1 to 8, folded now and then) into another, give identical rollup rows; a
     downgrade past the pending table folds what it still holds first."""
+    # Folds take pending rows in chunks of 7 here, so every fold sums several chunks.
+    monkeypatch.setattr(ingest_service, "FOLD_CHUNK_RECORDS", 7)
     url = recreate_pg_database("controlplane_deferred")
     upgrade_to_head(url)
     rng = random.Random(8)
