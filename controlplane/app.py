@@ -93,7 +93,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.deployment_id_cache = DeploymentIdCache(settings.auth_cache_ttl_s)
     app.state.session_factory = get_sessionmaker(settings.database_url)
     app.state.ingest_batcher = IngestBatcher(
-        app.state.session_factory, engine=get_engine(settings.database_url)
+        app.state.session_factory,
+        engine=get_engine(settings.database_url),
+        synchronous_commit=settings.ingest_synchronous_commit,
     )
     app.state.task_sender = TaskSender(settings.broker_url) if settings.drift_enqueue_on_ingest else None
 

@@ -40,6 +40,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from controlplane.db.session import driver_cursor
 from controlplane.errors import UnavailableError
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.service import (
@@ -84,10 +85,19 @@ class _Lane:
     session of the factory each time)."""
 
     def __init__(
-        self, session_factory: Callable[[], Session], engine: Engine | None, kept_connection_idle_s: float
+        self,
+        session_factory: Callable[[], Session],
+        engine: Engine | None,
+        kept_connection_idle_s: float,
+        synchronous_commit: bool = True,
     ) -> None:
         self._session_factory = session_factory
         self._engine = engine
+        # Only ever relaxed per transaction (SET LOCAL): the kept connection goes back to the
+        # pool with the server's own setting.
+        self._relax_commit = (
+            not synchronous_commit and engine is not None and engine.dialect.name == "postgresql"
+        )
         self._kept_connection_idle_s = kept_connection_idle_s
         self._connection: Connection | None = None
         self._connection_used_at = 0.0
@@ -103,6 +113,9 @@ class _Lane:
                 for attempt in range(2):
                     with self._open_session() as session:
                         try:
+                            if self._relax_commit:
+                                with driver_cursor(session) as cursor:
+                                    cursor.execute("SET LOCAL synchronous_commit TO OFF")
                             results = store_batches(
                                 session=session, batches=batches, defer_rollups=defer_rollups
                             )
@@ -166,17 +179,21 @@ class IngestBatcher:
         lanes: int = FLUSH_LANES,
         defer_rollups: bool = True,
         fold_delay_s: float = FOLD_DELAY_S,
+        synchronous_commit: bool = True,
     ):
         """Flushes run in ``lanes`` lanes on connections of ``engine`` when one is given (one on
         SQLite); else in one lane, on a new session of ``session_factory`` each (tests bind those
         to a transaction they roll back, which two threads must not share). Small flushes
         defer their rollup sums to a fold ``fold_delay_s`` later when ``defer_rollups`` and the
-        engine is PostgreSQL's."""
+        engine is PostgreSQL's. ``synchronous_commit=False`` lets flushes on PostgreSQL
+        acknowledge before their WAL is on disk (see Settings.ingest_synchronous_commit)."""
         if lanes < 1:
             raise ValueError(f"lanes must be at least 1, got {lanes}")
         # SQLite takes one writer at a time: a second lane would only wait for its lock.
         count = lanes if engine is not None and engine.dialect.name != "sqlite" else 1
-        self._lanes = [_Lane(session_factory, engine, kept_connection_idle_s) for _ in range(count)]
+        self._lanes = [
+            _Lane(session_factory, engine, kept_connection_idle_s, synchronous_commit) for _ in range(count)
+        ]
         self._defer_rollups = defer_rollups and engine is not None and engine.dialect.name == "postgresql"
         self._fold_lane = (
             _Lane(session_factory, engine, kept_connection_idle_s) if self._defer_rollups else None

@@ -9,14 +9,17 @@ import shutil
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import AcceptanceRecordRow, AcceptanceRollupPendingRow, AcceptanceRollupRow
 from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.ingest import batcher as batcher_module
 from controlplane.ingest.batcher import FLUSH_LANES, BatcherClosedError, IngestBatcher
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import MINUTE
@@ -279,3 +282,31 @@ def test_rollups_stay_inline_when_deferral_is_off(pg_deployment: tuple[str, int]
         await batcher.close()
 
     asyncio.run(run())
+
+
+def test_relaxed_commit_applies_to_flush_transactions_only(
+    pg_deployment: tuple[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, deployment_id = pg_deployment
+    engine = get_engine(url)
+    seen: list[str] = []
+    store = batcher_module.store_batches
+
+    def watching_store(*, session: Session, **kwargs: Any) -> list[IngestResult]:
+        seen.append(str(session.execute(text("SHOW synchronous_commit")).scalar()))
+        return store(session=session, **kwargs)
+
+    monkeypatch.setattr(batcher_module, "store_batches", watching_store)
+
+    async def run(synchronous: bool, request_id: str) -> None:
+        batcher = IngestBatcher(get_sessionmaker(url), engine=engine, lanes=1, synchronous_commit=synchronous)
+        assert (await batcher.submit(deployment_id, [_record(request_id)])).inserted == 1
+        await batcher.close()
+
+    asyncio.run(run(True, "durable"))
+    asyncio.run(run(False, "relaxed"))
+    assert seen == ["on", "off"]
+    # SET LOCAL: the connection the relaxed flush used went back to the pool as it came.
+    with engine.connect() as connection:
+        assert connection.scalar(text("SHOW synchronous_commit")) == "on"
+    _assert_stored(url, 2)
