@@ -7,7 +7,16 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-SCRIPTS = ["ingest.py", "fsync_probe.py", "dashboard.py", "engine.py", "draft_stop.py", "drift.py", "realign.py", "canary.py"]
+SCRIPTS = [
+    "ingest.py",
+    "fsync_probe.py",
+    "dashboard.py",
+    "engine.py",
+    "draft_stop.py",
+    "drift.py",
+    "realign.py",
+    "canary.py",
+]
 
 
 def main() -> int:
