@@ -151,10 +151,12 @@ def overview(*, session: Session, account_id: int, account_name: str, now: datet
     )
     running_jobs = _count_by_deployment(session, Job, ids, Job.state.in_([JobState.queued, JobState.running]))
     rows = []
+    fold_before_reading(session=session, deployment_ids=ids)  # once for every row below
     for deployment in deployments:
         info = describe(session=session, deployment=deployment, account_name=account_name)
         current = acceptance_series(
             session=session,
+            fold_pending=False,
             deployment_id=deployment.id,
             start=now - CURRENT_WINDOW,
             end=now,
@@ -225,6 +227,7 @@ def deployment_view(
         end=end_at,
         bucket_seconds=int(CURRENT_WINDOW.total_seconds()),
         percentiles=False,  # read for its per-position acceptance only
+        fold_pending=False,  # the series above folded
     )["total"]
     last_event = session.scalar(
         select(DriftEvent).where(DriftEvent.deployment_id == deployment.id).order_by(DriftEvent.id.desc())
@@ -506,7 +509,13 @@ def _arm_series(
     out = {}
     for arm in sorted(arms):
         series = acceptance_series(
-            session=session, deployment_id=deployment_id, start=start, end=end, bucket_seconds=bucket, arm=arm
+            session=session,
+            deployment_id=deployment_id,
+            start=start,
+            end=end,
+            bucket_seconds=bucket,
+            arm=arm,
+            fold_pending=False,  # folded above
         )
         out[arm] = [_slim(b) for b in series["buckets"]]
     return out, {"start": start.isoformat(), "end": end.isoformat(), "bucket_seconds": bucket}

@@ -319,12 +319,15 @@ def acceptance_series(
     arm: str | None = None,
     drafter_version: int | None = None,
     percentiles: bool = True,
+    fold_pending: bool = True,
 ) -> dict[str, Any]:
     """Buckets of ``bucket_seconds`` between start (inclusive) and end (exclusive), plus a total.
 
     A record belongs to the range when its minute starts in [start, end); buckets start at
     ``start``, and the last one may be partial. ``percentiles=False`` leaves the latency
     percentiles out (None) and reads no histogram: for callers that want only the counts.
+    ``fold_pending=False`` skips folding the deployment's deferred rollup sums first, for a
+    caller that has just folded them (controlplane.ingest.service.fold_before_reading).
     """
     if bucket_seconds < 60 or bucket_seconds % 60:
         raise ValidationProblem("bucket_seconds must be a positive multiple of 60 (rollups are per minute)")
@@ -335,7 +338,8 @@ def acceptance_series(
         raise ValidationProblem(f"at most {MAX_BUCKETS} buckets per query; widen bucket_seconds")
     # Sums small ingest flushes deferred are added first: the series counts every acknowledged
     # record.
-    fold_before_reading(session=session, deployment_ids=[deployment_id])
+    if fold_pending:
+        fold_before_reading(session=session, deployment_ids=[deployment_id])
     filters = {"deployment_id": deployment_id, "arm": arm, "drafter_version": drafter_version}
     # The minutes counted are those starting in [start, end), i.e. in [lo, hi). Bucket edges at
     # start + j * bucket_seconds group minutes exactly as edges at lo + j * bucket_seconds do

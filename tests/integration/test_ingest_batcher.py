@@ -16,14 +16,21 @@ from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from controlplane.dashboard.service import deployment_view, overview
 from controlplane.db.migrate import upgrade_to_head
-from controlplane.db.models import AcceptanceRecordRow, AcceptanceRollupPendingRow, AcceptanceRollupRow
+from controlplane.db.models import (
+    AcceptanceRecordRow,
+    AcceptanceRollupPendingRow,
+    AcceptanceRollupRow,
+    Account,
+    Deployment,
+)
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.ingest import batcher as batcher_module
 from controlplane.ingest.batcher import FLUSH_LANES, BatcherClosedError, IngestBatcher
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import MINUTE
-from controlplane.ingest.service import IngestResult
+from controlplane.ingest.service import IngestResult, store_batches
 from controlplane.stats.service import acceptance_series
 from tests.conftest import PG_ADMIN_URL, add_deployment, recreate_pg_database
 
@@ -310,3 +317,33 @@ def test_relaxed_commit_applies_to_flush_transactions_only(
     with engine.connect() as connection:
         assert connection.scalar(text("SHOW synchronous_commit")) == "on"
     _assert_stored(url, 2)
+
+
+def test_dashboard_readers_count_deferred_records(pg_deployment: tuple[str, int]) -> None:
+    """The overview and the deployment page fold once up front, then read every series of the
+    page without folding again: each count includes records whose sums were deferred."""
+    url, deployment_id = pg_deployment
+    sessions = get_sessionmaker(url)
+    with sessions() as session:
+        for i in range(6):
+            store_batches(session=session, batches=[(deployment_id, [_record(f"d{i}")])], defer_rollups=True)
+        session.commit()
+    assert _pending_and_minute_sum(url) == (6, 0)
+    with sessions() as session:
+        deployment = session.get(Deployment, deployment_id)
+        assert deployment is not None
+        account_name = str(session.scalar(select(Account.name).where(Account.id == deployment.account_id)))
+        now = datetime.now(UTC)
+        rows = overview(session=session, account_id=deployment.account_id, account_name=account_name, now=now)
+        assert [row["requests_last_hour"] for row in rows["deployments"]] == [6]
+    assert _pending_and_minute_sum(url) == (0, 6)
+    with sessions() as session:
+        store_batches(session=session, batches=[(deployment_id, [_record("d6")])], defer_rollups=True)
+        session.commit()
+        deployment = session.get(Deployment, deployment_id)
+        assert deployment is not None
+        page = deployment_view(
+            session=session, deployment=deployment, account_name="a", range_name="1h", end=None, now=now
+        )
+        assert page["total"]["requests"] == 7
+    assert _pending_and_minute_sum(url) == (0, 7)
