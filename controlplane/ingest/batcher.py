@@ -32,7 +32,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fastapi.concurrency import run_in_threadpool
@@ -108,42 +109,39 @@ class _Lane:
     def flush(
         self, batches: list[tuple[int, Sequence[AcceptanceRecord]]], defer_rollups: bool = False
     ) -> list[IngestResult]:
-        with self._lock:
-            try:
-                for attempt in range(2):
-                    with self._open_session() as session:
-                        try:
-                            if self._relax_commit:
-                                with driver_cursor(session) as cursor:
-                                    cursor.execute("SET LOCAL synchronous_commit TO OFF")
-                            results = store_batches(
-                                session=session, batches=batches, defer_rollups=defer_rollups
-                            )
-                            session.commit()
-                            return results
-                        except IntegrityError as exc:
-                            session.rollback()
-                            # Another writer stored one of our ids between lookup and write:
-                            # retry once, the second pass sees it and reports it as a duplicate.
-                            if attempt == 1 or not is_unique_violation(exc):
-                                raise
-            except BaseException:
-                # Whatever failed may have broken the kept connection: the next flush gets a new one.
-                self._drop_connection()
-                raise
+        with self._lock, self._dropping_connection_on_failure():
+            for attempt in range(2):
+                with self._open_session() as session:
+                    try:
+                        if self._relax_commit:
+                            with driver_cursor(session) as cursor:
+                                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+                        results = store_batches(session=session, batches=batches, defer_rollups=defer_rollups)
+                        session.commit()
+                        return results
+                    except IntegrityError as exc:
+                        session.rollback()
+                        # Another writer stored one of our ids between lookup and write:
+                        # retry once, the second pass sees it and reports it as a duplicate.
+                        if attempt == 1 or not is_unique_violation(exc):
+                            raise
             raise AssertionError("unreachable")
 
     def fold(self) -> int:
         """Fold every pending rollup sum in one transaction; returns the records folded."""
-        with self._lock:
-            try:
-                with self._open_session() as session:
-                    folded = fold_pending_rollups(session=session)
-                    session.commit()
-                    return folded
-            except BaseException:
-                self._drop_connection()
-                raise
+        with self._lock, self._dropping_connection_on_failure(), self._open_session() as session:
+            folded = fold_pending_rollups(session=session)
+            session.commit()
+            return folded
+
+    @contextmanager
+    def _dropping_connection_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            # Whatever failed may have broken the kept connection: the next run gets a new one.
+            self._drop_connection()
+            raise
 
     def close(self) -> None:
         with self._lock:
