@@ -14,7 +14,8 @@ accepted / drafted, and tokens per verify step = 1 + accepted / steps, both exac
 the realigned drafter on held-out prompts of the shifted domain (test split) and on held-out prose
 prompts; the wall time of realignment (dataset, target pass, training) and the training throughput
 in completion tokens trained on per second of the training phase. Other jobs on the machine slow
-every timing; the 1-minute load average is recorded beside them. Writes bench/results/realign.json.
+every timing; the 1-minute load average is recorded beside them. Writes bench/results/realign.json
+and keeps each realigned drafter as an HF folder in bench/results/realigned-<domain>.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 
 from workers import corpora  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder, generate_batch  # noqa: E402
-from workers.engine.hf_io import load_hf_folder  # noqa: E402
+from workers.engine.hf_io import load_hf_folder, save_hf_folder  # noqa: E402
 from workers.engine.model import Transformer  # noqa: E402
 from workers.engine.proposers import DraftModelProposer  # noqa: E402
 from workers.engine.tokenizer import Tokenizer  # noqa: E402
@@ -229,6 +230,8 @@ def main() -> None:
             cfg=cfg,
         )
         m = result.metrics
+        # Kept for bench/domain_ceiling.py, which scores every drafter it finds there.
+        save_hf_folder(result.model, tokenizer, RESULTS / f"realigned-{domain}")
         shifted_eval = eval_prompts(tokenizer, domain, args.eval_prompts)
         gen = decode_figures(target, tokenizer, generic, shifted_eval, args.eval_tokens)
         new = decode_figures(target, tokenizer, result.model, shifted_eval, args.eval_tokens)

@@ -15,6 +15,7 @@ SCRIPTS = [
     "draft_stop.py",
     "drift.py",
     "realign.py",
+    "domain_ceiling.py",
     "canary.py",
 ]
 

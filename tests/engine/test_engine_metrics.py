@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.engine.decoder import SpeculativeDecoder, greedy_reference
-from workers.engine.metrics import NATIVE_KEYS, RequestMetrics
+from workers.engine.metrics import NATIVE_KEYS, RequestMetrics, replay_greedy_rounds
 from workers.engine.model import Transformer
 from workers.engine.proposers import DraftModelProposer, NgramProposer, Proposals, Proposer
 from workers.engine.tokenizer import Tokenizer
@@ -140,3 +140,38 @@ def test_prediction_metrics_in_fireworks_shape() -> None:
     fw = m.to_fireworks()
     assert fw["speculation-prompt-tokens"] == 20
     assert fw["speculation-prompt-matched-tokens"] == 6
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_greedy_rounds_replayed_from_agreement_equal_the_decoder(
+    k: int, target: Transformer, drafter: Transformer, tokenizer: Tokenizer, make_prompts: Any
+) -> None:
+    n_new = 33
+    dec = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=k)
+    hits = 0
+    for prompt in make_prompts(6, seed=3):
+        res = dec.generate(prompt, n_new, stop_at_eos=False)
+        full = torch.tensor([prompt + res.token_ids])
+        with torch.inference_mode():
+            guesses = drafter(full)[0, len(prompt) - 1 : -1].argmax(-1)  # [n_new]
+        agreement = (guesses == full[0, len(prompt) :]).tolist()
+        replay = replay_greedy_rounds(agreement, k)
+        m = res.metrics
+        assert (replay.drafted_tokens, replay.accepted_tokens) == (m.drafted_tokens, m.accepted_tokens)
+        assert replay.per_step_accepted == m.per_step_accepted
+        assert replay.accepted_per_position == m.accepted_per_position
+        assert replay.generated_tokens == m.generated_tokens == n_new
+        hits += m.accepted_tokens
+    assert hits > 0  # the drafter agrees sometimes, so accepted runs of several lengths were compared
+
+
+def test_replayed_rounds_of_a_perfect_and_a_useless_drafter() -> None:
+    # After the prefill's token, two full rounds (4 drafts + the target's own token) emit the other 10.
+    perfect = replay_greedy_rounds([True] * 11, k=4)
+    assert (perfect.verify_steps, perfect.drafted_tokens, perfect.accepted_tokens) == (2, 8, 8)
+    assert perfect.generated_tokens == 11
+    useless = replay_greedy_rounds([False] * 6, k=4)
+    assert useless.accepted_tokens == 0 and useless.verify_steps == 5 and useless.generated_tokens == 6
+    assert useless.drafted_per_position == [4, 3, 2, 1]
+    with pytest.raises(ValueError, match="k must be"):
+        replay_greedy_rounds([True], k=0)

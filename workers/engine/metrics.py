@@ -33,6 +33,7 @@ Definitions (raw counts; every ratio is derived from them):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,3 +167,30 @@ class RequestMetrics:
             out["per_step_drafted"] = list(self.per_step_drafted)
             out["per_step_accepted"] = list(self.per_step_accepted)
         return out
+
+
+def replay_greedy_rounds(agreement: Sequence[bool], k: int) -> RequestMetrics:
+    """The token counts greedy draft-model speculation at draft length ``k`` gives on one request,
+    replayed from teacher-forced agreement instead of decoded.
+
+    ``agreement[j]`` says whether the drafter's argmax for output position j, given the prompt and
+    the target's output before j, equals the target's token there (``len(agreement)`` is the
+    request's output length; ``agreement[0]`` is never read: the prefill emits the first token).
+    Why this is exact: while every draft of a round is accepted, the drafter's context equals the
+    target's output, so each draft is its teacher-forced argmax; the first disagreement ends the
+    round and the target's own token continues from the target's output again. Drafts are capped
+    as the decoder caps them, never past the end (requests without an end-of-text stop). Lets a
+    benchmark score drafters on thousands of positions with one forward pass each.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    metrics = RequestMetrics(k=k, generated_tokens=1 if agreement else 0)
+    done, length = 1, len(agreement)
+    while done < length:
+        drafted = min(k, length - done - 1)
+        accepted = 0
+        while accepted < drafted and agreement[done + accepted]:
+            accepted += 1
+        metrics.record_step(drafted, accepted, accepted + 1)
+        done += accepted + 1
+    return metrics

@@ -1,0 +1,207 @@
+"""What each traffic domain lets a drafter reach against the reference target, and why.
+
+A drafter is only as good as the target is predictable: greedy speculation accepts a draft token
+when it equals the target's argmax, so where the target itself hesitates between several tokens a
+much smaller model guesses its choice less often, however it is trained. This bench measures, per
+domain, on the target's own greedy continuations of held-out prompts (test split):
+
+- the target's confidence on the tokens it chose: mean top-1 probability, and the share of
+  positions where it is at least 0.9;
+- how repetitive those continuations are: the share of tokens that a 3-gram prompt lookup (the
+  engine's NgramProposer, one token ahead) predicts from the text before them;
+- for each drafter (the committed generic drafter, any realigned drafter ``bench/realign.py`` left
+  under bench/results/realigned-<domain>, and any ``--drafter name=folder``): its teacher-forced
+  greedy agreement with the target, and the hit rate and tokens per verify step greedy speculation
+  with it reaches at k = 2, 4, 6, replayed exactly from that agreement
+  (``workers.engine.metrics.replay_greedy_rounds``; one forward pass per drafter and domain);
+- the per-token agreement a drafter whose misses were independent would need for an 80% hit rate
+  at k = 4 (what issue #5 asks of the realigned drafter).
+
+Exact counts, no timings: the figures do not depend on how busy the machine is. About a minute on
+2 cores. Writes bench/results/domain_ceiling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from workers import corpora  # noqa: E402
+from workers.engine.decoder import generate_batch  # noqa: E402
+from workers.engine.hf_io import load_hf_folder  # noqa: E402
+from workers.engine.metrics import replay_greedy_rounds  # noqa: E402
+from workers.engine.model import Transformer  # noqa: E402
+from workers.engine.proposers import NgramProposer  # noqa: E402
+from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer  # noqa: E402
+
+REFERENCE = ROOT / "workers" / "models" / "reference"
+RESULTS = ROOT / "bench" / "results"
+DOMAINS = ("prose", "code", "structured")
+KS = (2, 4, 6)
+HIT_RATE_ASKED = 0.80
+K_ASKED = 4
+CONFIDENT = 0.9
+NGRAM = 3
+
+
+def held_out_prompts(tokenizer: Tokenizer, domain: str, n: int, prompt_tokens: int) -> list[list[int]]:
+    """Up to ``n`` test-split prompts of ``domain``, each its last ``prompt_tokens`` tokens (equal
+    lengths let the target continue them as one batch); several seeds cut the documents elsewhere."""
+    ids: list[list[int]] = []
+    for seed in range(8):
+        for p in corpora.prompts(domain, "test", n=n, seed=seed, min_prompt_chars=200):
+            tokens = tokenizer.encode(p.text)
+            if len(tokens) >= prompt_tokens:
+                ids.append(tokens[-prompt_tokens:])
+        if len(ids) >= n:
+            break
+    return ids[:n]
+
+
+def greedy_agreement(drafter: Transformer, rows: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
+    """[B, N] bools: the drafter's argmax for each continuation position equals the target's token."""
+    with torch.inference_mode():
+        guesses = drafter(rows[:, :-1])[:, prompt_tokens - 1 :].argmax(-1)
+    return guesses == rows[:, prompt_tokens:]
+
+
+def ngram_predictability(rows: torch.Tensor, prompt_tokens: int) -> float:
+    """Share of continuation tokens that the 3-gram lookup's first proposal gets right."""
+    hits = total = 0
+    for row in rows.tolist():
+        lookup = NgramProposer(NGRAM)
+        lookup.start_request(row[:prompt_tokens])
+        for j in range(prompt_tokens, len(row)):
+            proposal = lookup.propose(row[:j], 1).token_ids.tolist()
+            hits += int(proposal[:1] == [row[j]])
+            total += 1
+    return hits / total
+
+
+def replayed(agreement: torch.Tensor, k: int) -> dict[str, float]:
+    """Hit rate and tokens per verify step of greedy speculation at ``k`` over all requests."""
+    drafted = accepted = steps = 0
+    for row in agreement.tolist():
+        m = replay_greedy_rounds(row, k)
+        drafted += m.drafted_tokens
+        accepted += m.accepted_tokens
+        steps += m.verify_steps
+    return {"hit_rate": round(accepted / drafted, 4), "tokens_per_step": round(1 + accepted / steps, 3)}
+
+
+def agreement_needed(hit_rate: float, k: int) -> float:
+    """The per-token agreement p with (p + p^2 + ... + p^k) / k = hit_rate (misses independent)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        p = (lo + hi) / 2
+        if sum(p**i for i in range(1, k + 1)) / k < hit_rate:
+            lo = p
+        else:
+            hi = p
+    return round((lo + hi) / 2, 4)
+
+
+def drafters_to_score(extra: list[str]) -> dict[str, Path]:
+    folders = {"generic": REFERENCE / "generic-drafter"}
+    for domain in DOMAINS:
+        realigned = RESULTS / f"realigned-{domain}"
+        if (realigned / "model.safetensors").is_file():
+            folders[f"realigned-{domain}"] = realigned
+    for item in extra:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not Path(folder).is_dir():
+            raise SystemExit(f"--drafter wants name=folder with an existing HF folder, got {item!r}")
+        folders[name] = Path(folder)
+    return folders
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=48, help="held-out prompts per domain")
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--drafter", action="append", default=[], metavar="NAME=FOLDER")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, args.threads))
+    t0 = time.perf_counter()
+    target, tokenizer = load_hf_folder(REFERENCE / "target")
+    drafters: dict[str, Transformer] = {}
+    for name, folder in drafters_to_score(args.drafter).items():
+        model, drafter_tokenizer = load_hf_folder(folder)
+        ensure_same_tokenizer(tokenizer, drafter_tokenizer, "reference target", name)
+        drafters[name] = model
+    needed = agreement_needed(HIT_RATE_ASKED, K_ASKED)
+    out: dict[str, object] = {
+        "k_values": list(KS),
+        "agreement_needed_for_hit_rate": {"hit_rate": HIT_RATE_ASKED, "k": K_ASKED, "per_token": needed},
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "drafters": {name: str(folder) for name, folder in drafters_to_score(args.drafter).items()},
+    }
+    for domain in DOMAINS:
+        prompts = held_out_prompts(tokenizer, domain, args.prompts, args.prompt_tokens)
+        if not prompts:
+            raise SystemExit(f"no {domain} test prompt has {args.prompt_tokens} tokens")
+        batch = torch.tensor(prompts)
+        with torch.inference_mode():
+            continuation = generate_batch(target, batch, args.new_tokens)
+            rows = torch.cat([batch, continuation], dim=1)
+            probs = target(rows[:, :-1])[:, args.prompt_tokens - 1 :].float().softmax(-1)
+        top1 = probs.max(-1).values
+        figures: dict[str, object] = {
+            "prompts": len(prompts),
+            "target_top1_probability": round(top1.mean().item(), 4),
+            "target_confident_share": round((top1 >= CONFIDENT).float().mean().item(), 4),
+            "ngram_predictable_share": round(ngram_predictability(rows, args.prompt_tokens), 4),
+        }
+        for name, drafter in drafters.items():
+            agreement = greedy_agreement(drafter, rows, args.prompt_tokens)
+            figures[name] = {
+                "agreement": round(agreement.float().mean().item(), 4),
+                **{f"k{k}": replayed(agreement, k) for k in KS},
+            }
+        out[domain] = figures
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "domain_ceiling.json").write_text(json.dumps(out, indent=1) + "\n")
+
+    print(
+        f"target's greedy continuations of held-out prompts ({args.prompts} per domain, "
+        f"{args.new_tokens} tokens); hit rates replayed exactly from teacher-forced agreement"
+    )
+    print(f"{'domain':<12}{'target top-1':>13}{'top-1 >= 0.9':>14}{'3-gram lookup':>15}")
+    for domain in DOMAINS:
+        f = out[domain]
+        assert isinstance(f, dict)
+        print(
+            f"{domain:<12}{f['target_top1_probability']:>13.3f}{f['target_confident_share']:>14.1%}"
+            f"{f['ngram_predictable_share']:>15.1%}"
+        )
+    hit_columns = "".join(f"{'hit k=' + str(k):>10}" for k in KS)
+    print(f"\n{'drafter':<22}{'domain':<12}{'agreement':>10}{hit_columns}")
+    for name in drafters:
+        for domain in DOMAINS:
+            f = out[domain]
+            assert isinstance(f, dict)
+            d = f[name]
+            cells = "".join(f"{d[f'k{k}']['hit_rate']:>10.1%}" for k in KS)
+            print(f"{name:<22}{domain:<12}{d['agreement']:>10.1%}{cells}")
+    print(
+        f"\nan {HIT_RATE_ASKED:.0%} hit rate at k={K_ASKED} needs per-token agreement {needed:.3f} "
+        "if misses are independent"
+    )
+    print(f"wall {out['wall_s']}s; wrote {RESULTS / 'domain_ceiling.json'}")
+
+
+if __name__ == "__main__":
+    main()
