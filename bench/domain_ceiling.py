@@ -18,7 +18,8 @@ domain, on the target's own greedy continuations of held-out prompts (test split
   at k = 4 (what issue #5 asks of the realigned drafter).
 
 Exact counts, no timings: the figures do not depend on how busy the machine is. About a minute on
-2 cores. Writes bench/results/domain_ceiling.json.
+2 cores. Writes bench/results/domain_ceiling.json (``--split validation``: the modules realignment
+trained on, as other requests would bring them; domain_ceiling-validation.json).
 """
 
 from __future__ import annotations
@@ -51,14 +52,19 @@ HIT_RATE_ASKED = 0.80
 K_ASKED = 4
 CONFIDENT = 0.9
 NGRAM = 3
+PROMPT_SEED = 100
 
 
-def held_out_prompts(tokenizer: Tokenizer, domain: str, n: int, prompt_tokens: int) -> list[list[int]]:
-    """Up to ``n`` test-split prompts of ``domain``, each its last ``prompt_tokens`` tokens (equal
-    lengths let the target continue them as one batch); several seeds cut the documents elsewhere."""
+def held_out_prompts(
+    tokenizer: Tokenizer, domain: str, split: str, n: int, prompt_tokens: int
+) -> list[list[int]]:
+    """Up to ``n`` prompts of ``domain``'s ``split``, each its last ``prompt_tokens`` tokens (equal
+    lengths let the target continue them as one batch); several seeds cut the documents elsewhere.
+    Seeds from 100: bench/realign.py cuts its validation-split traces with seeds from 0, so even on
+    that split these are other requests than the ones realignment trained on."""
     ids: list[list[int]] = []
-    for seed in range(8):
-        for p in corpora.prompts(domain, "test", n=n, seed=seed, min_prompt_chars=200):
+    for seed in range(PROMPT_SEED, PROMPT_SEED + 8):
+        for p in corpora.prompts(domain, split, n=n, seed=seed, min_prompt_chars=200):
             tokens = tokenizer.encode(p.text)
             if len(tokens) >= prompt_tokens:
                 ids.append(tokens[-prompt_tokens:])
@@ -127,6 +133,12 @@ def drafters_to_score(extra: list[str]) -> dict[str, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=48, help="held-out prompts per domain")
+    parser.add_argument(
+        "--split",
+        choices=corpora.SPLITS,
+        default="test",
+        help="test: modules no trace came from; validation: the modules of bench/realign.py's traces",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--drafter", action="append", default=[], metavar="NAME=FOLDER")
@@ -144,14 +156,15 @@ def main() -> None:
     out: dict[str, object] = {
         "k_values": list(KS),
         "agreement_needed_for_hit_rate": {"hit_rate": HIT_RATE_ASKED, "k": K_ASKED, "per_token": needed},
+        "split": args.split,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "drafters": {name: str(folder) for name, folder in drafters_to_score(args.drafter).items()},
     }
     for domain in DOMAINS:
-        prompts = held_out_prompts(tokenizer, domain, args.prompts, args.prompt_tokens)
+        prompts = held_out_prompts(tokenizer, domain, args.split, args.prompts, args.prompt_tokens)
         if not prompts:
-            raise SystemExit(f"no {domain} test prompt has {args.prompt_tokens} tokens")
+            raise SystemExit(f"no {domain} {args.split} prompt has {args.prompt_tokens} tokens")
         batch = torch.tensor(prompts)
         with torch.inference_mode():
             continuation = generate_batch(target, batch, args.new_tokens)
@@ -173,10 +186,12 @@ def main() -> None:
         out[domain] = figures
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "domain_ceiling.json").write_text(json.dumps(out, indent=1) + "\n")
+    suffix = "" if args.split == "test" else f"-{args.split}"
+    written = RESULTS / f"domain_ceiling{suffix}.json"
+    written.write_text(json.dumps(out, indent=1) + "\n")
 
     print(
-        f"target's greedy continuations of held-out prompts ({args.prompts} per domain, "
+        f"target's greedy continuations of {args.split}-split prompts ({args.prompts} per domain, "
         f"{args.new_tokens} tokens); hit rates replayed exactly from teacher-forced agreement"
     )
     print(f"{'domain':<12}{'target top-1':>13}{'top-1 >= 0.9':>14}{'3-gram lookup':>15}")
@@ -200,7 +215,7 @@ def main() -> None:
         f"\nan {HIT_RATE_ASKED:.0%} hit rate at k={K_ASKED} needs per-token agreement {needed:.3f} "
         "if misses are independent"
     )
-    print(f"wall {out['wall_s']}s; wrote {RESULTS / 'domain_ceiling.json'}")
+    print(f"wall {out['wall_s']}s; wrote {written}")
 
 
 if __name__ == "__main__":
