@@ -255,3 +255,40 @@ def test_multi_row_threads_do_not_flap_on_noise() -> None:
     )
     adopted = [b for a, b in zip(picks, picks[1:], strict=False) if a != b]
     assert len(adopted) <= 20  # comparisons only, ever rarer; noise alone rarely adopts a count
+
+
+@pytest.mark.parametrize("kind", ["none", "draft", "ngram"])
+def test_stop_strings_end_the_output_before_them(
+    kind: str,
+    target: Transformer,
+    drafter: Transformer,
+    tokenizer: Tokenizer,
+    references: list[tuple[list[int], list[int]]],
+) -> None:
+    proposer = {"none": None, "draft": DraftModelProposer(drafter), "ngram": NgramProposer(2)}[kind]
+    dec = SpeculativeDecoder(target, tokenizer, proposer, k=4)
+    cut_early = 0
+    for n, (prompt, ref) in enumerate(references[:8]):
+        full = tokenizer.decode(ref)
+        # A stop string taken from the output itself, at a different place per prompt; a second,
+        # absent one must not matter.
+        at = (n * 7) % max(1, len(full) - 4) + 1
+        stop = full[at : at + 3]
+        if not stop.strip() or "\ufffd" in stop:
+            continue
+        where = full.find(stop)
+        res = dec.generate(prompt, N_NEW, stop_at_eos=False, stop=[stop, "\x00never\x00"])
+        assert res.text == full[:where]
+        assert res.finish_reason == "stop"
+        assert res.token_ids == ref[: len(res.token_ids)]  # a prefix of the unstopped output
+        assert tokenizer.decode(res.token_ids).startswith(res.text)
+        assert len(tokenizer.decode(res.token_ids[:-1])) < where or not res.token_ids  # the shortest one
+        cut_early += int(res.metrics.generated_tokens < N_NEW)
+    assert cut_early >= 4  # the decoder stopped working once the stop string appeared
+
+    untouched = dec.generate(references[0][0], N_NEW, stop_at_eos=False, stop=["\x00never\x00"])
+    assert untouched.token_ids == references[0][1] and untouched.finish_reason == "length"
+    with pytest.raises(ValueError, match="at most 4"):
+        dec.generate(references[0][0], 4, stop=["a", "b", "c", "d", "e"])
+    with pytest.raises(ValueError, match="non-empty"):
+        dec.generate(references[0][0], 4, stop=[""])

@@ -135,6 +135,22 @@ def test_streaming_matches_and_ends_with_perf_metrics(live: dict[str, Any]) -> N
     assert "perf_metrics" in _extra(chunks[-1]) and "perf_metrics" not in _extra(chunks[0])
 
 
+def test_stop_strings_cut_plain_and_streamed_completions(live: dict[str, Any]) -> None:
+    client = live["client"]
+    full = client.completions.create(model="tiny-draft", prompt=PROMPT, max_tokens=30, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and stop in text
+    want = text[: text.find(stop)]
+    settings: dict[str, Any] = {"model": "tiny-draft", "prompt": PROMPT, "max_tokens": 30, "temperature": 0}
+    cut = client.completions.create(**settings, stop=stop)
+    assert cut.choices[0].text == want and cut.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**settings, stop=[stop, "zzzz"], stream=True))
+    # No chunk ever carried text past the cut, not even a prefix of the stop string held back.
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_predicted_output(live: dict[str, Any]) -> None:
     client = live["client"]
     first = client.completions.create(model="tiny-plain", prompt=PROMPT, max_tokens=30, temperature=0)
@@ -206,7 +222,15 @@ def test_openai_style_errors(live: dict[str, Any]) -> None:
         client.completions.create(model="tiny-plain", prompt=PROMPT, max_tokens=10_000, stream=True)
     assert _error(stream_long.value)["code"] == "context_length_exceeded"
 
-    for bad in ({"temperature": 5.0}, {"top_p": 0.0}, {"max_tokens": 0}, {"n": 2}):
+    bad_params: list[dict[str, Any]] = [
+        {"temperature": 5.0},
+        {"top_p": 0.0},
+        {"max_tokens": 0},
+        {"n": 2},
+        {"stop": ["a", "b", "c", "d", "e"]},
+        {"stop": ""},
+    ]
+    for bad in bad_params:
         with pytest.raises(openai.BadRequestError) as exc:
             client.completions.create(model="tiny-plain", prompt=PROMPT, **{"max_tokens": 4, **bad})
         err = _error(exc.value)

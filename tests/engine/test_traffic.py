@@ -45,6 +45,7 @@ mix = { structured = 3, tool = 1, prose = 0 }
 requests = 8
 seed = 2
 temperature = 0.7
+stop = "\\nUser:"
 """
 
 
@@ -61,11 +62,16 @@ def test_scenario_keys_and_mix(tmp_path: Path) -> None:
     prose, shift = scenario.phases
     assert (prose.max_tokens, prose.concurrency, prose.requests) == (8, 2, 6)
     assert shift.mix == {"structured": 1.0} and shift.temperature == 0.7
+    assert shift.stop == ("\nUser:",) and prose.stop == ()
     for bad, message in [
         ("[[phase]]\nmix = { poetry = 1 }\nrequests = 1\n", "unknown domain"),
         ("[[phase]]\nmix = { prose = 1 }\n", "requests"),
         ("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nrps = 3\n", "unknown key"),
         ("[server]\n", "at least one"),
+        ("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nstop = ''\n", "stop"),
+        ("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nstop = ['a','b','c','d','e']\n", "stop"),
+        ("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nstop = 3\n", "stop"),
+        ("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nstop = []\n", "stop"),
     ]:
         path.write_text(bad)
         with pytest.raises(ValueError, match=message):
@@ -150,6 +156,7 @@ def test_driver_sends_in_order_aggregates_and_calls_back(tmp_path: Path) -> None
     first = {r["id"]: r for r in sent}
     assert first["run1-p0-0"]["perf_metrics_in_response"] is True
     assert "seed" not in first["run1-p0-0"] and "seed" in first["run1-p1-0"]  # sampled: reproducible
+    assert "stop" not in first["run1-p0-0"] and first["run1-p1-0"]["stop"] == ["\nUser:"]
     # The same scenario and run id send the same prompts to the same request ids.
     again: list[dict[str, Any]] = []
     TrafficDriver(scenario.url, scenario.model, run_id="run1", transport=_fake_server(again)).run(

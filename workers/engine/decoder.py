@@ -55,6 +55,41 @@ class GenerationResult:
 
 
 TokenCallback = Callable[[list[int]], None]
+# OpenAI's limit on stop sequences per request.
+MAX_STOP_STRINGS = 4
+
+
+class StopStrings:
+    """Finds the first of a request's stop strings (OpenAI ``stop``) in its output text as rounds
+    append tokens; the output ends before it. Matching is on decoded text, not tokens: a stop string
+    may start or end inside a token, and the same text has several tokenisations."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop strings must be non-empty strings")
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self._checked = 0
+
+    def find(self, output_ids: Sequence[int]) -> int | None:
+        """Where in the output's text the first stop string starts, or None."""
+        text = self.tokenizer.decode(output_ids)
+        # Look again a little before the last end: a match may straddle rounds, and a character
+        # whose bytes were split across tokens decodes to replacement characters until completed.
+        start = max(0, self._checked - self.longest - 4)
+        self._checked = len(text)
+        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def tokens_before(self, output_ids: list[int], chars: int) -> list[int]:
+        """The shortest prefix of the output whose text reaches ``chars`` characters."""
+        m = len(output_ids)
+        while m > 0 and len(self.tokenizer.decode(output_ids[: m - 1])) >= chars:
+            m -= 1
+        return output_ids[:m]
 
 
 class SpeculativeDecoder:
@@ -97,11 +132,15 @@ class SpeculativeDecoder:
         stop_at_eos: bool = True,
         prediction: str | Sequence[int] | None = None,
         on_tokens: TokenCallback | None = None,
+        stop: Sequence[str] = (),
     ) -> GenerationResult:
         """Generate up to `max_new_tokens` tokens after `prompt`.
 
         `prediction` (Predicted Outputs) is proposed while the output follows it, with this decoder's
-        proposer as the fallback. `on_tokens` receives each round's new tokens (for streaming).
+        proposer as the fallback. `on_tokens` receives each round's new tokens (for streaming; a
+        round that reaches a stop string still passes all its tokens: the text is cut, not the
+        work). `stop`: up to four strings; the output ends before the first one it produces
+        (finish_reason "stop"). The metrics count every token the engine emitted.
         """
         t0 = time.perf_counter()
         params = SamplingParams(temperature, top_p)
@@ -115,6 +154,8 @@ class SpeculativeDecoder:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"context window of {self.cache.max_len} tokens"
             )
+        stopper = StopStrings(self.tokenizer, stop) if stop else None
+        stop_at: int | None = None  # where in the output text a stop string starts
         proposer = self.proposer
         metrics = RequestMetrics(k=self.k if proposer is not None or prediction is not None else 0)
         if prediction is not None:
@@ -148,6 +189,8 @@ class SpeculativeDecoder:
                 finish = "stop"
             elif max_new_tokens == 1:
                 finish = "length"
+            if stopper is not None and (stop_at := stopper.find(ctx[out_start:])) is not None:
+                finish = "stop"
             if proposer is not None:
                 proposer.start_request(prompt_ids)
             last = torch.tensor([first])
@@ -192,6 +235,8 @@ class SpeculativeDecoder:
                 ctx.extend(emitted)
                 if on_tokens is not None:
                     on_tokens(emitted)
+                if stopper is not None and (stop_at := stopper.find(ctx[out_start:])) is not None:
+                    finish = "stop"
                 if finish is None and len(ctx) - out_start >= max_new_tokens:
                     finish = "length"
                 last = torch.tensor(emitted[-1:])
@@ -200,13 +245,18 @@ class SpeculativeDecoder:
         out = ctx[out_start:]
         if finish == "stop" and out and out[-1] == eos:
             out.pop()
+        if stopper is not None and stop_at is not None:
+            out = stopper.tokens_before(out, stop_at)
+            text = self.tokenizer.decode(out)[:stop_at]
+        else:
+            text = self.tokenizer.decode(out)
         metrics.ttft_ms = (t_first - t0) * 1000.0
         metrics.propose_ms = propose_s * 1000.0
         metrics.score_ms = score_s * 1000.0
         metrics.total_ms = (t_end - t0) * 1000.0
         if metrics.generated_tokens > 1:
             metrics.inter_token_ms = (t_end - t_first) * 1000.0 / (metrics.generated_tokens - 1)
-        return GenerationResult(out, self.tokenizer.decode(out), metrics, finish, prompt_ids)
+        return GenerationResult(out, text, metrics, finish, prompt_ids)
 
     def _threads_chooser(self, base_threads: int) -> MultiRowThreads | None:
         wanted = self.multi_row_threads

@@ -1,7 +1,7 @@
 """The reference OpenAI-compatible completions server on top of the engine.
 
 Owns `create_app(config)`: POST /v1/completions (prompt, max_tokens, temperature, top_p, seed,
-stream, Fireworks' `prediction` and `perf_metrics_in_response`, and a non-standard `category`, the
+stop, stream, Fireworks' `prediction` and `perf_metrics_in_response`, and a non-standard `category`, the
 traffic label copied into the acceptance record and trace), GET /v1/models and GET /healthz, with
 OpenAI-shaped 4xx errors. Which target, drafters and k serve a model name is read per request from a
 pluggable serving-config source (a static dict, or any callable such as `http_serving_config`,
@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,7 +58,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from workers.engine.decoder import GenerationResult, SpeculativeDecoder
+from workers.engine.decoder import MAX_STOP_STRINGS, GenerationResult, SpeculativeDecoder
 from workers.engine.hf_io import load_hf_folder
 from workers.engine.model import Transformer
 from workers.engine.proposers import DraftModelProposer, NgramProposer, Proposer
@@ -130,6 +130,8 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     stream: bool = False
     prediction: Prediction | None = None
+    # OpenAI: one string or up to four; the completion ends before the first one it would contain.
+    stop: str | list[str] | None = None
     perf_metrics_in_response: bool = False
     # Not OpenAI: the traffic label (e.g. a workload domain) the acceptance record and trace carry.
     category: str | None = Field(default=None, max_length=100)
@@ -345,12 +347,22 @@ class Engine:
                 generator=gen,
                 prediction=req.prediction.content if req.prediction is not None else None,
                 on_tokens=on_tokens,
+                stop=stop_strings(req),
             )
+
+
+def stop_strings(req: CompletionRequest) -> tuple[str, ...]:
+    if req.stop is None:
+        return ()
+    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
 
 
 def _validate(req: CompletionRequest) -> str:
     if req.n != 1:
         raise APIError(400, "only n = 1 is supported", param="n")
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise APIError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
             raise APIError(400, "exactly one prompt per request is supported", param="prompt")
@@ -359,10 +371,14 @@ def _validate(req: CompletionRequest) -> str:
 
 
 class _TextStream:
-    """Turns token chunks into text deltas, holding back bytes of a split UTF-8 character."""
+    """Turns token chunks into text deltas, holding back bytes of a split UTF-8 character and, with
+    stop strings, any tail that may be the start of one (the final chunk sends what the decoder's
+    cut text still holds)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0
 
@@ -371,7 +387,13 @@ class _TextStream:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
-        delta, self.sent = text[self.sent :], len(text)
+        end = len(text) - self.hold
+        for s in self.stops:
+            if (i := text.find(s, max(0, self.sent))) >= 0:
+                end = min(end, i)
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : end], end
         return delta
 
 
@@ -487,7 +509,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             task.result()  # raises the APIError, turned into an error reply by the handler
 
         async def events() -> AsyncIterator[str]:
-            stream = _TextStream(engine.models.get(dep.target_path, dep.target_sha256)[1])
+            stream = _TextStream(engine.models.get(dep.target_path, dep.target_sha256)[1], stop_strings(req))
             chunk: list[int] | None = first
             while chunk is not None:
                 delta = stream.push(chunk)

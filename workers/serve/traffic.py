@@ -6,8 +6,9 @@ A scenario (TOML, meant to be edited) names the server and a list of phases; eac
 domain mix (shares of prose / code / structured, normalised), a size (`requests`, `duration_s`,
 or both: whichever ends first), a load (`concurrency` requests in flight, closed loop; or `rate`
 requests per second, open loop, with `concurrency` as the cap on requests in flight),
-`max_tokens`, `temperature`, `seed` and the corpus `split` (default "test": held out of every
-training split, so demo traffic is never text the generic drafter was trained on):
+`max_tokens`, `stop` (a string or up to four: where a completion ends, as a tool-calling client
+ends one at its next turn), `temperature`, `seed` and the corpus `split` (default "test": held out
+of every training split, so demo traffic is never text the generic drafter was trained on):
 
     [server]
     url = "http://127.0.0.1:8601"
@@ -68,8 +69,20 @@ PHASE_KEYS = frozenset(
         "temperature",
         "seed",
         "split",
+        "stop",
     }
 )
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+def _stop_strings(value: object, where: str) -> tuple[str, ...]:
+    """A phase's `stop`: absent, one non-empty string, or a list of 1 to 4 of them."""
+    if value is None:
+        return ()
+    stops = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else ()
+    if not 1 <= len(stops) <= MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"{where}: `stop` must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS}")
+    return stops
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,7 @@ class Phase:
     temperature: float = 0.0
     seed: int = 0
     split: str = "test"
+    stop: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any], where: str) -> Phase:
@@ -124,6 +138,7 @@ class Phase:
         temperature = float(raw.get("temperature", 0.0))
         if not 0.0 <= temperature <= 2.0:
             raise ValueError(f"{where}: `temperature` must be within [0, 2]")
+        stop = _stop_strings(raw.get("stop"), where)
         return cls(
             name=str(raw.get("name") or where),
             mix=mix,
@@ -135,6 +150,7 @@ class Phase:
             temperature=temperature,
             seed=int(raw.get("seed", 0)),
             split=split,
+            stop=stop,
         )
 
 
@@ -426,6 +442,8 @@ class TrafficDriver:
         }
         if phase.temperature > 0:
             body["seed"] = (phase.seed * 1_000_003 + req.index) % 2**31
+        if phase.stop:
+            body["stop"] = list(phase.stop)
         t0 = time.monotonic()
         base = RequestResult(phase.name, req.index, request_id, req.domain, False, 0.0)
         try:
