@@ -7,6 +7,8 @@ domain, on the target's own greedy continuations of held-out prompts (test split
 
 - the target's confidence on the tokens it chose: mean top-1 probability, and the share of
   positions where it is at least 0.9;
+- structured requests end with their one-line answer (bench/realign.py's STOPS, as a client's
+  OpenAI `stop` ends them): what the target writes after it is the next, randomly generated request;
 - how repetitive those continuations are: the share of tokens that a 3-gram prompt lookup (the
   engine's NgramProposer, one token ahead) predicts from the text before them;
 - for each drafter (the committed generic drafter, any realigned drafter ``bench/realign.py`` left
@@ -36,8 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.realign import STOPS  # noqa: E402
 from workers import corpora  # noqa: E402
-from workers.engine.decoder import generate_batch  # noqa: E402
+from workers.engine.decoder import StopStrings, generate_batch  # noqa: E402
 from workers.engine.hf_io import load_hf_folder  # noqa: E402
 from workers.engine.metrics import replay_greedy_rounds  # noqa: E402
 from workers.engine.model import Transformer  # noqa: E402
@@ -73,6 +76,21 @@ def held_out_prompts(
     return ids[:n]
 
 
+def request_lengths(
+    tokenizer: Tokenizer, rows: torch.Tensor, prompt_tokens: int, stops: tuple[str, ...]
+) -> list[int]:
+    """Output tokens per request: the whole continuation, or with stop strings (a structured answer
+    ends at its line's end) up to the token that completes the first one, where serving stops."""
+    lengths = []
+    for row in rows[:, prompt_tokens:].tolist():
+        length = len(row)
+        if stops:
+            matcher = StopStrings(tokenizer, stops)
+            length = next((j for j in range(1, len(row) + 1) if matcher.find(row[:j]) is not None), length)
+        lengths.append(length)
+    return lengths
+
+
 def greedy_agreement(drafter: Transformer, rows: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
     """[B, N] bools: the drafter's argmax for each continuation position equals the target's token."""
     with torch.inference_mode():
@@ -80,24 +98,24 @@ def greedy_agreement(drafter: Transformer, rows: torch.Tensor, prompt_tokens: in
     return guesses == rows[:, prompt_tokens:]
 
 
-def ngram_predictability(rows: torch.Tensor, prompt_tokens: int) -> float:
-    """Share of continuation tokens that the 3-gram lookup's first proposal gets right."""
+def ngram_predictability(rows: torch.Tensor, prompt_tokens: int, lengths: list[int]) -> float:
+    """Share of output tokens that the 3-gram lookup's first proposal gets right."""
     hits = total = 0
-    for row in rows.tolist():
+    for row, length in zip(rows.tolist(), lengths, strict=True):
         lookup = NgramProposer(NGRAM)
         lookup.start_request(row[:prompt_tokens])
-        for j in range(prompt_tokens, len(row)):
+        for j in range(prompt_tokens, prompt_tokens + length):
             proposal = lookup.propose(row[:j], 1).token_ids.tolist()
             hits += int(proposal[:1] == [row[j]])
             total += 1
     return hits / total
 
 
-def replayed(agreement: torch.Tensor, k: int) -> dict[str, float]:
+def replayed(agreement: torch.Tensor, lengths: list[int], k: int) -> dict[str, float]:
     """Hit rate and tokens per verify step of greedy speculation at ``k`` over all requests."""
     drafted = accepted = steps = 0
-    for row in agreement.tolist():
-        m = replay_greedy_rounds(row, k)
+    for row, length in zip(agreement.tolist(), lengths, strict=True):
+        m = replay_greedy_rounds(row, k, stop_after=length)
         drafted += m.drafted_tokens
         accepted += m.accepted_tokens
         steps += m.verify_steps
@@ -170,18 +188,23 @@ def main() -> None:
             continuation = generate_batch(target, batch, args.new_tokens)
             rows = torch.cat([batch, continuation], dim=1)
             probs = target(rows[:, :-1])[:, args.prompt_tokens - 1 :].float().softmax(-1)
-        top1 = probs.max(-1).values
+        stops = STOPS.get(domain, ())
+        lengths = request_lengths(tokenizer, rows, args.prompt_tokens, stops)
+        served = torch.arange(args.new_tokens)[None, :] < torch.tensor(lengths)[:, None]  # [B, N]
+        top1 = probs.max(-1).values[served]
         figures: dict[str, object] = {
             "prompts": len(prompts),
+            "stop": list(stops),
+            "mean_output_tokens": round(sum(lengths) / len(lengths), 1),
             "target_top1_probability": round(top1.mean().item(), 4),
             "target_confident_share": round((top1 >= CONFIDENT).float().mean().item(), 4),
-            "ngram_predictable_share": round(ngram_predictability(rows, args.prompt_tokens), 4),
+            "ngram_predictable_share": round(ngram_predictability(rows, args.prompt_tokens, lengths), 4),
         }
         for name, drafter in drafters.items():
             agreement = greedy_agreement(drafter, rows, args.prompt_tokens)
             figures[name] = {
-                "agreement": round(agreement.float().mean().item(), 4),
-                **{f"k{k}": replayed(agreement, k) for k in KS},
+                "agreement": round(agreement[served].float().mean().item(), 4),
+                **{f"k{k}": replayed(agreement, lengths, k) for k in KS},
             }
         out[domain] = figures
     out["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -194,13 +217,14 @@ def main() -> None:
         f"target's greedy continuations of {args.split}-split prompts ({args.prompts} per domain, "
         f"{args.new_tokens} tokens); hit rates replayed exactly from teacher-forced agreement"
     )
-    print(f"{'domain':<12}{'target top-1':>13}{'top-1 >= 0.9':>14}{'3-gram lookup':>15}")
+    print(f"{'domain':<12}{'tokens/request':>15}{'target top-1':>13}{'top-1 >= 0.9':>14}{'3-gram':>8}")
     for domain in DOMAINS:
         f = out[domain]
         assert isinstance(f, dict)
         print(
-            f"{domain:<12}{f['target_top1_probability']:>13.3f}{f['target_confident_share']:>14.1%}"
-            f"{f['ngram_predictable_share']:>15.1%}"
+            f"{domain:<12}{f['mean_output_tokens']:>15}{f['target_top1_probability']:>13.3f}"
+            f"{f['target_confident_share']:>14.1%}"
+            f"{f['ngram_predictable_share']:>8.1%}"
         )
     hit_columns = "".join(f"{'hit k=' + str(k):>10}" for k in KS)
     print(f"\n{'drafter':<22}{'domain':<12}{'agreement':>10}{hit_columns}")

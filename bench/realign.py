@@ -12,10 +12,12 @@ bench/results/trace-cache (keyed by the target's checksum and the trace paramete
 Measured, batch size 1, greedy, k=4, with the engine's SpeculativeDecoder metrics (hit rate =
 accepted / drafted, and tokens per verify step = 1 + accepted / steps, both exact): the generic and
 the realigned drafter on held-out prompts of the shifted domain (test split) and on held-out prose
-prompts; the wall time of realignment (dataset, target pass, training) and the training throughput
-in completion tokens trained on per second of the training phase. Other jobs on the machine slow
-every timing; the 1-minute load average is recorded beside them. Writes bench/results/realign.json
-and keeps each realigned drafter as an HF folder in bench/results/realigned-<domain>.
+prompts (a structured request ends with its one-line answer, as a client's `stop` ends it, and so
+does each structured trace); the wall time of realignment (dataset, target pass, training) and the
+training throughput in completion tokens trained on per second of the training phase. Other jobs
+on the machine slow every timing; the 1-minute load average is recorded beside them. Writes
+bench/results/realign.json and keeps each realigned drafter as an HF folder in
+bench/results/realigned-<domain>.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ PROMPT_BUCKETS = {"structured": (128, 96, 64, 48, 32)}
 MIN_PROMPT_CHARS = {"structured": 100}
 K = 4
 SHIFTED = ("code", "structured")
+# Where a request of a domain ends, as its client would end it (OpenAI `stop`): a structured answer
+# is one line, and what the target writes after it is the next, randomly generated request.
+STOPS = {"structured": ("\n",)}
 # Traces come from the validation split: like a deployment's traffic (and like the test split the
 # hit rates are measured on), text the target never trained on; on its train split the target
 # recites memorised documents. (Measured both ways on code: realigned test-split hit rate 32.8%
@@ -85,7 +90,9 @@ def make_traces(
     """
     buckets = PROMPT_BUCKETS.get(domain, (PROMPT_TOKENS,))
     lengths = "_".join(map(str, buckets))
-    key = f"{_target_digest()}-{domain}-{TRACE_SPLIT}-{n}-{new_tokens}-{seed}-{lengths}"
+    stops = STOPS.get(domain, ())
+    stop_tag = "-stop" + hashlib.sha256("\0".join(stops).encode()).hexdigest()[:8] if stops else ""
+    key = f"{_target_digest()}-{domain}-{TRACE_SPLIT}-{n}-{new_tokens}-{seed}-{lengths}{stop_tag}"
     path = TRACE_CACHE / f"{key}.json"
     if cache and path.is_file():
         return [TraceText(*t) for t in json.loads(path.read_text())]
@@ -112,21 +119,33 @@ def make_traces(
                     if tokenizer.eos_id is not None and tokenizer.eos_id in row:
                         row = row[: row.index(tokenizer.eos_id)]
                     key_i = f"{domain}-{len(traces)}"
-                    traces.append(TraceText(key_i, tokenizer.decode(prompt), tokenizer.decode(row)))
+                    completion = cut_at_stop(tokenizer.decode(row), stops)
+                    traces.append(TraceText(key_i, tokenizer.decode(prompt), completion))
     if cache:
         TRACE_CACHE.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([[t.key, t.prompt, t.completion] for t in traces]))
     return traces
 
 
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    """The text before the first of ``stops`` (what the server returns with OpenAI `stop`)."""
+    ends = [i for s in stops if (i := text.find(s)) >= 0]
+    return text[: min(ends)] if ends else text
+
+
 def decode_figures(
-    target: Transformer, tokenizer: Tokenizer, drafter: Transformer, prompts: list[list[int]], new_tokens: int
+    target: Transformer,
+    tokenizer: Tokenizer,
+    drafter: Transformer,
+    prompts: list[list[int]],
+    new_tokens: int,
+    stop: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Hit rate (accepted / drafted) and tokens per verify step (1 + accepted / steps), greedy, k=K."""
     decoder = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=K)
     drafted = accepted = steps = 0
     for ids in prompts:
-        m = decoder.generate(ids, new_tokens, stop_at_eos=False).metrics
+        m = decoder.generate(ids, new_tokens, stop_at_eos=False, stop=stop).metrics
         drafted += m.drafted_tokens
         accepted += m.accepted_tokens
         steps += m.verify_steps
@@ -233,8 +252,9 @@ def main() -> None:
         # Kept for bench/domain_ceiling.py, which scores every drafter it finds there.
         save_hf_folder(result.model, tokenizer, RESULTS / f"realigned-{domain}")
         shifted_eval = eval_prompts(tokenizer, domain, args.eval_prompts)
-        gen = decode_figures(target, tokenizer, generic, shifted_eval, args.eval_tokens)
-        new = decode_figures(target, tokenizer, result.model, shifted_eval, args.eval_tokens)
+        stop = STOPS.get(domain, ())
+        gen = decode_figures(target, tokenizer, generic, shifted_eval, args.eval_tokens, stop)
+        new = decode_figures(target, tokenizer, result.model, shifted_eval, args.eval_tokens, stop)
         new_prose = decode_figures(target, tokenizer, result.model, prose_eval, args.eval_tokens)
         drop = round(100 * (generic_prose["hit_rate"] - new_prose["hit_rate"]), 2)
         figures = {

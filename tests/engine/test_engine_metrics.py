@@ -175,3 +175,32 @@ def test_replayed_rounds_of_a_perfect_and_a_useless_drafter() -> None:
     assert useless.drafted_per_position == [4, 3, 2, 1]
     with pytest.raises(ValueError, match="k must be"):
         replay_greedy_rounds([True], k=0)
+
+
+def test_replayed_rounds_of_stop_ended_requests_equal_the_decoder(
+    target: Transformer, drafter: Transformer, tokenizer: Tokenizer, make_prompts: Any
+) -> None:
+    n_new, k = 33, 4
+    dec = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=k)
+    compared = 0
+    for n, prompt in enumerate(make_prompts(16, seed=5)):
+        full = dec.generate(prompt, n_new, stop_at_eos=False)
+        text = full.text
+        stop = text[len(text) // 3 + n : len(text) // 3 + n + 2]
+        if not stop.strip() or "\ufffd" in stop:
+            continue
+        res = dec.generate(prompt, n_new, stop_at_eos=False, stop=[stop])
+        assert res.finish_reason == "stop"
+        # The request ends with the first token whose text completes the stop string.
+        ends = next(j for j in range(1, n_new + 1) if stop in tokenizer.decode(full.token_ids[:j]))
+        rows = torch.tensor([prompt + full.token_ids])
+        with torch.inference_mode():
+            guesses = drafter(rows)[0, len(prompt) - 1 : -1].argmax(-1)
+        agreement = (guesses == rows[0, len(prompt) :]).tolist()
+        replay = replay_greedy_rounds(agreement, k, stop_after=ends)
+        m = res.metrics
+        assert replay.per_step_drafted == m.per_step_drafted
+        assert replay.per_step_accepted == m.per_step_accepted
+        assert replay.generated_tokens == m.generated_tokens >= ends
+        compared += 1
+    assert compared >= 4

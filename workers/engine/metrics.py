@@ -169,24 +169,29 @@ class RequestMetrics:
         return out
 
 
-def replay_greedy_rounds(agreement: Sequence[bool], k: int) -> RequestMetrics:
+def replay_greedy_rounds(agreement: Sequence[bool], k: int, stop_after: int | None = None) -> RequestMetrics:
     """The token counts greedy draft-model speculation at draft length ``k`` gives on one request,
     replayed from teacher-forced agreement instead of decoded.
 
     ``agreement[j]`` says whether the drafter's argmax for output position j, given the prompt and
-    the target's output before j, equals the target's token there (``len(agreement)`` is the
-    request's output length; ``agreement[0]`` is never read: the prefill emits the first token).
-    Why this is exact: while every draft of a round is accepted, the drafter's context equals the
-    target's output, so each draft is its teacher-forced argmax; the first disagreement ends the
-    round and the target's own token continues from the target's output again. Drafts are capped
-    as the decoder caps them, never past the end (requests without an end-of-text stop). Lets a
-    benchmark score drafters on thousands of positions with one forward pass each.
+    the target's output before j, equals the target's token there; ``len(agreement)`` is the
+    request's ``max_new_tokens`` (``agreement[0]`` is never read: the prefill emits the first
+    token). ``stop_after``: the request ends once its output holds that many tokens (where a stop
+    string completes); the round that gets there drafts and accepts as usual, past it too, as the
+    decoder does. Why this is exact: while every draft of a round is accepted, the drafter's
+    context equals the target's output, so each draft is its teacher-forced argmax; the first
+    disagreement ends the round and the target's own token continues from the target's output
+    again. Drafts are capped as the decoder caps them, never past ``max_new_tokens`` (requests
+    without an end-of-text stop). Lets a benchmark score drafters on thousands of positions with one
+    forward pass each.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    length = len(agreement)
+    end = length if stop_after is None else min(stop_after, length)
     metrics = RequestMetrics(k=k, generated_tokens=1 if agreement else 0)
-    done, length = 1, len(agreement)
-    while done < length:
+    done = 1
+    while done < end:
         drafted = min(k, length - done - 1)
         accepted = 0
         while accepted < drafted and agreement[done + accepted]:
