@@ -207,6 +207,7 @@ def main() -> None:
     parser.add_argument("--time-budget-s", type=float, default=240.0)
     parser.add_argument("--max-epochs", type=float, default=RealignConfig.max_epochs)
     parser.add_argument("--teacher", choices=["auto", "topk", "tokens"], default="auto")
+    parser.add_argument("--replay-share", type=float, default=RealignConfig.replay_share)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
@@ -236,6 +237,7 @@ def main() -> None:
             teacher=args.teacher,
             max_epochs=args.max_epochs,
             train_threads=args.train_threads,
+            replay_share=args.replay_share,
         )
         result, _ = realign_for_domain(
             target,
