@@ -91,11 +91,31 @@ def request_lengths(
     return lengths
 
 
-def greedy_agreement(drafter: Transformer, rows: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
-    """[B, N] bools: the drafter's argmax for each continuation position equals the target's token."""
+def greedy_guesses(drafter: Transformer, rows: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
+    """[B, N]: the drafter's argmax for each continuation position, given the target's text before it."""
     with torch.inference_mode():
-        guesses = drafter(rows[:, :-1])[:, prompt_tokens - 1 :].argmax(-1)
-    return guesses == rows[:, prompt_tokens:]
+        return drafter(rows[:, :-1])[:, prompt_tokens - 1 :].argmax(-1)
+
+
+def guesses_ending(
+    tokenizer: Tokenizer,
+    rows: torch.Tensor,
+    guesses: torch.Tensor,
+    prompt_tokens: int,
+    stops: tuple[str, ...],
+) -> list[list[bool]]:
+    """Per position: does the drafter's guess there complete a stop string (the decoder then drafts
+    nothing after it)? Only the last few tokens can matter, so only a short tail is decoded."""
+    tail = max(len(s) for s in stops) + 4
+    out = []
+    for row, guessed in zip(rows[:, prompt_tokens:].tolist(), guesses.tolist(), strict=True):
+        flags = []
+        for j, g in enumerate(guessed):
+            before = row[max(0, j - tail) : j]
+            text, prior = tokenizer.decode([*before, g]), tokenizer.decode(before)
+            flags.append(any(s in text and s not in prior for s in stops))
+        out.append(flags)
+    return out
 
 
 def ngram_predictability(rows: torch.Tensor, prompt_tokens: int, lengths: list[int]) -> float:
@@ -111,11 +131,14 @@ def ngram_predictability(rows: torch.Tensor, prompt_tokens: int, lengths: list[i
     return hits / total
 
 
-def replayed(agreement: torch.Tensor, lengths: list[int], k: int) -> dict[str, float]:
+def replayed(
+    agreement: torch.Tensor, lengths: list[int], guess_ends: list[list[bool]] | None, k: int
+) -> dict[str, float]:
     """Hit rate and tokens per verify step of greedy speculation at ``k`` over all requests."""
     drafted = accepted = steps = 0
-    for row, length in zip(agreement.tolist(), lengths, strict=True):
-        m = replay_greedy_rounds(row, k, stop_after=length)
+    for i, (row, length) in enumerate(zip(agreement.tolist(), lengths, strict=True)):
+        ends = guess_ends[i] if guess_ends is not None else None
+        m = replay_greedy_rounds(row, k, stop_after=length, guess_ends=ends)
         drafted += m.drafted_tokens
         accepted += m.accepted_tokens
         steps += m.verify_steps
@@ -201,10 +224,12 @@ def main() -> None:
             "ngram_predictable_share": round(ngram_predictability(rows, args.prompt_tokens, lengths), 4),
         }
         for name, drafter in drafters.items():
-            agreement = greedy_agreement(drafter, rows, args.prompt_tokens)
+            guesses = greedy_guesses(drafter, rows, args.prompt_tokens)
+            agreement = guesses == rows[:, args.prompt_tokens :]
+            ends = guesses_ending(tokenizer, rows, guesses, args.prompt_tokens, stops) if stops else None
             figures[name] = {
                 "agreement": round(agreement[served].float().mean().item(), 4),
-                **{f"k{k}": replayed(agreement, lengths, k) for k in KS},
+                **{f"k{k}": replayed(agreement, lengths, ends, k) for k in KS},
             }
         out[domain] = figures
     out["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -128,8 +128,9 @@ def make_traces(
 
 
 def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
-    """The text before the first of ``stops`` (what the server returns with OpenAI `stop`)."""
-    ends = [i for s in stops if (i := text.find(s)) >= 0]
+    """The text through the first of ``stops``: what the reference server's trace of a request
+    ended by OpenAI `stop` holds (the reply omits the stop string; the trace keeps it)."""
+    ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
     return text[: min(ends)] if ends else text
 
 

@@ -348,9 +348,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         say("[bold]1/4[/bold] calibration: speculation off")
         calibration: dict[str, PhaseReport] = {}
         for domain in sorted({d for p in phases for d in p.mix}):
+            # Requests shaped like the first phase that sends this domain (max_tokens, stop, ...).
+            shaped_like = next(p for p in phases if domain in p.mix)
             calibration[domain] = drive(
                 replace(
-                    phases[0],
+                    shaped_like,
                     name=f"no speculation, {domain}",
                     mix={domain: 1.0},
                     requests=int(knobs["calibration_requests"]),

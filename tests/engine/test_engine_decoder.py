@@ -13,11 +13,18 @@ from workers.engine.decoder import (
     ContextLengthError,
     MultiRowThreads,
     SpeculativeDecoder,
+    StopStrings,
     generate_batch,
     greedy_reference,
 )
 from workers.engine.model import NUMPY_STEP_ROWS, Transformer
-from workers.engine.proposers import DraftModelProposer, NgramProposer, PredictedOutputProposer, Proposer
+from workers.engine.proposers import (
+    DraftModelProposer,
+    NgramProposer,
+    PredictedOutputProposer,
+    Proposals,
+    Proposer,
+)
 from workers.engine.tokenizer import Tokenizer
 
 PromptFactory = Callable[..., list[list[int]]]
@@ -279,7 +286,7 @@ def test_stop_strings_end_the_output_before_them(
         where = full.find(stop)
         res = dec.generate(prompt, N_NEW, stop_at_eos=False, stop=[stop, "\x00never\x00"])
         assert res.text == full[:where]
-        assert res.finish_reason == "stop"
+        assert res.finish_reason == "stop" and res.stop_string == stop
         assert res.token_ids == ref[: len(res.token_ids)]  # a prefix of the unstopped output
         assert tokenizer.decode(res.token_ids).startswith(res.text)
         assert len(tokenizer.decode(res.token_ids[:-1])) < where or not res.token_ids  # the shortest one
@@ -292,3 +299,17 @@ def test_stop_strings_end_the_output_before_them(
         dec.generate(references[0][0], 4, stop=["a", "b", "c", "d", "e"])
     with pytest.raises(ValueError, match="non-empty"):
         dec.generate(references[0][0], 4, stop=[""])
+
+
+def test_drafts_after_a_stop_string_are_not_verified(tokenizer: Tokenizer) -> None:
+    stopper = StopStrings(tokenizer, ["\n"])
+    output = tokenizer.encode("SELECT name")
+    line_end = tokenizer.encode(" FROM t;\n")
+    drafts = line_end + tokenizer.encode("User: next")
+    props = Proposals(torch.tensor(drafts), torch.rand(len(drafts), 8), from_prediction=len(drafts))
+    kept = stopper.drafts_through_stop(output, props)
+    assert kept.token_ids.tolist() == line_end  # through the draft that completes the stop, no further
+    assert kept.probs is not None and kept.probs.shape[0] == len(line_end)
+    assert kept.from_prediction == len(line_end)
+    no_stop = Proposals(torch.tensor(tokenizer.encode(" FROM t")))
+    assert stopper.drafts_through_stop(output, no_stop) is no_stop

@@ -50,8 +50,11 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens, without a final end-of-text token
     text: str
     metrics: RequestMetrics
-    finish_reason: str  # "stop" (end-of-text) or "length" (max_new_tokens reached)
+    finish_reason: str  # "stop" (end-of-text or a stop string) or "length" (max_new_tokens reached)
     prompt_ids: list[int]
+    # The stop string the output ended before, if any: `text` omits it (as OpenAI does), but it is
+    # what the target wrote, so a trace of the request keeps it (a drafter must learn to end there).
+    stop_string: str | None = None
 
 
 TokenCallback = Callable[[list[int]], None]
@@ -74,15 +77,33 @@ class StopStrings:
         self.longest = max((len(s) for s in self.stops), default=0)
         self._checked = 0
 
-    def find(self, output_ids: Sequence[int]) -> int | None:
-        """Where in the output's text the first stop string starts, or None."""
+    def find(self, output_ids: Sequence[int]) -> tuple[int, str] | None:
+        """Where in the output's text the first stop string starts, and which one, or None."""
         text = self.tokenizer.decode(output_ids)
         # Look again a little before the last end: a match may straddle rounds, and a character
         # whose bytes were split across tokens decodes to replacement characters until completed.
         start = max(0, self._checked - self.longest - 4)
         self._checked = len(text)
-        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
         return min(hits) if hits else None
+
+    def drafts_through_stop(self, output_ids: Sequence[int], props: Proposals) -> Proposals:
+        """The drafts up to the first one that completes a stop string: if that one is accepted
+        the output ends there, so verifying drafts after it is wasted work (and counts them as
+        rejected). Lossless: the output is the same either way."""
+        drafts = props.token_ids.tolist()
+        # The stop string can only complete within the last few tokens (the request would have
+        # ended already otherwise): decode a short tail, not the whole output, every round.
+        tail = list(output_ids[-(self.longest + 4) :])
+        before = len(self.tokenizer.decode(tail))
+        for i in range(len(drafts) - 1):
+            text = self.tokenizer.decode([*tail, *drafts[: i + 1]])
+            start = max(0, before - self.longest - 4)
+            if any(text.find(s, start) >= 0 for s in self.stops):
+                n = i + 1
+                probs = props.probs[:n] if props.probs is not None else None
+                return Proposals(props.token_ids[:n], probs, min(props.from_prediction, n))
+        return props
 
     def tokens_before(self, output_ids: list[int], chars: int) -> list[int]:
         """The shortest prefix of the output whose text reaches ``chars`` characters."""
@@ -155,7 +176,7 @@ class SpeculativeDecoder:
                 f"context window of {self.cache.max_len} tokens"
             )
         stopper = StopStrings(self.tokenizer, stop) if stop else None
-        stop_at: int | None = None  # where in the output text a stop string starts
+        stop_at: tuple[int, str] | None = None  # where in the output text a stop string starts, which
         proposer = self.proposer
         metrics = RequestMetrics(k=self.k if proposer is not None or prediction is not None else 0)
         if prediction is not None:
@@ -203,6 +224,8 @@ class SpeculativeDecoder:
                 kk = min(k, remaining - 1)
                 t_a = clock()
                 props = proposer.propose(ctx, kk, params, generator) if proposer and kk > 0 else empty
+                if stopper is not None and len(props) > 1:
+                    props = stopper.drafts_through_stop(ctx[out_start:], props)
                 drafts = props.token_ids  # [k']
                 pos0 = cache.pos
                 t_b = clock()
@@ -245,9 +268,11 @@ class SpeculativeDecoder:
         out = ctx[out_start:]
         if finish == "stop" and out and out[-1] == eos:
             out.pop()
+        stop_string = None
         if stopper is not None and stop_at is not None:
-            out = stopper.tokens_before(out, stop_at)
-            text = self.tokenizer.decode(out)[:stop_at]
+            cut, stop_string = stop_at
+            out = stopper.tokens_before(out, cut)
+            text = self.tokenizer.decode(out)[:cut]
         else:
             text = self.tokenizer.decode(out)
         metrics.ttft_ms = (t_first - t0) * 1000.0
@@ -256,7 +281,7 @@ class SpeculativeDecoder:
         metrics.total_ms = (t_end - t0) * 1000.0
         if metrics.generated_tokens > 1:
             metrics.inter_token_ms = (t_end - t_first) * 1000.0 / (metrics.generated_tokens - 1)
-        return GenerationResult(out, text, metrics, finish, prompt_ids)
+        return GenerationResult(out, text, metrics, finish, prompt_ids, stop_string)
 
     def _threads_chooser(self, base_threads: int) -> MultiRowThreads | None:
         wanted = self.multi_row_threads

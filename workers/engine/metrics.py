@@ -169,21 +169,31 @@ class RequestMetrics:
         return out
 
 
-def replay_greedy_rounds(agreement: Sequence[bool], k: int, stop_after: int | None = None) -> RequestMetrics:
+def replay_greedy_rounds(
+    agreement: Sequence[bool],
+    k: int,
+    stop_after: int | None = None,
+    guess_ends: Sequence[bool] | None = None,
+) -> RequestMetrics:
     """The token counts greedy draft-model speculation at draft length ``k`` gives on one request,
     replayed from teacher-forced agreement instead of decoded.
 
     ``agreement[j]`` says whether the drafter's argmax for output position j, given the prompt and
     the target's output before j, equals the target's token there; ``len(agreement)`` is the
     request's ``max_new_tokens`` (``agreement[0]`` is never read: the prefill emits the first
-    token). ``stop_after``: the request ends once its output holds that many tokens (where a stop
-    string completes); the round that gets there drafts and accepts as usual, past it too, as the
-    decoder does. Why this is exact: while every draft of a round is accepted, the drafter's
-    context equals the target's output, so each draft is its teacher-forced argmax; the first
-    disagreement ends the round and the target's own token continues from the target's output
-    again. Drafts are capped as the decoder caps them, never past ``max_new_tokens`` (requests
-    without an end-of-text stop). Lets a benchmark score drafters on thousands of positions with one
-    forward pass each.
+    token). Why this is exact: while every draft of a round is accepted, the drafter's context
+    equals the target's output, so each draft is its teacher-forced argmax; the first disagreement
+    ends the round and the target's own token continues from the target's output again. Drafts are
+    capped as the decoder caps them, never past ``max_new_tokens`` (requests without an end-of-text
+    stop). Lets a benchmark score drafters on thousands of positions with one forward pass each.
+
+    Requests ended by stop strings: ``stop_after`` is the output length at which the target's text
+    completes one (the request ends with the round that gets there), and ``guess_ends[j]`` whether
+    the drafter's guess at j completes one, right or wrong; the decoder drafts nothing after such a
+    guess. Accepted tokens and rounds stay exact; drafts the drafter makes after a wrong guess in
+    the same round are its own continuation, which agreement cannot show, and the decoder may drop
+    some of them too, so there the replayed drafted count is an upper bound (the hit rate a lower
+    one).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -193,6 +203,13 @@ def replay_greedy_rounds(agreement: Sequence[bool], k: int, stop_after: int | No
     done = 1
     while done < end:
         drafted = min(k, length - done - 1)
+        if guess_ends is not None:
+            for j in range(done, done + drafted):
+                if guess_ends[j]:
+                    drafted = j - done + 1
+                    break
+                if not agreement[j]:
+                    break  # later drafts are the drafter's own continuation: not known here
         accepted = 0
         while accepted < drafted and agreement[done + accepted]:
             accepted += 1

@@ -459,7 +459,8 @@ def create_app(config: ServerConfig) -> FastAPI:
                 pass
         if config.on_trace is not None and rate > 0.0 and unit_interval("trace:" + request_id) < rate:
             try:
-                config.on_trace(req.model, prompt, res.text, req.category)
+                # The stop string the reply omits is part of what the target wrote: keep it.
+                config.on_trace(req.model, prompt, res.text + (res.stop_string or ""), req.category)
             except Exception:
                 pass
 
