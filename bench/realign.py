@@ -91,7 +91,7 @@ def make_traces(
     buckets = PROMPT_BUCKETS.get(domain, (PROMPT_TOKENS,))
     lengths = "_".join(map(str, buckets))
     stops = STOPS.get(domain, ())
-    stop_tag = "-stop" + hashlib.sha256("\0".join(stops).encode()).hexdigest()[:8] if stops else ""
+    stop_tag = "-through-stop-" + hashlib.sha256("\0".join(stops).encode()).hexdigest()[:8] if stops else ""
     key = f"{_target_digest()}-{domain}-{TRACE_SPLIT}-{n}-{new_tokens}-{seed}-{lengths}{stop_tag}"
     path = TRACE_CACHE / f"{key}.json"
     if cache and path.is_file():
