@@ -95,10 +95,9 @@ class StopStrings:
         # The stop string can only complete within the last few tokens (the request would have
         # ended already otherwise): decode a short tail, not the whole output, every round.
         tail = list(output_ids[-(self.longest + 4) :])
-        before = len(self.tokenizer.decode(tail))
+        start = max(0, len(self.tokenizer.decode(tail)) - self.longest - 4)
         for i in range(len(drafts) - 1):
             text = self.tokenizer.decode([*tail, *drafts[: i + 1]])
-            start = max(0, before - self.longest - 4)
             if any(text.find(s, start) >= 0 for s in self.stops):
                 n = i + 1
                 probs = props.probs[:n] if props.probs is not None else None
@@ -176,7 +175,7 @@ class SpeculativeDecoder:
                 f"context window of {self.cache.max_len} tokens"
             )
         stopper = StopStrings(self.tokenizer, stop) if stop else None
-        stop_at: tuple[int, str] | None = None  # where in the output text a stop string starts, which
+        stop_at: tuple[int, str] | None = None  # (where in the output text, which stop string)
         proposer = self.proposer
         metrics = RequestMetrics(k=self.k if proposer is not None or prediction is not None else 0)
         if prediction is not None:
