@@ -53,9 +53,11 @@ def evaluate_all() -> dict[str, Any]:
     return outcomes
 
 
-def _held_out_prompts(session: Any, deployment: Deployment, candidate: DrafterVersion, n: int) -> list[str]:
-    """Recent prompts the candidate never trained on: traces after its traffic window, then the
-    window's held-out share (the trainer's own hash split), newest first."""
+def _held_out_requests(
+    session: Any, deployment: Deployment, candidate: DrafterVersion, n: int
+) -> list[tuple[str, str]]:
+    """Recent requests (prompt, served completion) the candidate never trained on: traces after its
+    traffic window, then the window's held-out share (the trainer's own hash split), newest first."""
     from workers.training.realign import RealignConfig, _held_out
 
     seed = int((candidate.training_metrics or {}).get("seed", 0))
@@ -68,7 +70,7 @@ def _held_out_prompts(session: Any, deployment: Deployment, candidate: DrafterVe
     end = candidate.traffic_window_end
     fresh = [t for t in rows if end is not None and _aware(t.created_at) > _aware(end)]
     held = [t for t in rows if t not in fresh and _held_out(f"trace-{t.id}", seed, share)]
-    return [t.prompt for t in (fresh + held)[:n]]
+    return [(t.prompt, t.completion) for t in (fresh + held)[:n]]
 
 
 def _aware(value: Any) -> Any:
@@ -111,7 +113,7 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
                     else (models.resolve(deployment.draft_model), None)
                 ),
                 "k": int(canary.arms.get("k") or config.effective_draft_token_count or 4),
-                "prompts": _held_out_prompts(session, deployment, candidate, int(policy["shadow_prompts"])),
+                "requests": _held_out_requests(session, deployment, candidate, int(policy["shadow_prompts"])),
                 "new_tokens": int(policy["shadow_new_tokens"]),
             }
     except OperationalError as exc:
@@ -155,7 +157,7 @@ def _replay(plan: dict[str, Any], progress: Any) -> dict[str, Any]:
     from workers.canary.replay import shadow_replay as replay
     from workers.engine.hf_io import load_hf_folder
 
-    if not plan["prompts"]:
+    if not plan["requests"]:
         raise ValueError("no held-out prompts: the deployment has no traces the candidate did not train on")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(torch_threads_for_this_process())
@@ -171,9 +173,16 @@ def _replay(plan: dict[str, Any], progress: Any) -> dict[str, Any]:
         if tok.fingerprint != tokenizer.fingerprint:
             raise ValueError(f"the {name} drafter's tokenizer differs from the target's")
         arms[name] = model
-    prompts = [tokenizer.encode(p)[-PROMPT_TOKENS:] for p in plan["prompts"]]
-    prompts = [p for p in prompts if p]
-    random.Random(0).shuffle(prompts)
+    # Each request replays at the length it was served (capped by the policy's shadow_new_tokens):
+    # one a client ended with a stop string is not replayed into text nobody asked for.
+    cap = int(plan["new_tokens"])
+    requests = [
+        (ids[-PROMPT_TOKENS:], min(cap, max(1, len(tokenizer.encode(completion)))))
+        for prompt, completion in plan["requests"]
+        if (ids := tokenizer.encode(prompt))
+    ]
+    random.Random(0).shuffle(requests)
+    prompts = [ids for ids, _ in requests]
     progress(0.05, f"replaying {len(prompts)} held-out prompts through {len(arms)} arms")
     try:
         result = replay(
@@ -182,7 +191,7 @@ def _replay(plan: dict[str, Any], progress: Any) -> dict[str, Any]:
             arms,
             prompts,
             k=plan["k"],
-            max_new_tokens=plan["new_tokens"],
+            max_new_tokens=[n for _, n in requests],
             progress=lambda fraction, message: progress(0.05 + 0.9 * fraction, message),
         )
     except ReplayCancelledError as exc:

@@ -147,3 +147,17 @@ def test_baseline_reference_proposer_arm_and_cancel(
         shadow_replay(target, tokenizer, arms, prompts, K, N_NEW, measure_cost=False, progress=stop_after_two)
     with pytest.raises(ValueError):
         shadow_replay(target, tokenizer, {"candidate": drafter}, prompts, K, N_NEW, reference="baseline")
+
+
+def test_each_prompt_replays_at_its_own_served_length(
+    target: Transformer, tokenizer: Tokenizer, arms: dict[str, Any], prompts: list[list[int]]
+) -> None:
+    lengths = [3 + 2 * i for i in range(len(prompts))]
+    r = shadow_replay(target, tokenizer, arms, prompts, K, lengths, measure_cost=False, stop_at_eos=False)
+    assert r.broken_arms == []  # the lossless check compares against references of the same lengths
+    assert [len(out) for out in r.outputs["candidate"]] == lengths
+    assert r.outputs["candidate"] == r.outputs["baseline"] and r.max_new_tokens == max(lengths)
+    with pytest.raises(ValueError, match="one length"):
+        shadow_replay(target, tokenizer, arms, prompts, K, lengths[:-1], measure_cost=False)
+    with pytest.raises(ValueError, match="one length"):
+        shadow_replay(target, tokenizer, arms, prompts, K, [0] * len(prompts), measure_cost=False)

@@ -307,7 +307,7 @@ def shadow_replay(
     arms: Mapping[str, ArmSpec],
     prompts: Sequence[Sequence[int]],
     k: int,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     *,
     repeats: int = 1,
     warmup: bool = True,
@@ -324,6 +324,8 @@ def shadow_replay(
 ) -> ReplayResult:
     """Replay ``prompts`` (token ids) through every arm, interleaved per prompt; see the module doc.
 
+    ``max_new_tokens``: one length for every prompt, or one per prompt (the length each request
+    was served at, so that one ended by a client's stop string is not replayed past its end).
     ``repeats`` runs each (prompt, arm) that many times and keeps the median timings (the tokens are
     the same every time). ``reference``: "independent" (a separate plain greedy loop, the default),
     "baseline" (the no-speculation arm's own output) or "none" (no lossless check). The lossless
@@ -335,6 +337,9 @@ def shadow_replay(
         raise ValueError("no arms to replay")
     if not prompts or any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    lengths = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(lengths) != len(prompts) or any(n < 1 for n in lengths):
+        raise ValueError("max_new_tokens needs one length >= 1 for every prompt")
     if reference not in ("independent", "baseline", "none"):
         raise ValueError(f"reference must be 'independent', 'baseline' or 'none', got {reference!r}")
     names = sorted(arms, key=lambda n: (ARM_ORDER.index(n) if n in ARM_ORDER else len(ARM_ORDER), n))
@@ -364,7 +369,7 @@ def shadow_replay(
 
     if warmup:
         for name in names:
-            run(name, prompts[0], -1, min(8, max_new_tokens))
+            run(name, prompts[0], -1, min(8, lengths[0]))
 
     results: dict[str, list[list[GenerationResult]]] = {n: [] for n in names}
     order: list[list[str]] = []
@@ -374,7 +379,7 @@ def shadow_replay(
         per_arm: dict[str, list[GenerationResult]] = {n: [] for n in names}
         for r in range(repeats):
             for name in _arm_order(arm_order, r):
-                per_arm[name].append(run(name, prompt, i, max_new_tokens))
+                per_arm[name].append(run(name, prompt, i, lengths[i]))
         for name in names:
             results[name].append(per_arm[name])
         if not report((i + 1) / len(prompts), f"replayed prompt {i + 1}/{len(prompts)}"):
@@ -383,7 +388,7 @@ def shadow_replay(
     outputs = {name: [runs[0].token_ids for runs in results[name]] for name in names}
     refs: list[list[int]] | None = None
     if check and reference == "independent":
-        refs = [greedy_tokens(target, p, max_new_tokens, eos) for p in prompts]
+        refs = [greedy_tokens(target, p, n, eos) for p, n in zip(prompts, lengths, strict=True)]
     elif check:
         refs = outputs[next(n for n in names if arms[n] is None)]
 
@@ -425,7 +430,7 @@ def shadow_replay(
         _in_situ(costs, reports, arms)
     return ReplayResult(
         k=k,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max(lengths),
         prompts=len(prompts),
         repeats=repeats,
         reference=reference if check else "none",
