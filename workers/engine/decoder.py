@@ -27,6 +27,7 @@ import torch
 from workers.engine.metrics import RequestMetrics
 from workers.engine.model import Transformer
 from workers.engine.proposers import DraftModelProposer, PredictedOutputProposer, Proposals, Proposer
+from workers.engine.stop_strings import parse_stop
 from workers.engine.tokenizer import Tokenizer
 from workers.engine.verifier import (
     SamplingParams,
@@ -58,8 +59,6 @@ class GenerationResult:
 
 
 TokenCallback = Callable[[list[int]], None]
-# OpenAI's limit on stop sequences per request.
-MAX_STOP_STRINGS = 4
 
 
 class StopStrings:
@@ -68,23 +67,23 @@ class StopStrings:
     may start or end inside a token, and the same text has several tokenisations."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError("stop strings must be non-empty strings")
         self.tokenizer = tokenizer
-        self.stops = tuple(stops)
+        self.stops = parse_stop(list(stops))
         self.longest = max((len(s) for s in self.stops), default=0)
-        self._checked = 0
+        self._seen = 0  # output tokens already searched
 
     def find(self, output_ids: Sequence[int]) -> tuple[int, str] | None:
-        """Where in the output's text the first stop string starts, and which one, or None."""
+        """Where in the output's text the first stop string starts, and which one, or None.
+
+        Called every round, so it decodes only the new tokens and a few before them (a match may
+        straddle rounds, and a character whose bytes were split across tokens decodes to
+        replacement characters until completed); the whole text only once a stop string shows."""
+        tail = self.tokenizer.decode(output_ids[max(0, self._seen - self.longest - 4) :])
+        self._seen = len(output_ids)
+        if not any(s in tail for s in self.stops):
+            return None
         text = self.tokenizer.decode(output_ids)
-        # Look again a little before the last end: a match may straddle rounds, and a character
-        # whose bytes were split across tokens decodes to replacement characters until completed.
-        start = max(0, self._checked - self.longest - 4)
-        self._checked = len(text)
-        hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
         return min(hits) if hits else None
 
     def drafts_through_stop(self, output_ids: Sequence[int], props: Proposals) -> Proposals:

@@ -58,10 +58,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from workers.engine.decoder import MAX_STOP_STRINGS, GenerationResult, SpeculativeDecoder
+from workers.engine.decoder import GenerationResult, SpeculativeDecoder
 from workers.engine.hf_io import load_hf_folder
 from workers.engine.model import Transformer
 from workers.engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from workers.engine.stop_strings import parse_stop
 from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer
 
 ServingConfigSource = Callable[[str], Mapping[str, Any] | None]
@@ -352,17 +353,16 @@ class Engine:
 
 
 def stop_strings(req: CompletionRequest) -> tuple[str, ...]:
-    if req.stop is None:
-        return ()
-    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    return parse_stop(None if req.stop == [] else req.stop)  # an empty list, like null, asks for none
 
 
 def _validate(req: CompletionRequest) -> str:
     if req.n != 1:
         raise APIError(400, "only n = 1 is supported", param="n")
-    stops = stop_strings(req)
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise APIError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    try:
+        stop_strings(req)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="stop") from exc
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
             raise APIError(400, "exactly one prompt per request is supported", param="prompt")

@@ -56,6 +56,7 @@ from typing import Any
 import httpx
 
 from workers import corpora
+from workers.engine.stop_strings import parse_stop
 
 PHASE_KEYS = frozenset(
     {
@@ -72,17 +73,14 @@ PHASE_KEYS = frozenset(
         "stop",
     }
 )
-MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
 def _stop_strings(value: object, where: str) -> tuple[str, ...]:
     """A phase's `stop`: absent, one non-empty string, or a list of 1 to 4 of them."""
-    if value is None:
-        return ()
-    stops = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else ()
-    if not 1 <= len(stops) <= MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"{where}: `stop` must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS}")
-    return stops
+    try:
+        return parse_stop(value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
 
 
 @dataclass(frozen=True)
