@@ -3,6 +3,7 @@ WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
 COPY controlplane controlplane
 COPY workers workers
+COPY loadbench loadbench
 COPY migrations migrations
 # Pin torch: an unpinned requirement drifts to whatever build the index serves.
 RUN pip install --no-cache-dir torch==2.13.0 \

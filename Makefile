@@ -30,11 +30,11 @@ demo: install
 	$(BIN)/controlplane demo
 
 lint: install
-	$(BIN)/ruff check controlplane workers tests bench migrations
-	$(BIN)/ruff format --check controlplane workers tests bench migrations
+	$(BIN)/ruff check controlplane workers loadbench tests bench migrations
+	$(BIN)/ruff format --check controlplane workers loadbench tests bench migrations
 
 typecheck: install
-	$(BIN)/mypy controlplane
+	$(BIN)/mypy controlplane workers
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q

@@ -1,4 +1,4 @@
-"""Canary benchmark (issue #6): the decision rule on simulated streams, and the three-arm table on
+"""Canary benchmark: the decision rule on simulated streams, and the three-arm table on
 the reference setup after a prose -> code shift (``--domain structured`` for the tool-call domain).
 
 Half one is ``bench/canary_sim.py``'s ``run_simulation`` (false promotion under continuous

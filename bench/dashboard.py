@@ -1,4 +1,4 @@
-"""Dashboard benchmark (issue #7's numbers): the deployment page over 10M acceptance records.
+"""Dashboard benchmark: the deployment page's load time over 10M acceptance records.
 
 On the machine's PostgreSQL (database controlplane_bench, shared with bench/ingest.py):
   - if bench/ingest.py's "stats-10m" deployment holds its 10M records (one day, 2026-11-01), the

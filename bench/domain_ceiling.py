@@ -17,7 +17,7 @@ domain, on the target's own greedy continuations of held-out prompts (test split
   with it reaches at k = 2, 4, 6, replayed exactly from that agreement
   (``workers.engine.metrics.replay_greedy_rounds``; one forward pass per drafter and domain);
 - the per-token agreement a drafter whose misses were independent would need for an 80% hit rate
-  at k = 4 (what issue #5 asks of the realigned drafter).
+  at k = 4 (the hit rate the realigned drafter is expected to reach).
 
 Exact counts, no timings: the figures do not depend on how busy the machine is. About a minute on
 2 cores. Writes bench/results/domain_ceiling.json (``--split validation``: the modules realignment

@@ -46,7 +46,7 @@ ARL0 = 10_000.0
 OURS_CFG: dict[str, Any] = {"arl0": ARL0, "min_drop": 0.02, "reference_size": REF, "n_positions": K}
 CATS = ("prose", "code")
 ENGINE_REPLAY_NOTE = (
-    "skipped: replaying reference-engine (#3) records of a prose->code traffic shift needs per-request "
+    "skipped: replaying reference-engine records of a prose->code traffic shift needs per-request "
     "per-position acceptance counts recorded from bench/engine.py runs of both corpora on the GPU; "
     "this CPU bench does not produce them and none are checked in"
 )

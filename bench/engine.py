@@ -1,4 +1,4 @@
-"""Speculative-decoding engine benchmark on the committed reference pair (issue #3's numbers).
+"""Speculative-decoding engine benchmark on the committed reference pair (hit rate, speed-up, cost ratios).
 
 Batch size 1, greedy, on CPU, every ratio measured in one run. Per domain (prose, code, structured)
 and k in {2, 4, 6}: hit rate (accepted / drafted), mean accepted length per verify step, tokens/s of

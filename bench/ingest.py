@@ -1,4 +1,4 @@
-"""Ingestion and stats benchmark on the machine's PostgreSQL (issue #2's numbers).
+"""Ingestion and stats benchmark on the machine's PostgreSQL (throughput, latency, stats query).
 
 Measures, in one run so that the ratios are fair on a noisy shared machine:
   1. batch ingestion through the HTTP API (a real uvicorn server process, a client process on

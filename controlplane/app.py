@@ -21,8 +21,8 @@ from controlplane.dashboard import routes as dashboard
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.errors import DomainError
 from controlplane.ingest.batcher import IngestBatcher
+from controlplane.messaging import BackgroundSender
 from controlplane.observability import routes as observability
-from controlplane.task_queue import TaskSender
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine=get_engine(settings.database_url),
         synchronous_commit=settings.ingest_synchronous_commit,
     )
-    app.state.task_sender = TaskSender(settings.broker_url) if settings.drift_enqueue_on_ingest else None
+    # Ingestion asks for a prompt drift check instead of waiting for beat (at most every 2 s).
+    app.state.task_sender = (
+        BackgroundSender(settings.broker_url) if settings.drift_enqueue_on_ingest else None
+    )
 
     @app.exception_handler(DomainError)
     async def domain_error(_: Request, exc: DomainError) -> JSONResponse:

@@ -384,8 +384,8 @@ def models_build(ctx: typer.Context) -> None:
 
 
 def _register_resource_verbs() -> None:
-    from controlplane.cli_benchmark import register as register_benchmark
     from controlplane.cli_canary import register
+    from loadbench.cli import register as register_benchmark
 
     register(app)
     register_benchmark(app)

@@ -66,8 +66,9 @@ class Settings(BaseSettings):
     drift_min_drop: float = Field(default=0.05, gt=0, lt=1)
     drift_cooldown_s: int = Field(default=600, ge=0)
     drift_reference_requests: int = Field(default=1000, ge=50, le=100_000)
-    canary_alpha: float = Field(default=0.05, gt=0, lt=1)
-    canary_min_samples_per_arm: int = Field(default=50, ge=1)
+    # Service-wide canary defaults; their valid ranges are CanaryPolicy's (checked below).
+    canary_alpha: float = 0.05
+    canary_min_samples_per_arm: int = 50
 
     # Realignment. Redis re-delivers an unacknowledged task (its worker died) only after this
     # long, so it must exceed the longest job; tests shorten it to see a redelivery quickly.
@@ -93,6 +94,16 @@ class Settings(BaseSettings):
                 "CONTROLPLANE_SECRET_KEY still has its development default; "
                 "set a random secret before running with CONTROLPLANE_ENVIRONMENT=production"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _canary_defaults_are_a_valid_policy(self) -> Settings:
+        # Imported here: the policy module brings numpy, which settings alone do not need.
+        from controlplane.canary.policy import CanaryPolicy
+
+        CanaryPolicy.for_deployment(
+            None, alpha=self.canary_alpha, min_samples=self.canary_min_samples_per_arm
+        )
         return self
 
     @property

@@ -10,20 +10,21 @@ Production uses Redis; only the URL differs.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar, cast
 
 from celery import Celery, Task
-from kombu import Queue
+from kombu import Queue  # type: ignore[attr-defined]  # kombu re-exports it without __all__
 
+from controlplane import messaging
 from controlplane.config import get_settings
 
 log = logging.getLogger(__name__)
 
 # Live canaries are judged on every tick: the decision rule is valid however often it looks.
 CANARY_EVALUATE_INTERVAL_S = 5.0
-QUEUE_GPU = "gpu"
-QUEUE_DEFAULT = "default"
 # The default of Settings.celery_visibility_timeout_s: longer than the longest job (realignment
 # is budgeted at minutes; canary replay likewise), so Redis never re-delivers a task that is
 # still running. It is also how long a task whose worker was killed waits to be re-delivered.
@@ -62,9 +63,10 @@ def make_celery() -> Celery:
         include=["workers.tasks", "workers.canary_tasks"],
     )
     app.conf.update(
-        task_default_queue=QUEUE_DEFAULT,
-        task_queues=(Queue(QUEUE_DEFAULT), Queue(QUEUE_GPU)),
-        task_routes={"realign.*": {"queue": QUEUE_GPU}, "canary.*": {"queue": QUEUE_GPU}},
+        task_default_queue=messaging.QUEUE_DEFAULT,
+        task_queues=tuple(Queue(name) for name in messaging.QUEUES),  # type: ignore[no-untyped-call]
+        # Each task by its exact name, to the queue of what it needs (a GPU or not).
+        task_routes=messaging.celery_routes(),
         # A task is acknowledged only once it finished, and a worker that dies mid-task hands it
         # back: jobs must therefore be idempotent (they are keyed by job id).
         task_acks_late=True,
@@ -77,10 +79,13 @@ def make_celery() -> Celery:
         accept_content=["json"],
         result_expires=24 * 3600,
         beat_schedule={
-            "drift-monitor": {"task": "drift.monitor_all", "schedule": DRIFT_MONITOR_INTERVAL_S},
-            "trace-retention": {"task": "traces.apply_retention", "schedule": 3600.0},
-            "realign-resend": {"task": "jobs.resend_stale_queued", "schedule": JOB_SWEEP_INTERVAL_S},
-            "canary-evaluate": {"task": "canary.evaluate_all", "schedule": CANARY_EVALUATE_INTERVAL_S},
+            "drift-monitor": {"task": messaging.DRIFT_MONITOR_ALL, "schedule": DRIFT_MONITOR_INTERVAL_S},
+            "trace-retention": {"task": messaging.TRACES_APPLY_RETENTION, "schedule": 3600.0},
+            "realign-resend": {"task": messaging.JOBS_RESEND_STALE_QUEUED, "schedule": JOB_SWEEP_INTERVAL_S},
+            "canary-evaluate": {
+                "task": messaging.CANARY_EVALUATE_ALL,
+                "schedule": CANARY_EVALUATE_INTERVAL_S,
+            },
         },
         timezone="UTC",
     )
@@ -115,11 +120,27 @@ class InstrumentedTask(Task):  # type: ignore[misc]
 
 celery_app = make_celery()
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def project_task(
+    name: str, *, bind: bool = False, ignore_result: bool = False
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """The one way to declare a task: its name from ``controlplane.messaging`` (which also routes
+    it), the project's base class, and the function's own signature kept for type checking."""
+    if name not in messaging.TASKS:
+        raise KeyError(f"{name!r} is not in controlplane.messaging's task table")
+
+    def register(function: Callable[P, R]) -> Callable[P, R]:
+        task = celery_app.task(name=name, base=InstrumentedTask, bind=bind, ignore_result=ignore_result)
+        return cast(Callable[P, R], task(function))
+
+    return register
+
 
 def torch_threads_for_this_process() -> int:
     """How many torch threads a task in this worker process should use (see Settings)."""
-    import os
-
     settings = get_settings()
     if settings.worker_torch_threads:
         return settings.worker_torch_threads

@@ -339,9 +339,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # Request ids must be unique per deployment (ingestion is idempotent by id): a run id per phase.
             phase_count[0] += 1
             driver = TrafficDriver(serve_url, name, run_id=f"demo-{run_stamp}-{phase_count[0]}")
-            [report] = driver.run([phase], Callbacks(on_result=on_result), should_stop=stop) or [None]
-            if report is None:
+            reports = driver.run([phase], Callbacks(on_result=on_result), should_stop=stop)
+            if not reports:
                 raise SupervisorError(f"{label}: no requests were sent")
+            [report] = reports
             return report
 
         # 1. Calibration: what no speculation costs on each domain (the speed-up denominators).

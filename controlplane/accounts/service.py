@@ -10,8 +10,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.keys import generate_key, hash_key, key_matches, key_prefix
-from controlplane.db.models import Account, ApiKey, Role, utcnow
+from controlplane.db.models import Account, ApiKey, Role
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
+from controlplane.timestamps import utcnow
 
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9-]{0,61}[a-z0-9]$|^[a-z]$")
 

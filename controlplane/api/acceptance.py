@@ -4,29 +4,32 @@ from __future__ import annotations
 
 import hashlib
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from controlplane import messaging
+from controlplane.api import schemas
 from controlplane.api.deps import (
     DataWriter,
     DeploymentIdCache,
-    Reader,
+    ReadableDeployment,
     SessionDep,
     SessionFactory,
     SettingsDep,
+    WritableDeployment,
     read_body_limited,
 )
 from controlplane.config import Settings
-from controlplane.deployments.service import get_deployment, resolve_deployment_id
+from controlplane.deployments.lookup import resolve_deployment_id
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
 from controlplane.ingest.batcher import IngestBatcher
 from controlplane.ingest.formats import BatchTooLargeError, BatchValidationError, parse_batch
 from controlplane.ingest.prometheus_push import store_prometheus_push
 from controlplane.ingest.service import IngestResult
 from controlplane.stats.service import acceptance_series
+from controlplane.timestamps import parse_utc, utcnow
 
 INLINE_PARSE_BYTES = 16 * 1024
 
@@ -89,7 +92,8 @@ async def ingest_batch(
     result = await batcher.submit(deployment_id, records)
     sender = request.app.state.task_sender
     if result.inserted and sender is not None:
-        sender.send_throttled(f"drift:{deployment_id}", "drift.monitor_deployment", [deployment_id])
+        monitor = messaging.TaskMessage(messaging.DRIFT_MONITOR_DEPLOYMENT, (deployment_id,))
+        sender.send_throttled(f"drift:{deployment_id}", monitor)
     # Encoded here: a returned dict would be validated against the response model and encoded
     # by FastAPI, which on this route, run hundreds of times a second, costs more than orjson.
     return Response(orjson.dumps(result.as_dict()), media_type="application/json")
@@ -98,12 +102,11 @@ async def ingest_batch(
 @router.post("/acceptance/prometheus")
 async def ingest_prometheus(
     account: str,
-    deployment: str,
+    deployment: WritableDeployment,
     request: Request,
-    principal: DataWriter,
     session: SessionDep,
     settings: SettingsDep,
-) -> dict[str, Any]:
+) -> schemas.PrometheusPushResult:
     """Take a vLLM Prometheus text exposition; counter deltas since the last push become records."""
     body = await read_body_limited(request, settings.max_body_bytes)
     try:
@@ -111,14 +114,13 @@ async def ingest_prometheus(
     except UnicodeDecodeError as exc:
         raise ValidationProblem("body must be UTF-8 Prometheus text exposition") from exc
     scrape_id = request.query_params.get("scrape_id") or hashlib.sha256(body).hexdigest()[:16]
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
 
-    def work() -> dict[str, Any]:
+    def work() -> schemas.PrometheusPushResult:
         outcome = store_prometheus_push(
-            session=session, deployment_id=target.id, text=text, scrape_id=scrape_id
+            session=session, deployment_id=deployment.id, text=text, scrape_id=scrape_id
         )
         session.commit()
-        return outcome
+        return schemas.PrometheusPushResult.model_validate(outcome)
 
     try:
         return await run_in_threadpool(work)
@@ -131,39 +133,37 @@ def _parse_time(value: str | None, default: datetime, name: str) -> datetime:
     if value is None:
         return default
     try:
-        parsed = datetime.fromisoformat(value)
+        return parse_utc(value)
     except ValueError as exc:
         raise ValidationProblem(f"{name} must be an ISO-8601 time, got {value!r}") from exc
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 @router.get("/stats")
 def stats(
     account: str,
-    deployment: str,
-    principal: Reader,
+    deployment: ReadableDeployment,
     session: SessionDep,
     start: str | None = None,
     end: str | None = None,
     bucket_seconds: int = 300,
     arm: str | None = None,
     drafter_version: int | None = None,
-) -> dict[str, Any]:
+) -> schemas.AcceptanceSeries:
     """Hit rate, accepted length, per-position acceptance, latency percentiles and throughput."""
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
     # Default window: the last 24 h, ending on the bucket grid just after now, so that buckets line
     # up with the coarser rollup tiers (the fast path) and the current minute is included.
-    now = datetime.now(UTC).timestamp()
+    now = utcnow().timestamp()
     grid = max(60, bucket_seconds)
     default_end = datetime.fromtimestamp((now // grid + 1) * grid, tz=UTC)
     end_at = _parse_time(end, default_end, "end")
     start_at = _parse_time(start, end_at - timedelta(hours=24), "start")
-    return acceptance_series(
+    series = acceptance_series(
         session=session,
-        deployment_id=target.id,
+        deployment_id=deployment.id,
         start=start_at,
         end=end_at,
         bucket_seconds=bucket_seconds,
         arm=arm,
         drafter_version=drafter_version,
     )
+    return schemas.AcceptanceSeries.model_validate(series)

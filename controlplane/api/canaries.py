@@ -7,47 +7,38 @@ visible here with the figures behind it (``GET .../canaries/{id}``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
-
-from fastapi import APIRouter, Depends, Request, status
+from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session
 
-from controlplane.api.deps import Admin, Reader, ServingReader, SessionDep, SettingsDep
-from controlplane.audit.service import record_change
-from controlplane.canary.queue import CanaryQueue, CeleryCanaryQueue
+from controlplane.api import schemas
+from controlplane.api.deps import (
+    Admin,
+    AdminDeployment,
+    ReadableDeployment,
+    ServingDeployment,
+    SessionDep,
+    SettingsDep,
+    WorkQueueDep,
+)
 from controlplane.canary.service import (
-    ReferenceModels,
     canary_policy,
     canary_summary,
     get_canary,
-    get_version,
     list_canaries,
-    list_versions,
     promote,
     reject,
     rollback,
-    serving_config,
     start_canary,
-    validate_canary_policy,
-    version_summary,
+    update_canary_policy,
 )
 from controlplane.canary.tuning_view import draft_length_table
-from controlplane.db.models import DrafterVersion
-from controlplane.deployments.service import get_deployment, resource_name
+from controlplane.config import Settings
+from controlplane.db.models import Canary, Deployment, DrafterVersion
+from controlplane.drafters.service import get_version, list_versions, version_summary
+from controlplane.drafters.serving import ReferenceModels, serving_config
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["canary"])
-
-
-async def get_canary_queue(request: Request, settings: SettingsDep) -> CanaryQueue:
-    """The app's canary queue, made on first use (a seam, so tests can record sends instead)."""
-    queue: CanaryQueue | None = getattr(request.app.state, "canary_queue", None)
-    if queue is None:
-        queue = CeleryCanaryQueue(settings.broker_url)
-        request.app.state.canary_queue = queue
-    return queue
-
-
-CanaryQueueDep = Annotated[CanaryQueue, Depends(get_canary_queue)]
 
 
 class Reason(BaseModel):
@@ -60,144 +51,147 @@ class PolicyChange(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields get a clear 422 from the service
 
 
+def _canary(session: Session, canary: Canary) -> schemas.Canary:
+    return schemas.Canary.model_validate(canary_summary(session, canary))
+
+
+def _policy(deployment: Deployment, settings: Settings) -> schemas.CanaryPolicy:
+    return schemas.CanaryPolicy.model_validate(canary_policy(deployment, settings).settable())
+
+
 @router.get("/serving-config")
 def serving(
-    account: str, deployment: str, principal: ServingReader, session: SessionDep, settings: SettingsDep
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return serving_config(
-        session=session, deployment=target, models=ReferenceModels(settings.reference_models_dir)
+    account: str, deployment: ServingDeployment, session: SessionDep, settings: SettingsDep
+) -> schemas.ServingConfig:
+    config = serving_config(
+        session=session, deployment=deployment, models=ReferenceModels(settings.reference_models_dir)
     )
+    return schemas.ServingConfig.model_validate(config)
 
 
 @router.get("/drafter-versions")
-def versions(account: str, deployment: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return {
-        "drafter_versions": [
-            version_summary(v) for v in list_versions(session=session, deployment_id=target.id)
-        ]
-    }
+def versions(account: str, deployment: ReadableDeployment, session: SessionDep) -> schemas.DrafterVersionList:
+    rows = list_versions(session=session, deployment_id=deployment.id)
+    return schemas.DrafterVersionList(
+        drafter_versions=[schemas.DrafterVersion.model_validate(version_summary(v)) for v in rows]
+    )
 
 
 @router.get("/drafter-versions/{version}")
 def version_get(
-    account: str, deployment: str, version: int, principal: Reader, session: SessionDep
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return version_summary(get_version(session=session, deployment_id=target.id, version=version))
+    account: str, deployment: ReadableDeployment, version: int, session: SessionDep
+) -> schemas.DrafterVersion:
+    row = get_version(session=session, deployment_id=deployment.id, version=version)
+    return schemas.DrafterVersion.model_validate(version_summary(row))
 
 
 @router.post("/drafter-versions/{version}:promote")
 def version_promote(
     account: str,
-    deployment: str,
+    deployment: AdminDeployment,
     version: int,
     principal: Admin,
     session: SessionDep,
     body: Reason | None = None,
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+) -> schemas.DrafterVersion:
     row = promote(
         session=session,
-        deployment_id=target.id,
+        deployment_id=deployment.id,
         version_number=version,
         actor=principal.actor,
         reason=f"promoted by hand: {(body or Reason()).reason}",
     )
     session.commit()
-    return version_summary(row)
+    return schemas.DrafterVersion.model_validate(version_summary(row))
 
 
 @router.post("/drafter-versions/{version}:canary", status_code=status.HTTP_202_ACCEPTED)
 def version_canary(
     account: str,
-    deployment: str,
+    deployment: AdminDeployment,
     version: int,
     principal: Admin,
     session: SessionDep,
-    queue: CanaryQueueDep,
+    queue: WorkQueueDep,
     body: Reason | None = None,
-) -> dict[str, Any]:
+) -> schemas.Canary:
     """Start a canary for a candidate by hand (the automation does this after each realignment)."""
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    row = get_version(session=session, deployment_id=target.id, version=version)
+    row = get_version(session=session, deployment_id=deployment.id, version=version)
     canary, job = start_canary(
         session=session, version=row, actor=principal.actor, reason=(body or Reason()).reason
     )
     session.commit()
     queue.enqueue_shadow_replay(job.id)
-    return canary_summary(session, canary)
+    return _canary(session, canary)
 
 
 @router.post(":rollback")
 def rollback_(
-    account: str, deployment: str, principal: Admin, session: SessionDep, body: Reason | None = None
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+    account: str,
+    deployment: AdminDeployment,
+    principal: Admin,
+    session: SessionDep,
+    body: Reason | None = None,
+) -> schemas.RollbackResult:
     restored = rollback(
-        session=session, deployment_id=target.id, actor=principal.actor, reason=(body or Reason()).reason
+        session=session, deployment_id=deployment.id, actor=principal.actor, reason=(body or Reason()).reason
     )
     session.commit()
-    return {
-        "active_version": restored.version if restored else None,
-        "draft_token_count": target.draft_token_count,
-        "speculation_mode": target.speculation_mode.value,
-    }
+    return schemas.RollbackResult(
+        active_version=restored.version if restored else None,
+        draft_token_count=deployment.draft_token_count,
+        speculation_mode=deployment.speculation_mode,
+    )
 
 
 @router.get("/canaries")
 def canaries(
-    account: str, deployment: str, principal: Reader, session: SessionDep, limit: int = 50
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    rows = list_canaries(session=session, deployment_id=target.id, limit=max(1, min(limit, 500)))
-    return {"canaries": [canary_summary(session, c) for c in rows]}
+    account: str, deployment: ReadableDeployment, session: SessionDep, limit: int = 50
+) -> schemas.CanaryList:
+    rows = list_canaries(session=session, deployment_id=deployment.id, limit=max(1, min(limit, 500)))
+    return schemas.CanaryList(canaries=[_canary(session, c) for c in rows])
 
 
 @router.get("/canaries/{canary_id}")
 def canary_get(
-    account: str, deployment: str, canary_id: int, principal: Reader, session: SessionDep
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return canary_summary(session, get_canary(session=session, deployment_id=target.id, canary_id=canary_id))
+    account: str, deployment: ReadableDeployment, canary_id: int, session: SessionDep
+) -> schemas.Canary:
+    return _canary(session, get_canary(session=session, deployment_id=deployment.id, canary_id=canary_id))
 
 
 @router.post("/canaries/{canary_id}:promote")
 def canary_promote(
     account: str,
-    deployment: str,
+    deployment: AdminDeployment,
     canary_id: int,
     principal: Admin,
     session: SessionDep,
     body: Reason | None = None,
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    canary = get_canary(session=session, deployment_id=target.id, canary_id=canary_id)
+) -> schemas.Canary:
+    canary = get_canary(session=session, deployment_id=deployment.id, canary_id=canary_id)
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
     promote(
         session=session,
-        deployment_id=target.id,
+        deployment_id=deployment.id,
         version_number=candidate.version,
         actor=principal.actor,
         reason=f"promoted by hand: {(body or Reason()).reason}",
         canary=canary,
     )
     session.commit()
-    return canary_summary(session, canary)
+    return _canary(session, canary)
 
 
 @router.post("/canaries/{canary_id}:reject")
 def canary_reject(
     account: str,
-    deployment: str,
+    deployment: AdminDeployment,
     canary_id: int,
     principal: Admin,
     session: SessionDep,
     body: Reason | None = None,
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    canary = get_canary(session=session, deployment_id=target.id, canary_id=canary_id)
+) -> schemas.Canary:
+    canary = get_canary(session=session, deployment_id=deployment.id, canary_id=canary_id)
     reject(
         session=session,
         canary=canary,
@@ -205,46 +199,34 @@ def canary_reject(
         reason=f"rejected by hand: {(body or Reason()).reason}",
     )
     session.commit()
-    return canary_summary(session, canary)
+    return _canary(session, canary)
 
 
 @router.get("/canary-policy")
-def policy_get(
-    account: str, deployment: str, principal: Reader, session: SessionDep, settings: SettingsDep
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return canary_policy(target, alpha=settings.canary_alpha, min_samples=settings.canary_min_samples_per_arm)
+def policy_get(account: str, deployment: ReadableDeployment, settings: SettingsDep) -> schemas.CanaryPolicy:
+    return _policy(deployment, settings)
 
 
 @router.patch("/canary-policy")
 def policy_patch(
     account: str,
-    deployment: str,
+    deployment: AdminDeployment,
     body: PolicyChange,
     principal: Admin,
     session: SessionDep,
     settings: SettingsDep,
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    changes = validate_canary_policy(body.model_dump())
-    before = dict(target.canary_policy or {})
-    target.canary_policy = {**before, **changes}
-    target.row_version += 1
-    record_change(
-        session=session,
-        account_id=principal.account_id,
-        actor=principal.actor,
-        action="canary_policy.update",
-        resource=resource_name(account, target.name),
-        before=before,
-        after=dict(target.canary_policy),
+) -> schemas.CanaryPolicy:
+    update_canary_policy(
+        session=session, principal=principal, deployment=deployment, changes=body.model_dump()
     )
     session.commit()
-    return canary_policy(target, alpha=settings.canary_alpha, min_samples=settings.canary_min_samples_per_arm)
+    return _policy(deployment, settings)
 
 
-@router.get("/draft-length")
-def draft_length(account: str, deployment: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+# Present only with a plan: fields of the other shape are left out rather than sent as null.
+@router.get("/draft-length", response_model_exclude_unset=True)
+def draft_length(
+    account: str, deployment: ReadableDeployment, session: SessionDep
+) -> schemas.DraftLengthTable:
     """Expected speed-up for each k from the live per-position acceptance, and the best k."""
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return draft_length_table(session=session, deployment=target)
+    return schemas.DraftLengthTable.model_validate(draft_length_table(session=session, deployment=deployment))

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session
 
-from controlplane.api.deps import Admin, DeploymentIdCacheDep, Reader, SessionDep
+from controlplane.api import schemas
+from controlplane.api.deps import (
+    Admin,
+    AdminDeployment,
+    DeploymentIdCacheDep,
+    ReadableDeployment,
+    Reader,
+    SessionDep,
+)
 from controlplane.audit.service import entry_summary, list_entries
+from controlplane.db.models import Deployment
+from controlplane.deployments.lookup import resource_name
 from controlplane.deployments.service import (
     DeploymentChanges,
     create_deployment,
     delete_deployment,
     describe,
-    get_deployment,
     list_deployments,
-    resource_name,
     update_deployment,
 )
 from controlplane.deployments.spec import SpeculationRequest
@@ -58,14 +65,20 @@ class DeploymentUpdate(SpeculationFields):
     row_version: int | None = Field(default=None, description="optimistic lock: fail with 409 if it moved")
 
 
+def _described(session: Session, deployment: Deployment, account: str) -> schemas.Deployment:
+    return schemas.Deployment.model_validate(
+        describe(session=session, deployment=deployment, account_name=account)
+    )
+
+
 @router.get("/deployments")
-def list_(account: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
+def list_(account: str, principal: Reader, session: SessionDep) -> schemas.DeploymentList:
     rows = list_deployments(session=session, account_id=principal.account_id)
-    return {"deployments": [describe(session=session, deployment=d, account_name=account) for d in rows]}
+    return schemas.DeploymentList(deployments=[_described(session, d, account) for d in rows])
 
 
 @router.post("/deployments", status_code=status.HTTP_201_CREATED)
-def create(account: str, body: DeploymentCreate, principal: Admin, session: SessionDep) -> dict[str, Any]:
+def create(account: str, body: DeploymentCreate, principal: Admin, session: SessionDep) -> schemas.Deployment:
     deployment = create_deployment(
         session=session,
         principal=principal,
@@ -76,23 +89,22 @@ def create(account: str, body: DeploymentCreate, principal: Admin, session: Sess
         auto_realign=body.auto_realign,
     )
     session.commit()
-    return describe(session=session, deployment=deployment, account_name=account)
+    return _described(session, deployment, account)
 
 
 @router.get("/deployments/{deployment}")
-def get(account: str, deployment: str, principal: Reader, session: SessionDep) -> dict[str, Any]:
-    row = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return describe(session=session, deployment=row, account_name=account)
+def get(account: str, deployment: ReadableDeployment, session: SessionDep) -> schemas.Deployment:
+    return _described(session, deployment, account)
 
 
 @router.patch("/deployments/{deployment}")
 def update(
-    account: str, deployment: str, body: DeploymentUpdate, principal: Admin, session: SessionDep
-) -> dict[str, Any]:
+    account: str, deployment: AdminDeployment, body: DeploymentUpdate, principal: Admin, session: SessionDep
+) -> schemas.Deployment:
     row = update_deployment(
         session=session,
         principal=principal,
-        name=deployment,
+        name=deployment.name,
         changes=DeploymentChanges(
             speculation=body.speculation(),
             target_model=body.target_model,
@@ -104,14 +116,18 @@ def update(
         ),
     )
     session.commit()
-    return describe(session=session, deployment=row, account_name=account)
+    return _described(session, row, account)
 
 
-@router.delete("/deployments/{deployment}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/deployments/{deployment}", status_code=status.HTTP_204_NO_CONTENT, response_model=None)
 def delete(
-    account: str, deployment: str, principal: Admin, session: SessionDep, deployment_ids: DeploymentIdCacheDep
+    account: str,
+    deployment: AdminDeployment,
+    principal: Admin,
+    session: SessionDep,
+    deployment_ids: DeploymentIdCacheDep,
 ) -> None:
-    delete_deployment(session=session, principal=principal, name=deployment)
+    delete_deployment(session=session, principal=principal, name=deployment.name)
     session.commit()
     deployment_ids.clear()
 
@@ -119,7 +135,7 @@ def delete(
 @router.get("/audit")
 def audit(
     account: str, principal: Reader, session: SessionDep, deployment: str | None = None, limit: int = 100
-) -> dict[str, Any]:
+) -> schemas.AuditLog:
     prefix = resource_name(account, deployment) if deployment else None
     entries = list_entries(
         session=session,
@@ -127,4 +143,4 @@ def audit(
         resource_prefix=prefix,
         limit=max(1, min(limit, 1000)),
     )
-    return {"entries": [entry_summary(e) for e in entries]}
+    return schemas.AuditLog(entries=[schemas.AuditEntry.model_validate(entry_summary(e)) for e in entries])

@@ -1,4 +1,5 @@
-"""FastAPI dependencies as Annotated aliases: settings, database session, caller, access."""
+"""FastAPI dependencies as Annotated aliases: settings, database session, caller, access, and the
+deployment a route's path names."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from sqlalchemy.orm import Session
 from controlplane.accounts.keys import hash_key
 from controlplane.accounts.service import Principal, authenticate
 from controlplane.config import Settings
-from controlplane.db.models import Role
+from controlplane.db.models import Deployment, Role
+from controlplane.deployments.lookup import get_deployment
 from controlplane.errors import PayloadTooLargeError
+from controlplane.messaging import CeleryWorkQueue, WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,18 @@ def get_session(factory: SessionFactoryDep) -> Iterator[Session]:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
+
+
+async def get_work_queue(request: Request, settings: SettingsDep) -> WorkQueue:
+    """The app's queue to the gpu workers, made on first use (a seam: tests record sends instead)."""
+    queue: WorkQueue | None = getattr(request.app.state, "work_queue", None)
+    if queue is None:
+        queue = CeleryWorkQueue(settings.broker_url)
+        request.app.state.work_queue = queue
+    return queue
+
+
+WorkQueueDep = Annotated[WorkQueue, Depends(get_work_queue)]
 
 
 def _presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
@@ -252,6 +267,39 @@ Reader = Annotated[Principal, _access(READ_ROLES)]
 DataWriter = Annotated[Principal, _access(WRITE_DATA_ROLES)]
 Admin = Annotated[Principal, _access(ADMIN_ROLES)]
 ServingReader = Annotated[Principal, _access(SERVING_ROLES)]
+
+
+# The deployment in a route's path, for this key: the role check runs first (another account's key
+# gets 404 and a weak role 403 before any query), then the lookup (404 for an unknown or deleted
+# deployment). They depend on the same Reader/Admin/... and SessionDep a route may also take, and
+# FastAPI resolves each dependency once per request: a route that takes the principal too (say, to
+# name the actor in the audit log) pays for one check, and gets the row attached to its own session.
+
+
+def get_readable_deployment(deployment: str, principal: Reader, session: SessionDep) -> Deployment:
+    """The path's deployment, for a key that may read it."""
+    return get_deployment(session=session, account_id=principal.account_id, name=deployment)
+
+
+def get_writable_deployment(deployment: str, principal: DataWriter, session: SessionDep) -> Deployment:
+    """The path's deployment, for a key that may send it data (records, traces, datasets)."""
+    return get_deployment(session=session, account_id=principal.account_id, name=deployment)
+
+
+def get_admin_deployment(deployment: str, principal: Admin, session: SessionDep) -> Deployment:
+    """The path's deployment, for a key that may change it."""
+    return get_deployment(session=session, account_id=principal.account_id, name=deployment)
+
+
+def get_serving_deployment(deployment: str, principal: ServingReader, session: SessionDep) -> Deployment:
+    """The path's deployment, for a key that may read what to serve (the fleet's ingest key too)."""
+    return get_deployment(session=session, account_id=principal.account_id, name=deployment)
+
+
+ReadableDeployment = Annotated[Deployment, Depends(get_readable_deployment)]
+WritableDeployment = Annotated[Deployment, Depends(get_writable_deployment)]
+AdminDeployment = Annotated[Deployment, Depends(get_admin_deployment)]
+ServingDeployment = Annotated[Deployment, Depends(get_serving_deployment)]
 
 
 async def read_body_limited(request: Request, limit: int) -> bytes:

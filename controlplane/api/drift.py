@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from controlplane.api.deps import Admin, Reader, SessionDep, SettingsDep
-from controlplane.deployments.service import get_deployment
-from controlplane.drift.service import (
-    dismiss_event,
-    event_summary,
-    get_event,
-    list_events,
-    monitor_status,
-    update_policy,
-)
+from controlplane.api import schemas
+from controlplane.api.deps import Admin, AdminDeployment, ReadableDeployment, SessionDep, SettingsDep
+from controlplane.drift.events import dismiss_event, event_summary, get_event, list_events
+from controlplane.drift.service import monitor_status, update_policy
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["drift"])
 
@@ -28,57 +20,62 @@ class PolicyChange(BaseModel):
 @router.get("/drift-events")
 def list_(
     account: str,
-    deployment: str,
-    principal: Reader,
+    deployment: ReadableDeployment,
     session: SessionDep,
     state: str | None = None,
     limit: int = 100,
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+) -> schemas.DriftEventList:
     events = list_events(
-        session=session, deployment_id=target.id, state=state, limit=max(1, min(limit, 1000))
+        session=session, deployment_id=deployment.id, state=state, limit=max(1, min(limit, 1000))
     )
-    return {"drift_events": [event_summary(e) for e in events]}
+    return schemas.DriftEventList(
+        drift_events=[schemas.DriftEvent.model_validate(event_summary(e)) for e in events]
+    )
 
 
 @router.get("/drift-events/{event_id}")
 def get(
-    account: str, deployment: str, event_id: int, principal: Reader, session: SessionDep
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return event_summary(get_event(session=session, deployment_id=target.id, event_id=event_id))
+    account: str, deployment: ReadableDeployment, event_id: int, session: SessionDep
+) -> schemas.DriftEvent:
+    event = get_event(session=session, deployment_id=deployment.id, event_id=event_id)
+    return schemas.DriftEvent.model_validate(event_summary(event))
 
 
 @router.post("/drift-events/{event_id}:dismiss")
 def dismiss(
-    account: str, deployment: str, event_id: int, principal: Admin, session: SessionDep
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    event = dismiss_event(session=session, principal=principal, deployment=target, event_id=event_id)
+    account: str, deployment: AdminDeployment, event_id: int, principal: Admin, session: SessionDep
+) -> schemas.DriftEvent:
+    event = dismiss_event(
+        session=session, deployment_id=deployment.id, event_id=event_id, actor=principal.actor
+    )
     session.commit()
-    return event_summary(event)
+    return schemas.DriftEvent.model_validate(event_summary(event))
 
 
 @router.get("/drift-status")
 def status(
-    account: str, deployment: str, principal: Reader, session: SessionDep, settings: SettingsDep
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    return monitor_status(session=session, deployment=target, settings=settings)
+    account: str, deployment: ReadableDeployment, session: SessionDep, settings: SettingsDep
+) -> schemas.DriftStatus:
+    return schemas.DriftStatus.model_validate(
+        monitor_status(session=session, deployment=deployment, settings=settings)
+    )
 
 
 @router.patch("/drift-policy")
 def policy(
     account: str,
-    deployment: str,
+    deployment: AdminDeployment,
     body: PolicyChange,
     principal: Admin,
     session: SessionDep,
     settings: SettingsDep,
-) -> dict[str, Any]:
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
+) -> schemas.DriftPolicy:
     result = update_policy(
-        session=session, principal=principal, deployment=target, changes=body.model_dump(), settings=settings
+        session=session,
+        principal=principal,
+        deployment=deployment,
+        changes=body.model_dump(),
+        settings=settings,
     )
     session.commit()
-    return result
+    return schemas.DriftPolicy.model_validate(result)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.accounts.service import issue_key, key_summary, list_keys, revoke_key
+from controlplane.api import schemas
 from controlplane.api.deps import Admin, CurrentPrincipal, PrincipalCacheDep, SessionDep, SettingsDep
 from controlplane.audit.service import record_change
 from controlplane.db.models import Account, Role
@@ -23,19 +22,20 @@ class KeyCreate(BaseModel):
 
 
 @router.get("/v1/whoami")
-def whoami(principal: CurrentPrincipal) -> dict[str, Any]:
-    return {"account": principal.account_name, "key": principal.key_name, "role": principal.role.value}
+def whoami(principal: CurrentPrincipal) -> schemas.Whoami:
+    return schemas.Whoami(account=principal.account_name, key=principal.key_name, role=principal.role)
 
 
 @router.get("/v1/accounts/{account}/api-keys")
-def list_(account: str, principal: Admin, session: SessionDep) -> dict[str, Any]:
-    return {"api_keys": [key_summary(k) for k in list_keys(session=session, account_id=principal.account_id)]}
+def list_(account: str, principal: Admin, session: SessionDep) -> schemas.ApiKeyList:
+    keys = list_keys(session=session, account_id=principal.account_id)
+    return schemas.ApiKeyList(api_keys=[schemas.ApiKey.model_validate(key_summary(k)) for k in keys])
 
 
 @router.post("/v1/accounts/{account}/api-keys", status_code=status.HTTP_201_CREATED)
 def create(
     account: str, body: KeyCreate, principal: Admin, session: SessionDep, settings: SettingsDep
-) -> dict[str, Any]:
+) -> schemas.IssuedApiKey:
     owner = session.get_one(Account, principal.account_id)
     issued = issue_key(
         session=session, account=owner, name=body.name, role=body.role, secret=settings.secret_key
@@ -50,10 +50,12 @@ def create(
         after=key_summary(issued.key),
     )
     session.commit()
-    return {**key_summary(issued.key), "key": issued.secret}
+    return schemas.IssuedApiKey.model_validate({**key_summary(issued.key), "key": issued.secret})
 
 
-@router.delete("/v1/accounts/{account}/api-keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete(
+    "/v1/accounts/{account}/api-keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, response_model=None
+)
 def revoke(
     account: str, key_id: int, principal: Admin, session: SessionDep, cache: PrincipalCacheDep
 ) -> None:

@@ -8,15 +8,20 @@ seconds, so they run off the event loop.
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
-from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
-from controlplane.api.deps import DataWriter, Reader, SessionDep, SettingsDep, read_body_limited
-from controlplane.deployments.service import get_deployment
+from controlplane.api import schemas
+from controlplane.api.deps import (
+    ReadableDeployment,
+    SessionDep,
+    SettingsDep,
+    WritableDeployment,
+    read_body_limited,
+)
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
+from controlplane.timestamps import utcnow
 from controlplane.traces.formats import (
     MAX_DATASET_BYTES,
     TraceInput,
@@ -81,28 +86,28 @@ _DATASET_BODY = {
 @router.post("/traces", openapi_extra={"requestBody": _BATCH_BODY})
 async def post_traces(
     account: str,
-    deployment: str,
+    deployment: WritableDeployment,
     request: Request,
-    principal: DataWriter,
     session: SessionDep,
     settings: SettingsDep,
-) -> dict[str, Any]:
+) -> schemas.TraceBatchResult:
     """Store a batch of sampled prompt/completion traces, scrubbed of personal data.
 
     All or nothing: any bad trace refuses the batch (422; 413 for a size limit) with the index and
     field of every problem. The reply carries the deployment's sample rate for the serving side.
     """
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
     body = await read_body_limited(request, settings.max_body_bytes)
 
-    def work() -> dict[str, Any]:
+    def work() -> schemas.TraceBatchResult:
         try:
             items = parse_trace_batch(body)
         except TraceValidationError as exc:
             raise _refusal(exc) from exc
-        result = store_traces(session=session, deployment_id=target.id, items=items)
+        result = store_traces(session=session, deployment_id=deployment.id, items=items)
         session.commit()
-        return {**result.as_dict(), "sample_rate": target.trace_sample_rate}
+        return schemas.TraceBatchResult.model_validate(
+            {**result.as_dict(), "sample_rate": deployment.trace_sample_rate}
+        )
 
     return await run_in_threadpool(work)
 
@@ -110,24 +115,22 @@ async def post_traces(
 @router.post("/datasets", openapi_extra={"requestBody": _DATASET_BODY})
 async def post_dataset(
     account: str,
-    deployment: str,
+    deployment: WritableDeployment,
     request: Request,
-    principal: DataWriter,
     session: SessionDep,
     name: str | None = Query(default=None, description="dataset name; a new upload replaces the old"),
-) -> dict[str, Any]:
+) -> schemas.DatasetUploadResult:
     """Upload a JSONL sample dataset (prompt/completion, input/output or chat messages per line).
 
     All or nothing: a malformed line refuses the file (422) naming every bad line; over 50 MB or
     100,000 records is 413. Uploading under an existing name replaces that dataset.
     """
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
     media_type = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
     if media_type and media_type not in DATASET_MEDIA_TYPES:
         raise UnsupportedMediaTypeError(
             f"Content-Type {media_type!r} is not accepted; send {', '.join(sorted(DATASET_MEDIA_TYPES))}"
         )
-    dataset_name = name if name is not None else f"upload-{datetime.now(UTC):%Y%m%dT%H%M%SZ}"
+    dataset_name = name if name is not None else f"upload-{utcnow():%Y%m%dT%H%M%SZ}"
     if not _DATASET_NAME.fullmatch(dataset_name):
         raise ValidationProblem(
             "name must be 1-200 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -139,24 +142,25 @@ async def post_dataset(
             items: list[TraceInput] = parse_dataset(body)
         except TraceValidationError as exc:
             raise _refusal(exc) from exc
-        result = store_dataset(session=session, deployment_id=target.id, name=dataset_name, items=items)
+        result = store_dataset(session=session, deployment_id=deployment.id, name=dataset_name, items=items)
         session.commit()
         return result
 
     result = await run_in_threadpool(work)
-    return {"dataset_name": dataset_name, **result.as_dict()}
+    return schemas.DatasetUploadResult.model_validate({"dataset_name": dataset_name, **result.as_dict()})
 
 
 @router.get("/traces")
 def get_traces(
     account: str,
-    deployment: str,
-    principal: Reader,
+    deployment: ReadableDeployment,
     session: SessionDep,
     limit: int = Query(default=100, ge=1, le=MAX_PAGE_SIZE),
     after_id: int = Query(default=0, ge=0),
-) -> dict[str, Any]:
+) -> schemas.TracePage:
     """Stored traces (scrubbed text) in id order; pass ``next_after_id`` back for the next page."""
-    target = get_deployment(session=session, account_id=principal.account_id, name=deployment)
-    page = list_traces(session=session, deployment_id=target.id, limit=limit, after_id=after_id)
-    return {"traces": page.traces, "next_after_id": page.next_after_id}
+    page = list_traces(session=session, deployment_id=deployment.id, limit=limit, after_id=after_id)
+    return schemas.TracePage(
+        traces=[schemas.Trace.model_validate(trace) for trace in page.traces],
+        next_after_id=page.next_after_id,
+    )

@@ -19,19 +19,13 @@ from sqlalchemy.orm import Session
 
 from controlplane.audit.service import record_change
 from controlplane.canary import policy as decision_policy
+from controlplane.canary.phases import CanaryDecision, CanaryPhase
+from controlplane.canary.policy import CanaryPolicy
 from controlplane.canary.service import (
-    DECISION_INCONCLUSIVE,
-    DECISION_PROMOTE,
-    DECISION_REJECT,
-    PHASE_CLOSED,
-    PHASE_LIVE,
-    PHASE_SHADOW,
-    PHASE_WATCHING,
-    _latest_record_id,
-    _lock_deployment,
-    _resource,
     canary_policy,
+    close_watch,
     end_inconclusive,
+    go_live,
     open_canary,
     promote,
     reject,
@@ -44,10 +38,13 @@ from controlplane.db.models import (
     Canary,
     Deployment,
     DrafterVersion,
+    DriftResolution,
     SpeculationMode,
-    utcnow,
 )
+from controlplane.deployments.lookup import lock_deployment, resource_of
+from controlplane.drift.service import latest_record_id
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
+from controlplane.timestamps import parse_utc, utcnow
 from controlplane.tuning.draft_length import plan_draft_length
 
 log = logging.getLogger(__name__)
@@ -167,12 +164,10 @@ def record_shadow_result(
     (or decide now, when the deployment cannot split live traffic). Returns the canary's phase.
     """
     canary = session.get_one(Canary, canary_id)
-    if canary.phase != PHASE_SHADOW:
+    if canary.phase != CanaryPhase.shadow:
         return canary.phase  # a redelivered replay after the canary moved on
     deployment = session.get_one(Deployment, canary.deployment_id)
-    policy = canary_policy(
-        deployment, alpha=settings.canary_alpha, min_samples=settings.canary_min_samples_per_arm
-    )
+    policy = canary_policy(deployment, settings)
     canary.arms = {**canary.arms, "shadow": result}
     broken = [arm for arm, figures in result.get("arms", {}).items() if figures.get("broken")]
     if CANDIDATE in broken:
@@ -185,9 +180,9 @@ def record_shadow_result(
             figures={"shadow": result},
         )
         return canary.phase
-    outcome = decision_policy.decide(shadow_accumulators(result), _decision_policy(policy))
+    outcome = decision_policy.decide(shadow_accumulators(result), policy)
     canary.arms = {**canary.arms, "shadow_decision": outcome.as_dict()}
-    if outcome.decision == DECISION_REJECT:
+    if outcome.decision == CanaryDecision.reject:
         reject(
             session=session,
             canary=canary,
@@ -196,25 +191,10 @@ def record_shadow_result(
             figures=outcome.figures,
         )
         return canary.phase
-    if not policy["live_canary"]:
+    if not policy.live_canary:
         _apply_decision(session, canary, outcome, policy, source="shadow replay", arms=None)
         return canary.phase
-    canary.phase = PHASE_LIVE
-    canary.routing_weights = {"candidate": policy["candidate_weight"], "baseline": policy["baseline_weight"]}
-    canary.arms = {
-        **canary.arms,
-        "live_since_record_id": _latest_record_id(session, canary.deployment_id),
-        "live_started_at": utcnow().isoformat(),
-    }
-    record_change(
-        session=session,
-        account_id=deployment.account_id,
-        actor="system",
-        action="canary.live",
-        resource=f"{_resource(session, deployment)}/canaries/{canary.id}",
-        before=None,
-        after={"routing_weights": canary.routing_weights, "shadow_decision": outcome.decision},
-    )
+    go_live(session=session, canary=canary, policy=policy, shadow_decision=outcome.decision)
     return canary.phase
 
 
@@ -245,10 +225,6 @@ def live_accumulators(arms: dict[str, ArmObservations]) -> dict[str, ArmAccumula
                 acc.add(tokens_per_step=tokens_per_step, latency_ms_per_token=ms_per_token)
         out[name] = acc
     return out
-
-
-def _decision_policy(policy: dict[str, Any]) -> decision_policy.CanaryPolicy:
-    return decision_policy.CanaryPolicy.from_mapping(policy)
 
 
 def _chosen_k(canary: Canary, arms: dict[str, ArmObservations] | None) -> tuple[int | None, dict[str, Any]]:
@@ -282,18 +258,19 @@ def _apply_decision(
     session: Session,
     canary: Canary,
     outcome: decision_policy.Decision,
-    policy: dict[str, Any],
+    policy: CanaryPolicy,
     *,
     source: str,
     arms: dict[str, ArmObservations] | None,
+    guardrail_acts: bool = False,
 ) -> str:
     figures = {**outcome.figures, "source": source}
     if arms is not None:
         figures["arm_counts"] = arm_figures(arms)
-    if outcome.decision == DECISION_PROMOTE:
+    if outcome.decision == CanaryDecision.promote:
         best_k, tuning = _chosen_k(canary, arms)
         figures["draft_length"] = tuning
-        new_k = best_k if policy.get("tune_draft_length") else None
+        new_k = best_k if policy.tune_draft_length else None
         expected_hit = None
         if new_k is not None and new_k != int(canary.arms.get("k") or 0):
             # accepted / drafted at the new k, from the tuner's (conservative) per-position rates.
@@ -313,17 +290,26 @@ def _apply_decision(
             draft_token_count=new_k,
             expected_hit_rate=expected_hit,
         )
-    elif outcome.decision == DECISION_REJECT:
+    elif outcome.decision == CanaryDecision.reject:
         reject(
             session=session,
             canary=canary,
             actor="system",
             reason=f"{source}: {outcome.reason}",
             figures=figures,
+            resolution=DriftResolution.guardrail_action
+            if guardrail_acts
+            else DriftResolution.candidate_rejected,
         )
-    elif outcome.decision == DECISION_INCONCLUSIVE:
+    elif outcome.decision == CanaryDecision.inconclusive:
         end_inconclusive(
-            session=session, canary=canary, reason=f"{source}: {outcome.reason}", figures=figures
+            session=session,
+            canary=canary,
+            reason=f"{source}: {outcome.reason}",
+            figures=figures,
+            resolution=DriftResolution.guardrail_action
+            if guardrail_acts
+            else DriftResolution.canary_inconclusive,
         )
     else:
         canary.arms = {**canary.arms, "live": figures}
@@ -334,15 +320,13 @@ def evaluate_deployment(*, session: Session, deployment_id: int, settings: Setti
     """One tick of the automation for a deployment: judge its live canary or watch its promotion,
     and apply the guardrails. Returns what happened (None: nothing to do)."""
     canary = open_canary(session=session, deployment_id=deployment_id)
-    if canary is None or canary.phase == PHASE_SHADOW:
+    if canary is None or canary.phase == CanaryPhase.shadow:
         return None
     deployment = session.get_one(Deployment, deployment_id)
-    policy = canary_policy(
-        deployment, alpha=settings.canary_alpha, min_samples=settings.canary_min_samples_per_arm
-    )
-    if canary.phase == PHASE_WATCHING:
+    policy = canary_policy(deployment, settings)
+    if canary.phase == CanaryPhase.watching:
         return _watch(session, canary, policy)
-    arms = live_observations(session, canary, max_requests=int(policy["max_requests"]))
+    arms = live_observations(session, canary, max_requests=policy.max_requests)
     weights = canary.routing_weights or {}
     routing = {
         INCUMBENT: 1.0 - float(weights.get("candidate", 0)) - float(weights.get("baseline", 0)),
@@ -350,24 +334,20 @@ def evaluate_deployment(*, session: Session, deployment_id: int, settings: Setti
         BASELINE: float(weights.get("baseline", 0)),
     }
     started = canary.arms.get("live_started_at")
-    elapsed = (utcnow() - _parse(started)).total_seconds() if started else 0.0
+    elapsed = (utcnow() - parse_utc(started)).total_seconds() if started else 0.0
     outcome = decision_policy.decide(
-        live_accumulators(arms), _decision_policy(policy), elapsed_s=elapsed, routing_weights=routing
+        live_accumulators(arms), policy, elapsed_s=elapsed, routing_weights=routing
     )
     findings = _guardrails(arms, deployment)
     if findings:
         canary.arms = {**canary.arms, "guardrails": [f.as_dict() for f in findings]}
-    decision = _apply_decision(session, canary, outcome, policy, source="live canary", arms=arms)
-    if decision in (DECISION_REJECT, DECISION_INCONCLUSIVE):
-        _act_on_guardrails(session, deployment, findings)
+    acting = _acting_guardrail(findings)
+    decision = _apply_decision(
+        session, canary, outcome, policy, source="live canary", arms=arms, guardrail_acts=acting is not None
+    )
+    if acting is not None and decision in (CanaryDecision.reject, CanaryDecision.inconclusive):
+        _act_on_guardrail(session, deployment, acting)
     return {"canary_id": canary.id, "decision": decision, "reason": outcome.reason}
-
-
-def _parse(value: str) -> Any:
-    from datetime import UTC, datetime
-
-    parsed = datetime.fromisoformat(value)
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def _guardrails(
@@ -384,39 +364,43 @@ def _guardrails(
     )
 
 
-def _act_on_guardrails(
-    session: Session, deployment: Deployment, findings: list[decision_policy.GuardrailFinding]
+def _acting_guardrail(
+    findings: list[decision_policy.GuardrailFinding],
+) -> decision_policy.GuardrailFinding | None:
+    """The finding that changes the deployment if the canary ends without a promotion: the
+    incumbent measured critically slower than no speculation."""
+    return next((f for f in findings if f.kind == "speculation_slower" and f.severity == "critical"), None)
+
+
+def _act_on_guardrail(
+    session: Session, deployment: Deployment, finding: decision_policy.GuardrailFinding
 ) -> None:
     """The incumbent stays, but it was measured slower than no speculation: stop paying for it
     until a drafter that pays is promoted (a promotion switches back to the drafter)."""
-    for finding in findings:
-        if finding.kind != "speculation_slower" or finding.severity != "critical":
-            continue
-        before = {
-            "speculation_mode": deployment.speculation_mode.value,
-            "draft_model": deployment.draft_model,
-            "ngram_speculation_length": deployment.ngram_speculation_length,
-        }
-        if finding.action == "switch_to_ngram":
-            deployment.speculation_mode = SpeculationMode.ngram
-            deployment.draft_model = None  # n-gram and a draft model are exclusive (a DB constraint)
-            deployment.ngram_speculation_length = deployment.ngram_speculation_length or 3
-        else:
-            deployment.speculation_mode = SpeculationMode.disabled
-        deployment.row_version += 1
-        record_change(
-            session=session,
-            account_id=deployment.account_id,
-            actor="system",
-            action="guardrail.speculation_slower",
-            resource=_resource(session, deployment),
-            before=before,
-            after={"speculation_mode": deployment.speculation_mode.value, "reason": finding.reason},
-        )
-        return
+    before = {
+        "speculation_mode": deployment.speculation_mode.value,
+        "draft_model": deployment.draft_model,
+        "ngram_speculation_length": deployment.ngram_speculation_length,
+    }
+    if finding.action == "switch_to_ngram":
+        deployment.speculation_mode = SpeculationMode.ngram
+        deployment.draft_model = None  # n-gram and a draft model are exclusive (a DB constraint)
+        deployment.ngram_speculation_length = deployment.ngram_speculation_length or 3
+    else:
+        deployment.speculation_mode = SpeculationMode.disabled
+    deployment.row_version += 1
+    record_change(
+        session=session,
+        account_id=deployment.account_id,
+        actor="system",
+        action="guardrail.speculation_slower",
+        resource=resource_of(session, deployment),
+        before=before,
+        after={"speculation_mode": deployment.speculation_mode.value, "reason": finding.reason},
+    )
 
 
-def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str, Any]:
+def _watch(session: Session, canary: Canary, policy: CanaryPolicy) -> dict[str, Any]:
     """After a promotion: roll back if the live hit rate falls significantly short of the canary's."""
     watch = dict(canary.arms.get("watch") or {})
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
@@ -430,16 +414,12 @@ def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str
     if watch.get("draft_length_reverted"):
         # Servers pick the reverted k up within a config poll: judge only what ran at it.
         query = query.where(AcceptanceRecordRow.k == int(watch["draft_length_reverted"]["to"]))
-    rows = session.execute(query.limit(int(policy["watch_requests"]) * 4 or 1)).all()
+    rows = session.execute(query.limit(policy.watch_requests * 4 or 1)).all()
     per_request = [(int(r.drafted_tokens or 0), int(r.accepted_tokens or 0)) for r in rows]
     drafted = sum(d for d, _ in per_request)
     accepted = sum(a for _, a in per_request)
     if not isinstance(expected, int | float) or not 0 < expected < 1:
-        canary.phase = PHASE_CLOSED
-        canary.arms = {
-            **canary.arms,
-            "watch": {**watch, "closed": "no canary hit-rate estimate to watch against"},
-        }
+        close_watch(canary, "no canary hit-rate estimate to watch against")
         return {"canary_id": canary.id, "watch": "closed"}
     expected_se = watch.get("expected_hit_rate_se")
     verdict = decision_policy.rollback_check(
@@ -447,7 +427,7 @@ def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str
         drafted,
         accepted,
         len(rows),
-        watch_requests=int(policy["watch_requests"]),
+        watch_requests=policy.watch_requests,
         estimate_standard_error=float(expected_se) if isinstance(expected_se, int | float) else 0.0,
         per_request=per_request,
     )
@@ -459,7 +439,7 @@ def _watch(session: Session, canary: Canary, policy: dict[str, Any]) -> dict[str
         rollback(session=session, deployment_id=canary.deployment_id, actor="system", reason=verdict.reason)
         return {"canary_id": canary.id, "watch": "rolled back", "reason": verdict.reason}
     if not verdict.watching:
-        canary.phase = PHASE_CLOSED
+        close_watch(canary, verdict.reason)
         return {"canary_id": canary.id, "watch": "closed", "reason": verdict.reason}
     return {"canary_id": canary.id, "watch": "watching", "reason": verdict.reason}
 
@@ -476,7 +456,7 @@ def _revert_draft_length(session: Session, canary: Canary, watch: dict[str, Any]
         return False
     if not isinstance(measured, int | float) or not 0 < measured < 1:
         return False
-    deployment = _lock_deployment(session, canary.deployment_id)
+    deployment = lock_deployment(session=session, deployment_id=canary.deployment_id)
     tuned_k = deployment.draft_token_count
     if tuned_k is None or tuned_k == canary_k:
         return False
@@ -489,7 +469,7 @@ def _revert_draft_length(session: Session, canary: Canary, watch: dict[str, Any]
         **watch,
         "draft_length_reverted": reverted,
         "expected_hit_rate": measured,
-        "since_record_id": _latest_record_id(session, deployment.id),
+        "since_record_id": latest_record_id(session, deployment.id),
         "requests": 0,
     }
     canary.arms = {**canary.arms, "watch": watch}
@@ -498,7 +478,7 @@ def _revert_draft_length(session: Session, canary: Canary, watch: dict[str, Any]
         account_id=deployment.account_id,
         actor="system",
         action="drafter.draft_length_reverted",
-        resource=_resource(session, deployment),
+        resource=resource_of(session, deployment),
         before={"draft_token_count": tuned_k},
         after={"draft_token_count": canary_k, "reason": reason},
     )

@@ -13,7 +13,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import AcceptanceRecordRow, Canary, Deployment
-from controlplane.deployments.service import active_drafter, speculation_of
+from controlplane.deployments.spec import speculation_of
+from controlplane.drafters.service import active_drafter
 from controlplane.ingest.record import ARM_LIVE
 from controlplane.tuning import draft_length
 

@@ -28,7 +28,8 @@ from controlplane.db.models import (
     Job,
     JobState,
 )
-from controlplane.deployments.service import describe, resource_name
+from controlplane.deployments.lookup import resource_name
+from controlplane.deployments.service import describe
 from controlplane.errors import ValidationProblem
 from controlplane.ingest.service import fold_before_reading
 from controlplane.jobs.service import job_summary

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.0 typed models for the whole data model (see shared/DESIGN.md).
+"""SQLAlchemy 2.0 typed models for the whole data model (see docs/architecture.md).
 
 Invariants live in the database, not only in Python: request ids are unique per deployment,
 at most one drafter version per deployment is active, at most one realignment job per
@@ -8,7 +8,7 @@ deployment is queued or running, and every reference is a foreign key.
 from __future__ import annotations
 
 import enum
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -32,6 +32,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from controlplane.timestamps import utcnow
+
 # Stable constraint names keep Alembic revisions reproducible across dialects.
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -43,10 +45,6 @@ NAMING_CONVENTION = {
 
 # SQLite only auto-increments INTEGER PRIMARY KEY, so big ids fall back to Integer there.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 class Base(DeclarativeBase):
@@ -92,6 +90,18 @@ class DriftState(enum.StrEnum):
     open = "open"
     realigning = "realigning"
     resolved = "resolved"
+    dismissed = "dismissed"
+
+
+class DriftResolution(enum.StrEnum):
+    """How a drift event ended (see controlplane.drift.states)."""
+
+    promoted = "promoted"
+    candidate_rejected = "candidate_rejected"
+    canary_inconclusive = "canary_inconclusive"
+    realignment_failed = "realignment_failed"
+    not_enough_data = "not_enough_data"
+    guardrail_action = "guardrail_action"
     dismissed = "dismissed"
 
 
@@ -370,6 +380,7 @@ class DriftEvent(Base):
     detection_delay_estimate: Mapped[int | None] = mapped_column(Integer)
     evidence: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    resolution: Mapped[DriftResolution | None] = mapped_column(_enum(DriftResolution, "drift_resolution"))
 
 
 class Job(Base):

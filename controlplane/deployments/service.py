@@ -12,15 +12,24 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from controlplane.accounts.service import Principal, validate_name
 from controlplane.audit.service import record_change
-from controlplane.db.models import Deployment, DrafterState, DrafterVersion, utcnow
+from controlplane.db.models import Deployment
+from controlplane.deployments.lookup import get_deployment, resource_name
 from controlplane.deployments.spec import (
     SpeculationConfig,
     SpeculationConfigError,
     SpeculationRequest,
     resolve_create,
     resolve_update,
+    speculation_of,
 )
-from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
+from controlplane.drafters.service import (
+    active_drafter,
+    drafter_staleness,
+    record_target_of_untagged,
+    stale_versions,
+)
+from controlplane.errors import ConflictError, ValidationProblem
+from controlplane.timestamps import utcnow
 
 DRIFT_POLICY_KEYS = {"arl0_requests", "min_drop", "cooldown_s", "reference_requests"}
 
@@ -39,60 +48,11 @@ class DeploymentChanges:
     expected_row_version: int | None = None
 
 
-def resource_name(account_name: str, deployment_name: str) -> str:
-    return f"accounts/{account_name}/deployments/{deployment_name}"
-
-
-def speculation_of(deployment: Deployment) -> SpeculationConfig:
-    return SpeculationConfig(
-        deployment.speculation_mode,
-        deployment.draft_model,
-        deployment.draft_token_count,
-        deployment.ngram_speculation_length,
-    )
-
-
 def _apply(deployment: Deployment, config: SpeculationConfig) -> None:
     deployment.speculation_mode = config.mode
     deployment.draft_model = config.draft_model
     deployment.draft_token_count = config.draft_token_count
     deployment.ngram_speculation_length = config.ngram_speculation_length
-
-
-def active_drafter(*, session: Session, deployment_id: int) -> DrafterVersion | None:
-    return session.scalar(
-        select(DrafterVersion).where(
-            DrafterVersion.deployment_id == deployment_id, DrafterVersion.state == DrafterState.active
-        )
-    )
-
-
-def drafter_staleness(deployment: Deployment, version: DrafterVersion) -> str | None:
-    """Why ``version`` is stale for the deployment's current target, or None when it is not.
-
-    A version records the target it was distilled from (``target_model``); once the deployment
-    serves another target, the drafter's acceptance no longer says anything about the new one.
-    A version without a recorded target (none exist after migration 0003) is not judged.
-    """
-    if version.target_model is None or version.target_model == deployment.target_model:
-        return None
-    return (
-        f"drafter version {version.version} was trained for target {version.target_model!r}; "
-        f"the deployment now serves {deployment.target_model!r}"
-    )
-
-
-def stale_versions(*, session: Session, deployment: Deployment) -> list[DrafterVersion]:
-    """The deployment's live versions (candidate, canary, active) trained for another target."""
-    rows = session.scalars(
-        select(DrafterVersion)
-        .where(
-            DrafterVersion.deployment_id == deployment.id,
-            DrafterVersion.state.in_([DrafterState.candidate, DrafterState.canary, DrafterState.active]),
-        )
-        .order_by(DrafterVersion.version)
-    )
-    return [v for v in rows if drafter_staleness(deployment, v) is not None]
 
 
 def describe(*, session: Session, deployment: Deployment, account_name: str) -> dict[str, Any]:
@@ -136,30 +96,6 @@ def _audit_view(deployment: Deployment) -> dict[str, Any]:
         "trace_sample_rate": deployment.trace_sample_rate,
         "trace_retention_days": deployment.trace_retention_days,
     }
-
-
-def get_deployment(*, session: Session, account_id: int, name: str) -> Deployment:
-    """A live deployment of the account; another account's deployment is simply not found."""
-    deployment = session.scalar(
-        select(Deployment).where(
-            Deployment.account_id == account_id, Deployment.name == name, Deployment.deleted_at.is_(None)
-        )
-    )
-    if deployment is None:
-        raise NotFoundError(f"deployment {name!r} not found")
-    return deployment
-
-
-def resolve_deployment_id(*, session: Session, account_id: int, name: str) -> int:
-    """The id of a live deployment of the account (a lean lookup for the ingest hot path)."""
-    deployment_id = session.scalar(
-        select(Deployment.id).where(
-            Deployment.account_id == account_id, Deployment.name == name, Deployment.deleted_at.is_(None)
-        )
-    )
-    if deployment_id is None:
-        raise NotFoundError(f"deployment {name!r} not found")
-    return deployment_id
 
 
 def list_deployments(*, session: Session, account_id: int) -> list[Deployment]:
@@ -287,14 +223,7 @@ def _flag_stale_drafters(
     Staleness is derived from each version's recorded target, so a change back to the old target
     makes them current again; a version with no recorded target is given the old one here.
     """
-    untagged = session.scalars(
-        select(DrafterVersion).where(
-            DrafterVersion.deployment_id == deployment.id, DrafterVersion.target_model.is_(None)
-        )
-    )
-    for version in untagged:
-        version.target_model = old_target
-    session.flush()
+    record_target_of_untagged(session=session, deployment_id=deployment.id, target_model=old_target)
     stale = stale_versions(session=session, deployment=deployment)
     if not stale:
         return

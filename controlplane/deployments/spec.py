@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.db.models import SpeculationMode
+from controlplane.db.models import Deployment, SpeculationMode
 
 MAX_DRAFT_TOKENS = 16
 MAX_NGRAM = 16
@@ -47,6 +47,16 @@ class SpeculationConfig:
         if self.mode is SpeculationMode.disabled:
             return 0
         return self.draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT
+
+
+def speculation_of(deployment: Deployment) -> SpeculationConfig:
+    """The speculation settings stored on a deployment row."""
+    return SpeculationConfig(
+        deployment.speculation_mode,
+        deployment.draft_model,
+        deployment.draft_token_count,
+        deployment.ngram_speculation_length,
+    )
 
 
 def _check_ranges(req: SpeculationRequest) -> None:

@@ -17,7 +17,7 @@ re-estimates its baseline on a fresh reference window.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -33,16 +33,18 @@ from controlplane.db.models import (
     DriftEvent,
     DriftMonitorState,
     DriftState,
-    utcnow,
 )
-from controlplane.deployments.service import active_drafter, resource_name
+from controlplane.deployments.lookup import resource_name
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS
+from controlplane.drafters.service import active_drafter
 from controlplane.drift import policy as drift_policy
+from controlplane.drift import states as drift_states
 from controlplane.drift.mix_monitor import MixMonitor
 from controlplane.drift.mixture_sr import MixtureSR
 from controlplane.drift.observation import RequestObservation
-from controlplane.errors import ConflictError, NotFoundError
+from controlplane.errors import ConflictError
 from controlplane.jobs.service import realign_on_drift
+from controlplane.timestamps import as_utc, utcnow
 
 MONITORED_ARM = "live"
 DEFAULT_BATCH_LIMIT = 20_000
@@ -143,7 +145,7 @@ def _observation(row: Any) -> RequestObservation | None:
         return None
 
 
-def _latest_record_id(session: Session, deployment_id: int) -> int:
+def latest_record_id(session: Session, deployment_id: int) -> int:
     latest = session.scalar(
         select(func.max(AcceptanceRecordRow.id)).where(AcceptanceRecordRow.deployment_id == deployment_id)
     )
@@ -164,7 +166,7 @@ def advance_monitor(
     policy = drift_policy.resolve(deployment.drift_policy, settings)
     active = active_drafter(session=session, deployment_id=deployment_id)
     active_version = active.version if active else None
-    horizon_now = _latest_record_id(session, deployment_id)
+    horizon_now = latest_record_id(session, deployment_id)
     state = session.get(DriftMonitorState, deployment_id)
     if state is None:
         # History counts: the first records seen become the detector's reference window.
@@ -233,7 +235,7 @@ def advance_monitor(
     open_event = session.scalar(
         select(DriftEvent.id).where(
             DriftEvent.deployment_id == deployment_id,
-            DriftEvent.state.in_([DriftState.open, DriftState.realigning]),
+            DriftEvent.state.in_(drift_states.UNANSWERED),
         )
     )
     last_alarm = state.last_alarm_at
@@ -250,7 +252,7 @@ def advance_monitor(
         examined += 1
         if not detector.drift_detected:
             continue
-        cooling = last_alarm is not None and _aware(last_alarm) + timedelta(seconds=policy.cooldown_s) > now
+        cooling = last_alarm is not None and as_utc(last_alarm) + timedelta(seconds=policy.cooldown_s) > now
         if open_event is not None or cooling:
             continue  # latched: one open event per deployment, and a quiet period after each
         evidence = detectors.evidence()
@@ -302,10 +304,6 @@ def advance_monitor(
     )
 
 
-def _aware(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
-
-
 def deployments_with_new_records(*, session: Session) -> list[int]:
     """Live deployments whose records moved past their monitor's watermark (or never monitored)."""
     latest = (
@@ -324,46 +322,6 @@ def deployments_with_new_records(*, session: Session) -> list[int]:
         )
     )
     return [int(r[0]) for r in rows]
-
-
-def list_events(*, session: Session, deployment_id: int, state: str | None, limit: int) -> list[DriftEvent]:
-    query = select(DriftEvent).where(DriftEvent.deployment_id == deployment_id)
-    if state is not None:
-        query = query.where(DriftEvent.state == DriftState(state))
-    return list(session.scalars(query.order_by(DriftEvent.id.desc()).limit(limit)))
-
-
-def get_event(*, session: Session, deployment_id: int, event_id: int) -> DriftEvent:
-    event = session.scalar(
-        select(DriftEvent).where(DriftEvent.id == event_id, DriftEvent.deployment_id == deployment_id)
-    )
-    if event is None:
-        raise NotFoundError(f"drift event {event_id} not found")
-    return event
-
-
-def dismiss_event(
-    *, session: Session, principal: Principal, deployment: Deployment, event_id: int
-) -> DriftEvent:
-    """Mark an open event as a false alarm; the monitor may alarm again after the cooldown."""
-    event = get_event(session=session, deployment_id=deployment.id, event_id=event_id)
-    if event.state not in (DriftState.open,):
-        raise ConflictError(
-            f"drift event {event_id} is {event.state.value}; only open events can be dismissed"
-        )
-    before = {"state": event.state.value}
-    event.state = DriftState.dismissed
-    event.resolved_at = utcnow()
-    record_change(
-        session=session,
-        account_id=principal.account_id,
-        actor=principal.actor,
-        action="drift_event.dismiss",
-        resource=f"{resource_name(principal.account_name, deployment.name)}/drift-events/{event_id}",
-        before=before,
-        after={"state": event.state.value},
-    )
-    return event
 
 
 def update_policy(
@@ -398,7 +356,7 @@ def monitor_status(*, session: Session, deployment: Deployment, settings: Settin
     policy = drift_policy.resolve(deployment.drift_policy, settings)
     open_events = session.scalar(
         select(func.count()).where(
-            DriftEvent.deployment_id == deployment.id, DriftEvent.state == DriftState.open
+            DriftEvent.deployment_id == deployment.id, DriftEvent.state.in_(drift_states.UNANSWERED)
         )
     )
     status: dict[str, Any] = {
@@ -417,23 +375,3 @@ def monitor_status(*, session: Session, deployment: Deployment, settings: Settin
             "drift_detected": detectors.main.drift_detected,
         }
     return status
-
-
-def event_summary(event: DriftEvent) -> dict[str, Any]:
-    return {
-        "id": event.id,
-        "state": event.state.value,
-        "detected_at": event.detected_at.isoformat(),
-        "detector": event.detector,
-        "baseline_rate": event.baseline_rate,
-        "current_rate": event.current_rate,
-        "drop": event.drop,
-        "position_most_affected": event.position_most_affected,
-        "statistic": event.statistic,
-        "threshold": event.threshold,
-        "records_examined": event.records_examined,
-        "detection_delay_estimate": event.detection_delay_estimate,
-        "last_record_id": event.last_record_id,
-        "evidence": event.evidence,
-        "resolved_at": event.resolved_at.isoformat() if event.resolved_at else None,
-    }

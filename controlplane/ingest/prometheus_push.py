@@ -12,11 +12,12 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import CounterSnapshotRow, utcnow
+from controlplane.db.models import CounterSnapshotRow
 from controlplane.errors import ValidationProblem
 from controlplane.ingest.formats import BatchValidationError
 from controlplane.ingest.prometheus import CounterSnapshot, parse_exposition, records_from_scrapes
 from controlplane.ingest.service import store_records
+from controlplane.timestamps import utcnow
 
 
 def store_prometheus_push(

@@ -21,11 +21,12 @@ from sqlalchemy import Engine, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import AcceptanceRecordRow, utcnow
+from controlplane.db.models import AcceptanceRecordRow
 from controlplane.db.session import driver_cursor, json_dumps
 from controlplane.errors import ValidationProblem
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import RollupDelta, RollupKey, aggregate, apply_deltas
+from controlplane.timestamps import utcnow
 
 # Duplicate ids echoed back to the caller are capped so a huge retried batch stays a small reply.
 MAX_ECHOED_DUPLICATES = 100

@@ -24,15 +24,17 @@ from controlplane.db.models import (
     Account,
     Deployment,
     DriftEvent,
+    DriftResolution,
     Job,
     JobKind,
     JobState,
     SpeculationMode,
-    utcnow,
 )
-from controlplane.deployments.service import resource_name
+from controlplane.deployments.lookup import resource_name
+from controlplane.drift.events import end_events_of_job, mark_realigning
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
 from controlplane.jobs.states import ACTIVE, TERMINAL, IllegalTransitionError, transition
+from controlplane.timestamps import utcnow
 
 MAX_PAGE_SIZE = 500
 # Job params a caller may set by hand; everything else is chosen by the trainer.
@@ -131,17 +133,17 @@ def realign_on_drift(*, session: Session, deployment: Deployment, event: DriftEv
     Runs in the transaction that records the event (outbox style): the event and its job commit
     together or not at all, and the caller sends ``realign.run`` only after that commit. When a
     realignment is already queued or running (another event, a manual request), that job is
-    returned instead (``created`` False): two simultaneous events start one job. The event names
-    its job in its evidence (``realign_job_id``) and stays ``open``: dismissing it, and the
-    drift status's open-event count, keep working as before. None when the deployment does not
-    realign automatically (``auto_realign`` off, or a speculation mode without a drafter model).
+    returned instead (``created`` False): two simultaneous events start one job. The event becomes
+    ``realigning`` and names its job in its evidence (``realign_job_id``). None when the
+    deployment does not realign automatically (``auto_realign`` off, or a speculation mode
+    without a drafter model): the event stays ``open`` for a person.
     """
     if not deployment.auto_realign or deployment.speculation_mode not in REALIGNABLE_MODES:
         return None
     outcome = request_realign(
         session=session, deployment=deployment, actor=f"drift-event:{event.id}", drift_event_id=event.id
     )
-    event.evidence = {**(event.evidence or {}), "realign_job_id": outcome.job.id}
+    mark_realigning(event=event, job_id=outcome.job.id)
     return outcome
 
 
@@ -210,6 +212,13 @@ def cancel_job(*, session: Session, deployment: Deployment, job_id: int, actor: 
         before={"state": before.value},
         after={"state": job.state.value},
     )
+    if job.kind == JobKind.realign:
+        end_events_of_job(
+            session=session,
+            drift_event_id=job.drift_event_id,
+            resolution=DriftResolution.realignment_failed,
+            note=f"realign job {job.id} cancelled by {actor}",
+        )
     session.flush()
     return job
 
@@ -259,8 +268,19 @@ def finish_job(*, session: Session, job_id: int, result: dict[str, Any]) -> Job:
     return job
 
 
-def fail_job(*, session: Session, job_id: int, error: str) -> Job:
-    """queued | running -> failed, keeping the error for the humans."""
+def fail_job(
+    *,
+    session: Session,
+    job_id: int,
+    error: str,
+    resolution: DriftResolution = DriftResolution.realignment_failed,
+) -> Job:
+    """queued | running -> failed, keeping the error for the humans.
+
+    A failed realignment ends the drift event it answered with ``resolution`` (too little
+    post-drift traffic is ``not_enough_data``), so the detector re-arms instead of staying
+    latched on an event nothing will answer.
+    """
     job = session.get_one(Job, job_id, with_for_update=True)
     if job.state in TERMINAL:
         return job  # cancelled while failing: the cancel stands
@@ -268,6 +288,10 @@ def fail_job(*, session: Session, job_id: int, error: str) -> Job:
     job.error = error[:10_000]
     job.progress_message = "failed"
     job.finished_at = utcnow()
+    if job.kind == JobKind.realign:
+        end_events_of_job(
+            session=session, drift_event_id=job.drift_event_id, resolution=resolution, note=error[:500]
+        )
     session.flush()
     return job
 

@@ -40,7 +40,8 @@ from controlplane.db.models import (
     Job,
     JobState,
 )
-from controlplane.deployments.service import active_drafter, resource_name
+from controlplane.deployments.lookup import resource_name
+from controlplane.drafters.service import active_drafter
 from controlplane.drift.service import monitor_status
 from controlplane.ingest.service import fold_before_reading
 

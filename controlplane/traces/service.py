@@ -16,7 +16,8 @@ from typing import Any, Final, cast
 from sqlalchemy import CursorResult, Delete, delete, insert, select
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import Deployment, Trace, TraceSource, utcnow
+from controlplane.db.models import Deployment, Trace, TraceSource
+from controlplane.timestamps import utcnow
 from controlplane.traces.formats import MAX_CATEGORY_CHARS, TraceInput
 from controlplane.traces.scrub import Entity, scrub
 

@@ -31,7 +31,8 @@ from controlplane.db.models import (
     JobState,
     Role,
 )
-from controlplane.deployments.service import create_deployment, resource_name
+from controlplane.deployments.lookup import resource_name
+from controlplane.deployments.service import create_deployment
 from controlplane.deployments.spec import SpeculationRequest
 from controlplane.drift import policy as drift_policy
 from controlplane.drift.observation import RequestObservation

@@ -237,3 +237,36 @@ def test_benchmark_non_streaming_reads_server_ttft(server_url: str, dataset: Pat
         assert r["metadata"]["ttft_source"] == "server"
         assert 0 < r["metrics"]["time_to_first_token"]["value"] <= r["metrics"]["request_latency"]["value"]
         assert r["spec_decode_acceptance"]["engine"] == "native"
+
+
+def test_benchmark_built_in_prompts_need_no_dataset(server_url: str, tmp_path: Path) -> None:
+    """Without --dataset the prompts are loadbench's own built-in set of the domain, labelled with it."""
+    out = tmp_path / "builtin"
+    result = CliRunner().invoke(
+        app,
+        [
+            "benchmark",
+            "-c",
+            f"generic={server_url},model=ref-generic",
+            "--domain",
+            "structured",
+            "--prompts",
+            "2",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "8",
+            "--warmup",
+            "0",
+            "--out-dir",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "benchmark.json").read_text())
+    assert doc["parameters"]["domain"] == "structured" and doc["parameters"]["prompts"] == 2
+    records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(r["error"] is None for r in records)
+    assert {r["metadata"]["category"] for r in records} == {"structured"}
+    # Three requests over two prompts: the prompts are cycled, in order.
+    assert [r["metadata"]["conversation_id"] for r in records] == ["prompt-0", "prompt-1", "prompt-0"]

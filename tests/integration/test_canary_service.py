@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
-from controlplane.api.canaries import get_canary_queue
+from controlplane.api.deps import get_work_queue
 from controlplane.canary.evaluate import evaluate_deployment, record_shadow_result
 from controlplane.canary.service import promote, start_canary
 from controlplane.config import Settings
@@ -28,10 +28,10 @@ from controlplane.db.models import (
     DrafterVersion,
     Role,
     SpeculationMode,
-    utcnow,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.errors import ConflictError
+from controlplane.timestamps import utcnow
 from tests.conftest import Database, Tenant, make_tenant
 
 BASE = "/v1/accounts/acme/deployments"
@@ -48,7 +48,7 @@ class RecordingQueue:
 @pytest.fixture
 def queue(client: TestClient) -> RecordingQueue:
     recording = RecordingQueue()
-    client.app.dependency_overrides[get_canary_queue] = lambda: recording  # type: ignore[attr-defined]
+    client.app.dependency_overrides[get_work_queue] = lambda: recording  # type: ignore[attr-defined]
     return recording
 
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
-from controlplane.api.jobs import get_job_queue
+from controlplane.api.deps import get_work_queue
 from controlplane.db.models import Account, Deployment, Job, JobState, Role
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.jobs.service import (
@@ -38,7 +38,7 @@ class RecordingQueue:
 @pytest.fixture
 def queue(client: TestClient) -> RecordingQueue:
     recording = RecordingQueue()
-    client.app.dependency_overrides[get_job_queue] = lambda: recording  # type: ignore[attr-defined]
+    client.app.dependency_overrides[get_work_queue] = lambda: recording  # type: ignore[attr-defined]
     return recording
 
 

@@ -48,7 +48,6 @@ from controlplane.db.models import (
     SpeculationMode,
     Trace,
     TraceSource,
-    utcnow,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.drift.service import advance_monitor
@@ -60,6 +59,7 @@ from controlplane.jobs.service import (
     realign_on_drift,
     request_realign,
 )
+from controlplane.timestamps import utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, recreate_pg_database
 from tests.integration.test_drift_monitor import request_record
 from workers.engine.hf_io import load_hf_folder, save_hf_folder

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -13,7 +14,10 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.benchmarking.report import (
+from controlplane.ingest.record import AcceptanceRecord
+from loadbench.cli import ConfigError, load_configs_file, parse_config_option
+from loadbench.prompts import DOMAINS, DatasetError, PromptItem, builtin_prompts, load_dataset
+from loadbench.report import (
     ErrorDetails,
     LoadResult,
     RequestRecord,
@@ -26,17 +30,7 @@ from controlplane.benchmarking.report import (
     summarize,
     to_aiperf_record,
 )
-from controlplane.benchmarking.runner import (
-    Configuration,
-    PromptItem,
-    Sampling,
-    arrival_offsets,
-    load_dataset,
-    read_acceptance,
-    send_request,
-)
-from controlplane.cli_benchmark import ConfigError, load_configs_file, parse_config_option
-from controlplane.ingest.record import AcceptanceRecord
+from loadbench.runner import Configuration, Sampling, arrival_offsets, read_acceptance, send_request
 
 
 def _brute_percentile(values: list[float], p: float) -> float:
@@ -390,8 +384,79 @@ def test_the_command_never_needs_torch() -> None:
 
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import controlplane.cli, controlplane.benchmarking.runner, controlplane.benchmarking.report\n"
+        "import controlplane.cli, loadbench.cli, loadbench.prompts, loadbench.runner, loadbench.report\n"
         "assert not [m for m in sys.modules if m == 'workers' or m.startswith('workers.')]\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_loadbench_and_its_help_import_neither_workers_nor_torch() -> None:
+    """A client of the control plane: importing it, or asking the command for --help, with torch
+    importable, leaves no workers module and no torch in sys.modules."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+
+def loaded():
+    return sorted(m for m in sys.modules if m.split(".")[0] in ("workers", "torch"))
+
+import loadbench, loadbench.cli, loadbench.prompts, loadbench.report, loadbench.runner
+assert not loaded(), loaded()
+
+import typer
+from typer.testing import CliRunner
+
+alone = typer.Typer()
+loadbench.cli.register(alone)
+alone.command("noop")(lambda: None)  # two commands, so "benchmark" is a subcommand as in the real app
+result = CliRunner().invoke(alone, ["benchmark", "--help"])
+assert result.exit_code == 0 and "--dataset" in result.output, result.output
+assert not loaded(), loaded()
+
+from controlplane.cli import app
+result = CliRunner().invoke(app, ["benchmark", "--help"])
+assert result.exit_code == 0 and "--dataset" in result.output, result.output
+assert not loaded(), loaded()
+"""
+    # Wide enough that Rich does not cut the option names short.
+    env = {**os.environ, "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+
+
+def test_load_dataset_text_file_one_prompt_a_line(tmp_path: Path) -> None:
+    text = tmp_path / "prompts.txt"
+    text.write_text("first prompt\n\n  \nsecond {not json}\n")
+    assert load_dataset(text) == [PromptItem("first prompt"), PromptItem("second {not json}")]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    with pytest.raises(DatasetError, match="no prompts"):
+        load_dataset(empty)
+    not_jsonl = tmp_path / "prompts.jsonl"
+    not_jsonl.write_text("first prompt\n")  # only .txt is read as plain text: a bad JSONL line is an error
+    with pytest.raises(DatasetError, match="not valid JSON"):
+        load_dataset(not_jsonl)
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_builtin_prompts_are_distinct_labelled_and_of_the_domains_shape(domain: str) -> None:
+    items = builtin_prompts(domain)
+    assert len(items) >= 8
+    assert len({p.text for p in items}) == len(items)
+    assert all(p.category == domain and p.max_tokens is None for p in items)
+    # Long enough to exercise a drafter, short enough for a small model's context.
+    assert all(100 <= len(p.text) <= 800 for p in items), [len(p.text) for p in items]
+    if domain == "structured":  # cut right after the answer marker, as the reference traffic is
+        assert all(p.text.endswith(("\nSQL:", "\nCall:")) for p in items)
+    else:  # cut at a line boundary
+        assert all(p.text.endswith("\n") for p in items)
+    assert builtin_prompts(domain, 3) == items[:3]
+
+
+def test_builtin_prompts_alias_and_unknown_domain() -> None:
+    assert builtin_prompts("tool") == builtin_prompts("structured")
+    with pytest.raises(DatasetError, match="unknown domain"):
+        builtin_prompts("poetry")

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from threadpoolctl import ThreadpoolController
@@ -584,6 +585,10 @@ class Transformer(nn.Module):
 _LayerWeights = tuple[torch.Tensor, FastLinear, FastLinear, torch.Tensor, FastLinear, FastLinear]
 _FastWeights = tuple[list[_LayerWeights], torch.Tensor, torch.Tensor, FastLinear]
 
+_F32 = npt.NDArray[np.float32]
+# input norm, fused q/k/v [D, n_q + 2 n_kv], o [n_q, D], post-attention norm, fused gate/up, down
+_NumpyLayer = tuple[_F32, _F32, _F32, _F32, _F32, _F32]
+
 
 # What `Transformer.numpy_step_rows` should be set to when NumPy steps are wanted: one-row steps
 # (every drafter step, every plain target step). Verify passes of k+1 rows stay on torch: there
@@ -649,7 +654,7 @@ class NumpyStep:
         self.perm = np.concatenate((np.arange(half, cfg.hd), np.arange(half)))
         self._params = list(model.parameters())
         self._versions: list[int] = []
-        self.layers: list[tuple[np.ndarray, ...]] = []
+        self.layers: list[_NumpyLayer] = []
         _pin_numpy_blas_to_one_thread()
 
     @staticmethod
@@ -669,13 +674,13 @@ class NumpyStep:
             return
         m = self.model
 
-        def arr(t: torch.Tensor) -> np.ndarray:
+        def arr(t: torch.Tensor) -> _F32:
             return np.ascontiguousarray(t.detach().numpy())
 
-        def fused_t(*weights: torch.Tensor) -> np.ndarray:  # x @ W.T for several W, as one [in, out]
+        def fused_t(*weights: torch.Tensor) -> _F32:  # x @ W.T for several W, as one [in, out]
             return np.ascontiguousarray(np.concatenate([arr(w) for w in weights]).T)
 
-        layers = []
+        layers: list[_NumpyLayer] = []
         for layer in m.model.layers:
             assert isinstance(layer, DecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
@@ -695,8 +700,9 @@ class NumpyStep:
         self.head_t = fused_t(m.lm_head.weight)  # [D, V]
         self._versions = versions
 
-    def _rms(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps)) * weight
+    def _rms(self, x: _F32, weight: _F32) -> _F32:
+        normed: _F32 = x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps)) * weight
+        return normed
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
         t = tokens.shape[1]

@@ -39,6 +39,7 @@ from workers.engine.hf_io import load_hf_folder, save_hf_folder, sha256_of_file
 from workers.engine.model import Transformer
 from workers.engine.tokenizer import Tokenizer
 from workers.training.common import (
+    TokenStream,
     device_name,
     eval_loss,
     eval_windows,
@@ -151,7 +152,7 @@ def stage_data(work: Path, quick: bool, vocab_size: int, resume: bool) -> dict[s
     tokenizer.save(folder / "tokenizer.json")
     eos = tokenizer.eos_id
     assert eos is not None
-    streams: dict[str, np.ndarray] = {}
+    streams: dict[str, TokenStream] = {}
     counts: dict[str, int] = {}
     for domain in corpora.DOMAINS:
         for split in corpora.SPLITS:
@@ -211,7 +212,7 @@ def stage_export(
     tokenizer: Tokenizer,
     target: Transformer,
     drafter: Transformer,
-    streams: dict[str, np.ndarray],
+    streams: dict[str, TokenStream],
     recipe: dict[str, Any],
 ) -> dict[str, Any]:
     """HF folders in fp16 + MANIFEST.json; everything reported is measured on the reloaded files."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -75,13 +76,16 @@ def setup_threads(device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------------------- token streams
 
+# One domain/split of the corpora as a flat array of token ids.
+TokenStream = npt.NDArray[np.int64]
 
-def load_streams(path: Path) -> dict[str, np.ndarray]:
+
+def load_streams(path: Path) -> dict[str, TokenStream]:
     """{"<domain>/<split>": int64 token array} from the data stage's safetensors file."""
     return {k: v.numpy().astype(np.int64) for k, v in load_file(str(path)).items()}
 
 
-def save_streams(streams: Mapping[str, np.ndarray], path: Path) -> None:
+def save_streams(streams: Mapping[str, TokenStream], path: Path) -> None:
     # int16 holds a 4096-token vocabulary and halves the file (it travels to the GPU machine).
     tensors = {}
     for k, v in streams.items():
@@ -92,7 +96,7 @@ def save_streams(streams: Mapping[str, np.ndarray], path: Path) -> None:
 
 
 def sample_batch(
-    streams: Mapping[str, np.ndarray],
+    streams: Mapping[str, TokenStream],
     weights: Mapping[str, float],
     batch_size: int,
     seq_len: int,
@@ -112,7 +116,7 @@ def sample_batch(
     return torch.from_numpy(rows)
 
 
-def eval_windows(stream: np.ndarray, seq_len: int, max_tokens: int) -> torch.Tensor:
+def eval_windows(stream: TokenStream, seq_len: int, max_tokens: int) -> torch.Tensor:
     """Non-overlapping [N, seq_len + 1] windows from the start of a held-out stream (fixed, so comparable)."""
     n = min(len(stream) - 1, max_tokens) // seq_len
     if n == 0:
@@ -164,8 +168,9 @@ def save_checkpoint(
     """Model + optimizer tensors to safetensors and the loop's counters to JSON, written atomically."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
+    config = getattr(model, "config", None)
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and getattr(model, "config", None) and model.config.tie_embeddings:
+        if name == "lm_head.weight" and config and config.tie_embeddings:
             continue  # shared with the embedding; safetensors refuses aliased storage
         tensors[f"model.{name}"] = t.detach().cpu().contiguous()
     opt = optimizer.state_dict()
@@ -190,7 +195,7 @@ def load_checkpoint(
     if not (folder / "checkpoint.safetensors").is_file() or not (folder / "checkpoint.json").is_file():
         return None
     tensors = load_file(str(folder / "checkpoint.safetensors"))
-    meta = json.loads((folder / "checkpoint.json").read_text())
+    meta: dict[str, Any] = json.loads((folder / "checkpoint.json").read_text())
     device = next(model.parameters()).device
     model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
     model.load_state_dict(model_state, strict=False)

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from workers.engine.model import ModelConfig, Transformer, build_model
 from workers.training.common import (
     Progress,
+    TokenStream,
     autocast,
     cosine_lr,
     eval_windows,
@@ -126,7 +127,7 @@ def generate(
 
 def make_traces(
     target: Transformer,
-    streams: Sequence[np.ndarray],
+    streams: Sequence[TokenStream],
     cfg: TraceConfig,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
@@ -201,7 +202,7 @@ def distill_drafter(
     vocab_size: int,
     work: Path,
     device: torch.device,
-    probe_streams: Mapping[str, np.ndarray] | None = None,
+    probe_streams: Mapping[str, TokenStream] | None = None,
     resume: bool = True,
     init_weights: Path | None = None,
 ) -> tuple[Transformer, dict[str, Any]]:
@@ -217,8 +218,8 @@ def distill_drafter(
     model = build_model(cfg.model_config(vocab_size, target.config.max_seq_len), seed=cfg.seed).to(device)
     if resume and (work / "done.json").is_file():
         log(f"[drafter] already distilled in {work}; loading it")
-        state = load_file(str(work / "final.safetensors"))
-        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False)
+        final = load_file(str(work / "final.safetensors"))
+        model.load_state_dict({k: v.to(device) for k, v in final.items()}, strict=False)
         return model.eval(), json.loads((work / "done.json").read_text())
     if init_weights is not None:
         init = load_file(str(init_weights))
@@ -271,7 +272,7 @@ def distill_drafter(
                 # cross-entropy on them teaches greedy agreement without a target forward per step.
                 loss = F.cross_entropy(student.float().flatten(0, 1), rows[:, start + 1 :].flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1

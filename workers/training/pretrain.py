@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -24,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from workers.engine.model import ModelConfig, Transformer, build_model
 from workers.training.common import (
     Progress,
+    TokenStream,
     autocast,
     cosine_lr,
     eval_loss,
@@ -90,7 +90,7 @@ def load_weights(model: Transformer, path: Path) -> Transformer:
 
 def train_target(
     cfg: PretrainConfig,
-    streams: Mapping[str, np.ndarray],
+    streams: Mapping[str, TokenStream],
     vocab_size: int,
     work: Path,
     device: torch.device,
@@ -139,7 +139,7 @@ def train_target(
             logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.engine.hf_io import save_hf_folder, sha256_of_file
-from workers.engine.model import Transformer
+from workers.engine.model import DecoderLayer, Transformer
 from workers.engine.tokenizer import Tokenizer
 from workers.training.common import autocast, cosine_lr, make_optimizer
 
@@ -237,6 +237,7 @@ def _features(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     cos, sin = model.rope_cos[:t].to(model.dtype), model.rope_sin[:t].to(model.dtype)  # [T, hd]
     h = model.model.embed_tokens(tokens)  # [B, T, D]
     for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
         h = h + layer.self_attn(layer.input_layernorm(h), cos, sin)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     out: torch.Tensor = model.model.norm(h)
@@ -261,7 +262,7 @@ def _completion_logits(
     index = _completion_index(rows, picks, inputs.shape[1]).to(device)  # [N]
     with autocast(device):
         h = _features(model, inputs)  # [B, T-1, D]
-        logits = model.lm_head(h.flatten(0, 1)[index])  # [N, V]
+        logits: torch.Tensor = model.lm_head(h.flatten(0, 1)[index])  # [N, V]
     return logits.float()
 
 
@@ -534,7 +535,7 @@ def _train(
             cfg.ce_weight,
         )
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         return float(loss.detach()), float(tvd.detach()), len(top_p)

@@ -15,8 +15,7 @@ between the last rate that held and the first that broke; the answer is the high
 A probe is short (``search_requests`` requests), so the answer is an estimate whose resolution is
 the last bisection step.
 
-No torch: built-in domain prompts come from ``workers.corpora`` (pure Python), imported only when
-asked for.
+No torch and nothing of the workers: the prompts come from ``loadbench.prompts``.
 """
 
 from __future__ import annotations
@@ -28,12 +27,14 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
 
 import httpx
 
-from controlplane.benchmarking.report import (
+from controlplane.ingest.formats import BatchValidationError, detect_format, parse_record
+from controlplane.ingest.record import AcceptanceRecord
+from loadbench.prompts import PromptItem
+from loadbench.report import (
     ErrorDetails,
     LoadResult,
     Probe,
@@ -42,8 +43,6 @@ from controlplane.benchmarking.report import (
     inter_token_latency_ms,
     percentile,
 )
-from controlplane.ingest.formats import BatchValidationError, detect_format, parse_record
-from controlplane.ingest.record import AcceptanceRecord
 
 ARRIVALS: Final = ("poisson", "constant")
 # Keys of a response (or of any streaming chunk) that the acceptance parsers read.
@@ -82,13 +81,6 @@ class Configuration:
 
 
 @dataclass(frozen=True)
-class PromptItem:
-    text: str
-    category: str | None = None
-    max_tokens: int | None = None  # this prompt's own output length (a dataset may give one)
-
-
-@dataclass(frozen=True)
 class Sampling:
     max_tokens: int = 64
     temperature: float = 0.0
@@ -117,82 +109,6 @@ class Sampling:
             body["ignore_eos"] = True
         body.update(config.extra)
         return body
-
-
-# --------------------------------------------------------------------------------------------
-# Prompts
-# --------------------------------------------------------------------------------------------
-
-
-class DatasetError(ValueError):
-    """A dataset file that cannot be read as prompts."""
-
-
-def _prompt_of(obj: Mapping[str, Any], where: str) -> PromptItem:
-    text: object = obj.get("prompt", obj.get("input"))
-    if text is None and isinstance(obj.get("messages"), list):
-        # The trace-dataset convention: one "role: content" line per message.
-        lines = [f"{m.get('role')}: {m.get('content')}" for m in obj["messages"] if isinstance(m, dict)]
-        text = "\n".join(lines)
-    if not isinstance(text, str) or not text:
-        raise DatasetError(f"{where}: needs a non-empty string 'prompt' (or 'input', or 'messages')")
-    category = obj.get("category")
-    max_tokens = obj.get("max_tokens", obj.get("output_tokens"))
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise DatasetError(f"{where}: max_tokens must be a positive integer")
-    return PromptItem(text, category if isinstance(category, str) else None, max_tokens)
-
-
-def load_dataset(path: Path) -> list[PromptItem]:
-    """Prompts from JSONL (one object with ``prompt`` a line; captured traces exported as JSONL
-    carry ``prompt``, ``completion``, ``category``), or from one page of ``GET .../traces``
-    (``{"traces": [...]}``) or a JSON array of such objects."""
-    raw = path.read_text(encoding="utf-8-sig")
-    try:
-        whole: object = json.loads(raw)
-    except json.JSONDecodeError:
-        whole = None  # JSONL: several values, one a line
-    if isinstance(whole, dict) and isinstance(whole.get("traces"), list):
-        whole = whole["traces"]
-    if isinstance(whole, list):
-        if not whole:
-            raise DatasetError(f"{path}: holds no prompts")
-        return [
-            _prompt_of(obj, f"{path}[{i}]") if isinstance(obj, dict) else _not_object(path, i)
-            for i, obj in enumerate(whole)
-        ]
-    items: list[PromptItem] = []
-    for number, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}:{number}: not valid JSON: {exc}") from exc
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{path}:{number}: each line must be a JSON object")
-        items.append(_prompt_of(obj, f"{path}:{number}"))
-    if not items:
-        raise DatasetError(f"{path}: holds no prompts")
-    return items
-
-
-def _not_object(path: Path, index: int) -> PromptItem:
-    raise DatasetError(f"{path}[{index}]: must be a JSON object")
-
-
-def domain_prompts(domain: str, n: int, seed: int = 0, split: str = "test") -> list[PromptItem]:
-    """Held-out prompts of a built-in domain (``workers.corpora``, pure Python, imported lazily)."""
-    try:
-        from workers import corpora
-    except ImportError as exc:  # the API image ships without the workers package
-        raise DatasetError(
-            "built-in domains need the workers package (workers.corpora); pass --dataset FILE instead"
-        ) from exc
-    items = [PromptItem(p.text, p.category) for p in corpora.prompts(domain, split=split, n=n, seed=seed)]
-    if not items:
-        raise DatasetError(f"domain {domain!r} gave no {split} prompts")
-    return items
 
 
 # --------------------------------------------------------------------------------------------

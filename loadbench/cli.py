@@ -1,4 +1,4 @@
-"""`controlplane benchmark`: the seeds' manual method, against any OpenAI-compatible endpoint.
+"""The ``controlplane benchmark`` command: options in, a benchmark plan run, the reports written.
 
 The same prompts, output lengths, sampling parameters and concurrency levels go to every
 configuration given (a named endpoint + model + extra request fields: the inherited default, a
@@ -11,9 +11,11 @@ records in ``profile_export.jsonl`` under ``--out-dir``.
 Configurations: ``--config NAME=URL[,model=MODEL][,api_key_file=PATH][,extra=JSON]`` (repeatable;
 ``extra`` comes last since its JSON may hold commas; the model defaults to NAME), or a TOML file
 (``--configs``) with ``[[config]]`` tables (``name``, ``url``, ``model``, ``api_key_file``,
-``extra``) or ``[config.NAME]`` tables. Never imports torch: with ``--dataset`` it needs nothing
-of the workers; without, prompts come from the built-in domain's held-out split
-(``workers.corpora``, pure Python).
+``extra``) or ``[config.NAME]`` tables. Prompts: ``--dataset FILE`` (JSONL, JSON, or ``.txt`` with
+one prompt a line), else the built-in set of ``--domain`` (see ``loadbench.prompts``).
+
+``controlplane.cli`` registers the command through ``register``; the module itself never imports
+torch or the workers.
 """
 
 from __future__ import annotations
@@ -26,17 +28,8 @@ from typing import Annotated, Any
 
 import typer
 
-from controlplane.benchmarking.runner import (
-    ARRIVALS,
-    BenchmarkPlan,
-    Configuration,
-    DatasetError,
-    PromptItem,
-    Sampling,
-    domain_prompts,
-    load_dataset,
-    run_benchmark,
-)
+from loadbench.prompts import DOMAINS, DatasetError, PromptItem, builtin_prompts, load_dataset
+from loadbench.runner import ARRIVALS, BenchmarkPlan, Configuration, Sampling, run_benchmark
 
 _CONFIG_KEYS = frozenset({"name", "url", "model", "extra", "api_key_file"})
 
@@ -164,14 +157,20 @@ def benchmark(
     ] = None,
     dataset: Annotated[
         Path | None,
-        typer.Option(help="JSONL with a 'prompt' field a line (exported traces work)", exists=True),
+        typer.Option(
+            help="JSONL with a 'prompt' field a line (exported traces work), or .txt with one prompt a line",
+            exists=True,
+        ),
     ] = None,
     domain: Annotated[
-        str, typer.Option(help="built-in domain when no --dataset: prose | code | structured")
-    ] = ("prose"),
+        str, typer.Option(help=f"built-in prompt set when no --dataset: {' | '.join(DOMAINS)}")
+    ] = "prose",
     requests: Annotated[int, typer.Option(min=1, help="requests per configuration and concurrency")] = 16,
     prompts: Annotated[
-        int | None, typer.Option(min=1, help="distinct prompts used (default: --requests, or the dataset's)")
+        int | None,
+        typer.Option(
+            min=1, help="distinct prompts used, at most (default: all of the dataset or built-in set)"
+        ),
     ] = None,
     max_tokens: Annotated[
         int, typer.Option(min=1, help="output length (a dataset line's max_tokens wins)")
@@ -206,7 +205,7 @@ def benchmark(
     """Benchmark configurations of OpenAI-compatible /v1/completions endpoints on the same prompts."""
     from rich.console import Console
 
-    from controlplane.benchmarking.report import render, report_document, write_reports
+    from loadbench.report import render, report_document, write_reports
 
     console = Console()
     if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
@@ -231,9 +230,7 @@ def benchmark(
     if rate_list and latency_bound_ms is None:
         raise typer.BadParameter("--rates needs --latency-bound-ms (the bound the rates are judged by)")
     try:
-        items: list[PromptItem] = (
-            load_dataset(dataset) if dataset is not None else domain_prompts(domain, prompts or requests)
-        )
+        items: list[PromptItem] = load_dataset(dataset) if dataset is not None else builtin_prompts(domain)
     except (DatasetError, ValueError, OSError) as exc:
         err.print(f"[red]cannot read prompts:[/red] {exc}")
         raise typer.Exit(2) from exc

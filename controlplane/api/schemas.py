@@ -1,0 +1,382 @@
+"""The JSON replies of the REST API, one Pydantic model per reply, grouped by resource.
+
+Services hand back plain dicts (``describe``, ``version_summary``, ``job_summary``, ...); routes
+validate them into these models, so ``/openapi.json`` names every field a client gets back.
+Timestamps stay the ISO 8601 strings the services write, so a reply is byte-for-byte what the
+service produced. JSON the database stores free-form (metrics, evidence, arms, policies) is typed
+``dict[str, Any]``: its shape belongs to whoever writes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.db.models import (
+    DrafterState,
+    DriftState,
+    JobKind,
+    JobState,
+    Role,
+    SpeculationMode,
+    TraceSource,
+)
+
+
+class Reply(BaseModel):
+    """A reply whose every field is declared: a field a service adds without a schema here fails
+    loudly (a 500 in tests) instead of vanishing from the reply or from the document."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- health ---------------------------------------------------------------------------------
+
+
+class Health(Reply):
+    status: str
+
+
+class Readiness(Reply):
+    status: str
+    migration: str | None = Field(description="the database's migration, the newest one")
+
+
+class Unready(Reply):
+    """Why the service is not ready: the database is unreachable, or its schema is behind."""
+
+    status: str
+    database: str | None = Field(default=None, description="present when the database is unreachable")
+    migration: str | None = Field(default=None, description="present when the schema is behind")
+    head: str | None = Field(default=None, description="the newest migration, when the schema is behind")
+
+
+# --- keys -----------------------------------------------------------------------------------
+
+
+class Whoami(Reply):
+    account: str
+    key: str
+    role: Role
+
+
+class ApiKey(Reply):
+    id: int
+    name: str
+    prefix: str = Field(description="the key's first characters, to recognise it by")
+    role: Role
+    created_at: str
+    revoked_at: str | None
+
+
+class ApiKeyList(Reply):
+    api_keys: list[ApiKey]
+
+
+class IssuedApiKey(ApiKey):
+    key: str = Field(description="the secret; shown this once and never again")
+
+
+# --- deployments and audit ------------------------------------------------------------------
+
+
+class Deployment(Reply):
+    name: str = Field(description="resource name, accounts/{account}/deployments/{deployment}")
+    deployment_id: str
+    display_name: str | None
+    target_model: str
+    speculation_mode: SpeculationMode
+    draft_model: str | None
+    draft_token_count: int | None
+    effective_draft_token_count: int
+    ngram_speculation_length: int | None
+    active_drafter_version: int | None
+    drafter_stale: bool = Field(description="the active drafter was trained for another target")
+    drafter_stale_reason: str | None
+    auto_realign: bool
+    drift_policy: dict[str, Any] = Field(description="the stored overrides of the drift policy")
+    trace_sample_rate: float
+    trace_retention_days: int
+    row_version: int = Field(description="send it back in an update to fail with 409 if it moved")
+    created_at: str
+    updated_at: str
+
+
+class DeploymentList(Reply):
+    deployments: list[Deployment]
+
+
+class AuditEntry(Reply):
+    id: int
+    actor: str
+    action: str
+    resource: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    created_at: str
+
+
+class AuditLog(Reply):
+    entries: list[AuditEntry]
+
+
+# --- acceptance ingest and statistics -------------------------------------------------------
+
+
+class PrometheusPushResult(Reply):
+    """What a Prometheus push stored: the counter deltas since the last push, as records."""
+
+    received: int
+    inserted: int
+    duplicates: int
+    duplicate_request_ids: list[str]
+    label_sets: int = Field(description="label sets in the exposition (one record each)")
+
+
+class AcceptanceFigures(Reply):
+    """Counts and derived figures over a span; a ratio without a denominator is null."""
+
+    requests: int
+    drafted_tokens: int
+    accepted_tokens: int
+    verify_steps: int
+    generated_tokens: int
+    hit_rate: float | None
+    mean_accepted_length: float | None
+    per_position_acceptance: list[float | None]
+    per_position_conditional_acceptance: list[float | None]
+    inter_token_latency_ms_p50: float | None
+    inter_token_latency_ms_p95: float | None
+    total_latency_ms_p50: float | None
+    total_latency_ms_p95: float | None
+    ttft_ms_p50: float | None
+    ttft_ms_p95: float | None
+    throughput_tokens_per_s: float
+    decode_tokens_per_s: float | None
+
+
+class AcceptanceBucket(AcceptanceFigures):
+    start: str
+
+
+class AcceptanceSeries(Reply):
+    start: str
+    end: str
+    bucket_seconds: int
+    arm: str | None
+    drafter_version: int | None
+    buckets: list[AcceptanceBucket] = Field(description="buckets with records only, in time order")
+    total: AcceptanceFigures
+
+
+# --- traces ---------------------------------------------------------------------------------
+
+
+class TraceBatchResult(Reply):
+    stored: int
+    scrubbed: dict[str, int] = Field(description="entities replaced, per kind")
+    replaced: int
+    sample_rate: float = Field(description="the share of requests the serving side should send")
+
+
+class DatasetUploadResult(Reply):
+    dataset_name: str
+    stored: int
+    scrubbed: dict[str, int] = Field(description="entities replaced, per kind")
+    replaced: int = Field(description="traces of an earlier dataset of this name, now removed")
+
+
+class Trace(Reply):
+    id: int
+    created_at: str
+    source: TraceSource
+    dataset_name: str | None
+    category: str | None
+    prompt: str
+    completion: str
+
+
+class TracePage(Reply):
+    traces: list[Trace]
+    next_after_id: int | None = Field(description="pass back as after_id for the next page; null on the last")
+
+
+# --- drift ----------------------------------------------------------------------------------
+
+
+class DriftEvent(Reply):
+    id: int
+    state: DriftState
+    resolution: str | None = Field(default=None, description="how the event was closed; null while open")
+    detected_at: str
+    detector: str
+    baseline_rate: float | None
+    current_rate: float | None
+    drop: float | None
+    position_most_affected: int | None
+    statistic: float | None
+    threshold: float | None
+    records_examined: int
+    detection_delay_estimate: int | None
+    last_record_id: int | None
+    evidence: dict[str, Any]
+    resolved_at: str | None
+
+
+class DriftEventList(Reply):
+    drift_events: list[DriftEvent]
+
+
+class DriftPolicy(Reply):
+    arl0_requests: int = Field(description="mean requests between false alarms")
+    min_drop: float = Field(description="smallest hit-rate drop worth an alarm (0.05 = 5 points)")
+    cooldown_s: int
+    reference_requests: int
+
+
+class DriftStatus(Reply):
+    policy: DriftPolicy
+    open_events: int
+    records_examined: int
+    watermark_record_id: int
+    updated_at: str | None
+    detector: dict[str, Any] | None = Field(description="the detector's figures; null before its first run")
+
+
+# --- jobs -----------------------------------------------------------------------------------
+
+
+class Job(Reply):
+    id: int
+    kind: JobKind
+    state: JobState
+    deployment_id: int
+    drift_event_id: int | None
+    requested_by: str
+    attempts: int
+    progress: float
+    progress_message: str
+    params: dict[str, Any]
+    result: dict[str, Any]
+    error: str | None
+    created_at: str | None
+    enqueued_at: str | None
+    started_at: str | None
+    finished_at: str | None
+
+
+class JobList(Reply):
+    jobs: list[Job]
+
+
+class RealignResult(Job):
+    created: bool = Field(description="false: a realignment was already queued or running, and this is it")
+
+
+# --- drafter versions, canaries, serving config, draft length -------------------------------
+
+
+class ServingArm(Reply):
+    arm: str
+    weight: float
+    speculation: SpeculationMode
+    drafter_path: str | None
+    drafter_sha256: str | None
+    drafter_version: int | None
+    k: int
+    ngram_length: int
+
+
+class ServingConfig(Reply):
+    model: str
+    target_path: str | None
+    target_sha256: str | None
+    trace_sample_rate: float
+    arms: list[ServingArm]
+    config_version: str = Field(description="changes whenever anything else in this reply changes")
+
+
+class DrafterVersion(Reply):
+    version: int
+    state: DrafterState
+    parent_version_id: int | None
+    training_job_id: int | None
+    artifact_sha256: str
+    traffic_window_start: str | None
+    traffic_window_end: str | None
+    training_metrics: dict[str, Any]
+    eval_metrics: dict[str, Any]
+    created_at: str
+    activated_at: str | None
+
+
+class DrafterVersionList(Reply):
+    drafter_versions: list[DrafterVersion]
+
+
+class Canary(Reply):
+    canary_id: int
+    phase: str
+    candidate_version: int | None
+    incumbent_version: int | None
+    job_id: int | None
+    routing_weights: dict[str, Any]
+    arms: dict[str, Any] = Field(description="per-arm figures and the shadow replay, as stored")
+    decision: str | None
+    reason: str | None
+    started_at: str
+    decided_at: str | None
+
+
+class CanaryList(Reply):
+    canaries: list[Canary]
+
+
+class RollbackResult(Reply):
+    active_version: int | None
+    draft_token_count: int | None
+    speculation_mode: SpeculationMode
+
+
+class CanaryPolicy(Reply):
+    live_canary: bool
+    candidate_weight: float
+    baseline_weight: float
+    alpha: float
+    min_samples_per_arm: int
+    max_requests: int
+    max_duration_s: int
+    non_inferiority_margin: float
+    tune_draft_length: bool
+    watch_requests: int
+    shadow_prompts: int
+    shadow_new_tokens: int
+
+
+class DraftLengthRow(Reply):
+    k: int
+    conditional_acceptance: float | None
+    expected_tokens_per_step: float
+    cost_per_step: float
+    expected_speedup: float
+    extrapolated: bool
+
+
+class DraftLengthTable(Reply):
+    """Expected speed-up per k. Before any live record of the active drafter there is no plan: the
+    reply then carries ``table`` (empty), ``best_k`` (null) and ``note``, and none of the plan's
+    fields."""
+
+    drafter_version: int | None
+    current_k: int
+    verify_steps_observed: int
+    costs: dict[str, Any] = Field(description="the cost ratio used, and where it was measured")
+    table: list[DraftLengthRow] | None = None
+    best_k: int | None
+    note: str | None = None
+    best_speedup: float | None = None
+    observed_k: int | None = None
+    cost_ratio: float | None = None
+    extrapolated_acceptance: float | None = None
+    rows: list[DraftLengthRow] | None = None

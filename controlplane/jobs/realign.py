@@ -1,0 +1,260 @@
+"""The realign job's reads and writes, for the worker that runs it: claim the job, find the traffic
+it trains on (since the drift point), and register what it trained as a candidate and hand it to
+its canary. The worker (``workers.tasks``) holds no SQL; it trains between these calls.
+
+Every function runs in the caller's unit of work and is safe to call again for the same job: a
+redelivered message finds the version already registered and never registers a second one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controlplane.canary.service import start_canary
+from controlplane.db.models import (
+    AcceptanceRecordRow,
+    Deployment,
+    DrafterVersion,
+    DriftEvent,
+    Job,
+    JobState,
+    Trace,
+)
+from controlplane.drafters import service as drafters
+from controlplane.ingest.record import ARM_LIVE
+from controlplane.jobs.service import finish_job, start_job
+from controlplane.jobs.states import TERMINAL
+from controlplane.messaging import SHADOW_REPLAY, TaskMessage
+from controlplane.traces.holdout import trace_key
+
+# Traces from a little before the alarm count as post-drift: detection lags the change itself.
+DRIFT_LOOKBACK = timedelta(minutes=15)
+MAX_RECENT_TRACES = 4000
+MAX_REPLAY_TRACES = 2000
+# The change-point estimate is itself noisy: start the post-drift window a little earlier.
+DRIFT_POINT_MARGIN = 1.5
+DRIFT_POINT_EXTRA_RECORDS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The outcome of claiming a job: ``done`` says why there is nothing to run (the task returns
+    it as its result); otherwise the job is running under this delivery."""
+
+    done: dict[str, Any] | None
+    after_drift: bool = False
+
+
+def claim_job(*, session: Session, job_id: int, delivery_id: str | None) -> Claim:
+    """Start the job for this delivery, or say why not: no such job, a version is already
+    registered (a redelivery after the commit), finished, or running under another delivery.
+
+    A redelivery after a worker died carries the same delivery id as the run it replaces, and does
+    restart: training is minutes, and a restart needs no checkpoint to trust.
+    """
+    job = session.get(Job, job_id)
+    if job is None:
+        return Claim({"job_id": job_id, "skipped": "no such job"})
+    if (existing := drafters.version_of_job(session=session, job_id=job_id)) is not None:
+        return Claim(
+            {"job_id": job_id, **_succeed_with(session, job, existing), "skipped": "already registered"}
+        )
+    if job.state in TERMINAL:
+        return Claim({"job_id": job_id, "skipped": f"job is {job.state.value}"})
+    if (
+        job.state == JobState.running
+        and job.celery_task_id
+        and delivery_id
+        and job.celery_task_id != delivery_id
+    ):
+        # A second message for a job another delivery runs (the sweeper re-sent it while the first
+        # waited in the queue).
+        return Claim({"job_id": job_id, "skipped": "running under another delivery"})
+    start_job(session=session, job_id=job_id, celery_task_id=delivery_id)
+    return Claim(None, after_drift=job.drift_event_id is not None)
+
+
+def _succeed_with(session: Session, job: Job, version: DrafterVersion) -> dict[str, Any]:
+    result = {"drafter_version": version.version, "drafter_version_id": version.id}
+    if job.state in (JobState.queued, JobState.running):
+        if job.state == JobState.queued:
+            start_job(session=session, job_id=job.id)
+        finish_job(session=session, job_id=job.id, result={**result, "metrics": version.training_metrics})
+    return result
+
+
+def drift_point(session: Session, event: DriftEvent) -> datetime:
+    """When the drift began: the live record the detector's change-point estimate points at (its
+    detection delay before the alarm), with a margin; else a fixed lookback before the alarm."""
+    delay = event.detection_delay_estimate
+    if event.last_record_id is not None and delay is not None and delay >= 0:
+        back = int(delay * DRIFT_POINT_MARGIN) + DRIFT_POINT_EXTRA_RECORDS
+        created = session.scalar(
+            select(AcceptanceRecordRow.created_at)
+            .where(
+                AcceptanceRecordRow.deployment_id == event.deployment_id,
+                AcceptanceRecordRow.id <= event.last_record_id,
+                AcceptanceRecordRow.arm == ARM_LIVE,
+            )
+            .order_by(AcceptanceRecordRow.id.desc())
+            .offset(back)
+            .limit(1)
+        )
+        if created is not None:
+            return created
+        # Fewer live records than the margin: all of them are post-drift as far as we can tell.
+        first = session.scalar(
+            select(func.min(AcceptanceRecordRow.created_at)).where(
+                AcceptanceRecordRow.deployment_id == event.deployment_id
+            )
+        )
+        if first is not None:
+            return first
+    return event.detected_at - DRIFT_LOOKBACK
+
+
+def traffic_since(session: Session, job: Job) -> datetime | None:
+    """The start of the traffic a job trains on: its ``since`` parameter, else the drift point."""
+    params = dict(job.params or {})
+    if params.get("since"):
+        return datetime.fromisoformat(str(params["since"]))
+    if job.drift_event_id is not None:
+        event = session.get(DriftEvent, job.drift_event_id)
+        if event is not None:
+            return drift_point(session, event)
+    return None
+
+
+def traces_to_train_on(*, session: Session, job_id: int) -> int:
+    """How many traces the job would train on now (those since its traffic start)."""
+    job = session.get_one(Job, job_id)
+    since = traffic_since(session, job)
+    query = select(func.count()).select_from(Trace).where(Trace.deployment_id == job.deployment_id)
+    if since is not None:
+        query = query.where(Trace.created_at >= since)
+    return int(session.scalar(query) or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingTrace:
+    key: str
+    prompt: str
+    completion: str
+
+
+@dataclass(frozen=True, slots=True)
+class RealignInputs:
+    """Everything a realign job trains from, read in one transaction."""
+
+    deployment_id: int
+    target_model: str
+    # The active version's artifact when there is one, else the deployment's configured drafter name.
+    incumbent_artifact: tuple[str, str] | None
+    incumbent_model: str | None
+    parent_version_id: int | None
+    recent: list[TrainingTrace]
+    older: list[TrainingTrace]
+    window_start: datetime | None
+    window_end: datetime | None
+    drift_event_id: int | None
+    params: dict[str, Any]
+
+
+def _training_traces(rows: list[Trace]) -> list[TrainingTrace]:
+    return [TrainingTrace(trace_key(t.id), t.prompt, t.completion) for t in rows]
+
+
+def realign_inputs(*, session: Session, job_id: int) -> RealignInputs:
+    """The recent traffic (since the drift point, newest ``max_traces``) and the older traffic to
+    replay against forgetting, the incumbent and the target."""
+    job = session.get_one(Job, job_id)
+    deployment = session.get_one(Deployment, job.deployment_id)
+    params = dict(job.params or {})
+    since = traffic_since(session, job)
+    recent_q = select(Trace).where(Trace.deployment_id == deployment.id)
+    if since is not None:
+        recent_q = recent_q.where(Trace.created_at >= since)
+    limit = int(params.get("max_traces") or MAX_RECENT_TRACES)
+    recent = list(session.scalars(recent_q.order_by(Trace.id.desc()).limit(limit)))[::-1]
+    older: list[Trace] = []
+    if since is not None:
+        older = list(
+            session.scalars(
+                select(Trace)
+                .where(Trace.deployment_id == deployment.id, Trace.created_at < since)
+                .order_by(Trace.id.desc())
+                .limit(MAX_REPLAY_TRACES)
+            )
+        )[::-1]
+    active = drafters.active_drafter(session=session, deployment_id=deployment.id)
+    return RealignInputs(
+        deployment_id=deployment.id,
+        target_model=deployment.target_model,
+        incumbent_artifact=(active.artifact_path, active.artifact_sha256) if active is not None else None,
+        incumbent_model=deployment.draft_model,
+        parent_version_id=active.id if active is not None else None,
+        recent=_training_traces(recent),
+        older=_training_traces(older),
+        window_start=recent[0].created_at if recent else None,
+        window_end=recent[-1].created_at if recent else None,
+        drift_event_id=job.drift_event_id,
+        params=params,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """What registering a trained drafter did: the task's result, and the messages to send once
+    the transaction has committed (the candidate's shadow replay)."""
+
+    result: dict[str, Any]
+    messages: list[TaskMessage]
+
+
+def register_trained(
+    *,
+    session: Session,
+    job_id: int,
+    inputs: RealignInputs,
+    artifact_path: str,
+    artifact_sha256: str,
+    metrics: dict[str, Any],
+) -> Registered:
+    """Register the job's drafter as a candidate, finish the job and, on a deployment with
+    ``auto_realign``, open its canary. Under a lock on the job row, and only if the job has no
+    version yet: never two versions for one job."""
+    job = session.get_one(Job, job_id, with_for_update=True)
+    if (existing := drafters.version_of_job(session=session, job_id=job_id)) is not None:
+        return Registered({"job_id": job_id, **_succeed_with(session, job, existing)}, [])
+    if job.state != JobState.running:
+        return Registered({"job_id": job_id, "skipped": f"job became {job.state.value} while training"}, [])
+    version = drafters.register_candidate(
+        session=session,
+        trained=drafters.TrainedDrafter(
+            deployment_id=inputs.deployment_id,
+            training_job_id=job_id,
+            parent_version_id=inputs.parent_version_id,
+            target_model=inputs.target_model,
+            artifact_path=artifact_path,
+            artifact_sha256=artifact_sha256,
+            traffic_window_start=inputs.window_start,
+            traffic_window_end=inputs.window_end,
+            training_metrics=metrics,
+            drift_event_id=job.drift_event_id,
+        ),
+        actor=f"job:{job_id}",
+    )
+    result = {"job_id": job_id, **_succeed_with(session, job, version)}
+    deployment = session.get_one(Deployment, job.deployment_id)
+    if not deployment.auto_realign:
+        return Registered(result, [])  # the version stays a candidate for a person to judge
+    # No human in the loop: the candidate goes straight to its canary (shadow replay first).
+    _canary, canary_job = start_canary(
+        session=session, version=version, actor=f"job:{job_id}", reason=f"realign job {job_id} succeeded"
+    )
+    return Registered(result, [TaskMessage(SHADOW_REPLAY, (canary_job.id,))])
