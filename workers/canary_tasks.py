@@ -12,14 +12,12 @@ import random
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.exc import OperationalError
-
 from controlplane import messaging
 from controlplane.canary.evaluate import evaluate_deployment
 from controlplane.canary.service import deployments_with_open_canaries
 from controlplane.canary.shadow import ReplayPlan, claim_replay, finish_replay
 from controlplane.config import get_settings
-from controlplane.db.session import unit_of_work
+from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
 from controlplane.drafters.serving import ReferenceModels
 from controlplane.errors import ConflictError
 from controlplane.jobs.service import fail_job, report_progress
@@ -44,7 +42,7 @@ def evaluate_all() -> dict[str, Any]:
     try:
         with unit_of_work(settings.database_url) as session:
             ids = deployments_with_open_canaries(session=session)
-    except OperationalError as exc:
+    except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     for deployment_id in ids:
         try:
@@ -65,7 +63,7 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
     try:
         with unit_of_work(url) as session:
             claim = claim_replay(session=session, job_id=job_id, delivery_id=self.request.id)
-    except OperationalError as exc:
+    except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     if claim.done is not None or claim.plan is None:
         return claim.done or {"job_id": job_id, "skipped": "nothing to replay"}

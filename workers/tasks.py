@@ -13,12 +13,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.exc import OperationalError
-
 from controlplane import messaging
 from controlplane.config import get_settings
 from controlplane.db.models import DriftResolution
-from controlplane.db.session import unit_of_work
+from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
 from controlplane.drift.service import advance_monitor, deployments_with_new_records
 from controlplane.errors import ConflictError
 from controlplane.jobs import realign as realign_job
@@ -46,7 +44,7 @@ def monitor_all() -> list[int]:
     try:
         with unit_of_work(settings.database_url) as session:
             deployment_ids = deployments_with_new_records(session=session)
-    except OperationalError as exc:
+    except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     messaging.send_all(
         celery_app, [messaging.TaskMessage(messaging.DRIFT_MONITOR_DEPLOYMENT, (d,)) for d in deployment_ids]
@@ -64,7 +62,7 @@ def monitor_deployment(deployment_id: int) -> dict[str, Any]:
     except ConflictError:
         # Another monitor run advanced this deployment at the same time; its work stands.
         return {"deployment_id": deployment_id, "skipped": "concurrent run"}
-    except OperationalError as exc:
+    except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     messages = [messaging.TaskMessage(messaging.REALIGN, (job_id,)) for job_id in outcome.realign_jobs]
     if outcome.pending:
@@ -100,7 +98,7 @@ def resend_stale_queued() -> list[int]:
     try:
         with unit_of_work(settings.database_url) as session:
             job_ids = claim_stale_queued_realigns(session=session, older_than=cutoff)
-    except OperationalError as exc:
+    except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     for job_id in job_ids:
         log.warning("realign job %s was queued without starting; sending it again", job_id)
@@ -115,7 +113,7 @@ def apply_trace_retention() -> dict[str, int]:
     try:
         with unit_of_work(settings.database_url) as session:
             deleted = apply_retention(session=session, now=utcnow())
-    except OperationalError as exc:
+    except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     return {str(deployment_id): count for deployment_id, count in deleted.items()}
 
@@ -168,7 +166,7 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
     try:
         with unit_of_work(url) as session:
             claim = realign_job.claim_job(session=session, job_id=job_id, delivery_id=self.request.id)
-    except OperationalError as exc:
+    except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     if claim.done is not None:
         return claim.done
@@ -185,7 +183,7 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
             inputs = realign_job.realign_inputs(session=session, job_id=job_id)
     except _Stopped as stop:
         return {"job_id": job_id, "stopped": str(stop)}
-    except OperationalError as exc:
+    except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
 
     try:

@@ -13,8 +13,12 @@ import orjson
 import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+# The database was briefly unreachable or refused a connection: worth retrying the same work
+# (Celery tasks map these to a retry), unlike a bug or bad data.
+TRANSIENT_DATABASE_ERRORS: tuple[type[Exception], ...] = (OperationalError,)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -47,5 +47,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     with op.batch_alter_table("drift_events") as batch:
-        batch.drop_constraint("ck_drift_events_drift_resolution", type_="check")
+        batch.drop_constraint(op.f("ck_drift_events_drift_resolution"), type_="check")
         batch.drop_column("resolution")
