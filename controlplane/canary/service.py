@@ -296,9 +296,10 @@ def promote(
         canary.reason = reason
         canary.decided_at = utcnow()
         canary.routing_weights = {}
+        # The figures first: the watch's expectations below are read from them.
+        canary.arms = {**canary.arms, "decision_figures": figures or canary.arms.get("decision_figures", {})}
         canary.arms = {
             **canary.arms,
-            "decision_figures": figures or canary.arms.get("decision_figures", {}),
             "restore": restore,
             "watch": {
                 "since_record_id": latest_record_id(session, deployment_id),

@@ -102,7 +102,9 @@ def test_a_drop_raises_one_event_with_evidence_and_a_stable_stream_none(
     events = client.get(f"{base}/drift-events", headers=acme.headers(Role.viewer)).json()["drift_events"]
     assert [e["id"] for e in events] == raised
     event = events[0]
-    assert event["state"] == "open" and event["detector"] == "mixture_sr"
+    # The deployment realigns automatically: the event is answered by the job it started.
+    assert event["state"] == "realigning" and event["detector"] == "mixture_sr"
+    assert event["evidence"]["realign_job_id"] > 0 and event["resolution"] is None
     assert event["baseline_rate"] > event["current_rate"] and event["drop"] > 0.1
     assert event["statistic"] >= event["threshold"]
     assert "verdict" in event["evidence"]["mix_attribution"]  # the side monitor's view is recorded
@@ -118,6 +120,7 @@ def test_a_drop_raises_one_event_with_evidence_and_a_stable_stream_none(
     assert status["open_events"] == 1 and status["detector"]["drift_detected"] is True
     dismissed = client.post(f"{base}/drift-events/{raised[0]}:dismiss", headers=acme.headers(Role.admin))
     assert dismissed.status_code == 200 and dismissed.json()["state"] == "dismissed"
+    assert dismissed.json()["resolution"] == "dismissed"
     again = client.post(f"{base}/drift-events/{raised[0]}:dismiss", headers=acme.headers(Role.admin))
     assert again.status_code == 409
 
@@ -229,3 +232,38 @@ def test_two_monitors_at_once_consume_each_record_once(committed_pg: str) -> Non
         state = session.get(DriftMonitorState, pk)
         assert state is not None and state.records_examined == 1500 and state.version == 1
         assert session.scalar(select(func.count()).select_from(DriftEvent)) == 0
+
+
+def test_a_failed_realignment_ends_its_event_and_the_detector_alarms_again(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database, settings: Settings, svc_deployment: None
+) -> None:
+    from controlplane.jobs.service import fail_job
+
+    acme, _ = tenants
+    base = f"/v1/accounts/{acme.name}/deployments/svc"
+    admin, viewer = acme.headers(Role.admin), acme.headers(Role.viewer)
+    assert client.patch(f"{base}/drift-policy", json={"cooldown_s": 0}, headers=admin).status_code == 200
+    rng = random.Random(12)
+    _ingest(client, acme, [request_record(i, rng, 0.8) for i in range(1600)])
+    pk = _deployment_pk(db)
+    assert _run_monitor(db, pk, settings) == []
+    _ingest(client, acme, [request_record(5000 + i, rng, 0.55) for i in range(400)])
+    [first] = _run_monitor(db, pk, settings)
+    event = client.get(f"{base}/drift-events/{first}", headers=viewer).json()
+    assert event["state"] == "realigning"
+    with db.new_session() as session:
+        fail_job(
+            session=session, job_id=event["evidence"]["realign_job_id"], error="RuntimeError: out of memory"
+        )
+        session.commit()
+    ended = client.get(f"{base}/drift-events/{first}", headers=viewer).json()
+    assert ended["state"] == "resolved" and ended["resolution"] == "realignment_failed"
+    assert "out of memory" in ended["evidence"]["resolution_note"]
+    # Nothing is left latched: the drop is still there, so the detector re-arms and alarms again,
+    # and that event starts a new realignment.
+    _ingest(client, acme, [request_record(9000 + i, rng, 0.55) for i in range(400)])
+    second = _run_monitor(db, pk, settings)
+    assert len(second) == 1 and second[0] != first
+    again = client.get(f"{base}/drift-events/{second[0]}", headers=viewer).json()
+    assert again["state"] == "realigning"
+    assert again["evidence"]["realign_job_id"] != event["evidence"]["realign_job_id"]
