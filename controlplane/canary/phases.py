@@ -19,6 +19,19 @@ from __future__ import annotations
 
 import enum
 
+from controlplane.lifecycle import IllegalTransitionError, Lifecycle
+
+__all__ = [
+    "ALLOWED",
+    "OPEN",
+    "UNDECIDED",
+    "CanaryDecision",
+    "CanaryPhase",
+    "IllegalTransitionError",
+    "can_move",
+    "move",
+]
+
 
 class CanaryPhase(enum.StrEnum):
     shadow = "shadow"
@@ -40,46 +53,32 @@ UNDECIDED = frozenset({CanaryPhase.shadow, CanaryPhase.live})
 # Still needing the automation's attention (judging or watching); at most one per deployment.
 OPEN = frozenset({CanaryPhase.shadow, CanaryPhase.live, CanaryPhase.watching})
 
-ALLOWED: dict[CanaryPhase, frozenset[CanaryPhase]] = {
-    CanaryPhase.shadow: frozenset({CanaryPhase.live, CanaryPhase.decided, CanaryPhase.watching}),
-    CanaryPhase.live: frozenset({CanaryPhase.decided, CanaryPhase.watching}),
-    CanaryPhase.decided: frozenset(),
-    CanaryPhase.watching: frozenset({CanaryPhase.closed, CanaryPhase.rolled_back}),
-    CanaryPhase.closed: frozenset({CanaryPhase.rolled_back}),
-    CanaryPhase.rolled_back: frozenset(),
-}
-
-# The phase a decision leads to.
-AFTER_DECISION: dict[CanaryDecision, CanaryPhase] = {
-    CanaryDecision.promote: CanaryPhase.watching,
-    CanaryDecision.reject: CanaryPhase.decided,
-    CanaryDecision.inconclusive: CanaryPhase.decided,
-}
-
-
-class IllegalPhaseChangeError(ValueError):
-    """A phase change the canary phase machine does not allow."""
-
-    def __init__(self, current: CanaryPhase, new: CanaryPhase) -> None:
-        super().__init__(f"a canary in phase {current.value} cannot move to {new.value}")
-        self.current = current
-        self.new = new
+CANARIES = Lifecycle(
+    "canary",
+    {
+        CanaryPhase.shadow: {CanaryPhase.live, CanaryPhase.decided, CanaryPhase.watching},
+        CanaryPhase.live: {CanaryPhase.decided, CanaryPhase.watching},
+        CanaryPhase.decided: set(),
+        CanaryPhase.watching: {CanaryPhase.closed, CanaryPhase.rolled_back},
+        CanaryPhase.closed: {CanaryPhase.rolled_back},
+        CanaryPhase.rolled_back: set(),
+    },
+)
+ALLOWED = CANARIES.allowed
 
 
 def can_move(current: str, new: str) -> bool:
-    return CanaryPhase(new) in ALLOWED[CanaryPhase(current)]
+    return CANARIES.can_move(CanaryPhase(current), CanaryPhase(new))
 
 
 def move(current: str, new: str) -> CanaryPhase:
-    """``new`` if the machine allows ``current -> new``; raises IllegalPhaseChangeError otherwise.
+    """``new`` if the table allows ``current -> new`` (phases as stored: plain strings).
 
     >>> move("shadow", "live").value
     'live'
     >>> move("decided", "live")
     Traceback (most recent call last):
     ...
-    controlplane.canary.phases.IllegalPhaseChangeError: a canary in phase decided cannot move to live
+    controlplane.lifecycle.IllegalTransitionError: a decided canary cannot become live
     """
-    if not can_move(current, new):
-        raise IllegalPhaseChangeError(CanaryPhase(current), CanaryPhase(new))
-    return CanaryPhase(new)
+    return CANARIES.move(CanaryPhase(current), CanaryPhase(new))

@@ -288,7 +288,8 @@ def test_a_drift_event_becomes_a_job_and_the_job_a_candidate(stack: Stack) -> No
         events = list(session.scalars(select(DriftEvent).where(DriftEvent.deployment_id == deployment_id)))
     assert len(events) == 1 and job.drift_event_id == events[0].id
     assert job.requested_by == f"drift-event:{events[0].id}" and job.params == {}
-    assert events[0].evidence["realign_job_id"] == job.id and events[0].state == DriftState.open
+    # The event is being answered by its job (it ends when the candidate's canary decides).
+    assert events[0].evidence["realign_job_id"] == job.id and events[0].state == DriftState.realigning
     done = stack.wait_for("the job to finish", lambda: (j := stack.job(job.id)).finished_at and j, 90)
     assert done.state == JobState.succeeded, (done.error, stack.worker.log_tail())
     assert done.attempts == 1 and done.result["drafter_version"] == 1
