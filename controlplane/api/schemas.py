@@ -346,7 +346,7 @@ class CanaryPolicy(Reply):
     alpha: float
     min_samples_per_arm: int
     max_requests: int
-    max_duration_s: int
+    max_duration_s: float
     non_inferiority_margin: float
     tune_draft_length: bool
     watch_requests: int

@@ -38,9 +38,9 @@ from workers.training.realign import (
     RealignConfig,
     Rows,
     TraceText,
-    _completion_logits,
-    _pad,
     build_dataset,
+    completion_logits,
+    pad_rows,
     realign,
     save_drafter,
     token_targets,
@@ -171,9 +171,9 @@ def test_completion_logits_match_the_full_forward(models: tuple[Transformer, Tra
     _, drafter = models
     g = torch.Generator().manual_seed(0)
     rows = Rows([torch.randint(1, 4096, (n,), generator=g) for n in (20, 13)], [5, 9], ["a", "b"])
-    got = _completion_logits(drafter, rows, [0, 1], torch.device("cpu"))  # [N, V]
+    got = completion_logits(drafter, rows, [0, 1], torch.device("cpu"))  # [N, V]
     with torch.no_grad():
-        full = drafter(_pad(rows.ids, 0)[:, :-1])  # [2, 19, V]
+        full = drafter(pad_rows(rows.ids, 0)[:, :-1])  # [2, 19, V]
     want = torch.cat([full[0, 4:19], full[1, 8:12]])
     torch.testing.assert_close(got.detach(), want)
     tokens = token_targets(rows)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import math
 import time
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, is_held_out
 from workers.engine.hf_io import save_hf_folder, sha256_of_file
 from workers.engine.model import DecoderLayer, Transformer
 from workers.engine.tokenizer import Tokenizer
@@ -70,7 +70,7 @@ class RealignConfig:
     time_budget_s: float = 240.0
     # Share of training rows drawn from traffic before the drift point (forgetting guard).
     replay_share: float = 0.25
-    holdout_share: float = 0.1
+    holdout_share: float = REALIGN_HOLDOUT_SHARE  # the split the canary's replay selects from
     max_holdout_rows: int = 32
     min_train_rows: int = 4
     # Rows are cut to the last max_prompt_tokens of the prompt and max_completion_tokens of the
@@ -159,11 +159,6 @@ class RealignResult:
 # --------------------------------------------------------------------------------------------- data
 
 
-def _held_out(key: str, seed: int, share: float) -> bool:
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < share
-
-
 def _encode(traces: Sequence[TraceText], tokenizer: Tokenizer, cfg: RealignConfig, max_len: int) -> Rows:
     rows = Rows([], [], [])
     if not traces:
@@ -194,8 +189,8 @@ def build_dataset(
 
     Evaluation uses recent traffic only: that is the traffic the new drafter is for.
     """
-    train_recent = [t for t in recent if not _held_out(t.key, cfg.seed, cfg.holdout_share)]
-    held = [t for t in recent if _held_out(t.key, cfg.seed, cfg.holdout_share)]
+    train_recent = [t for t in recent if not is_held_out(t.key, cfg.seed, cfg.holdout_share)]
+    held = [t for t in recent if is_held_out(t.key, cfg.seed, cfg.holdout_share)]
     if not held and len(train_recent) > 1:  # tiny sets: hold out one request rather than none
         held = [train_recent.pop()]
     held = held[: cfg.max_holdout_rows]
@@ -221,7 +216,7 @@ def build_dataset(
     return RealignDataset(train, held_rows, n_recent, replay_rows)
 
 
-def _pad(ids: Sequence[torch.Tensor], pad_id: int) -> torch.Tensor:
+def pad_rows(ids: Sequence[torch.Tensor], pad_id: int) -> torch.Tensor:
     width = max(len(t) for t in ids)
     out = torch.full((len(ids), width), pad_id, dtype=torch.long)  # [B, T]
     for i, t in enumerate(ids):
@@ -250,14 +245,14 @@ def _completion_index(rows: Rows, picks: Sequence[int], width: int) -> torch.Ten
     return torch.cat(parts)  # [N]
 
 
-def _completion_logits(
+def completion_logits(
     model: Transformer, rows: Rows, picks: Sequence[int], device: torch.device
 ) -> torch.Tensor:
     """Logits at the completion positions of the picked rows, concatenated: [N, V].
 
     Right padding is harmless under causal attention: no real position attends to a pad.
     """
-    batch = _pad([rows.ids[i] for i in picks], 0).to(device)  # [B, T]
+    batch = pad_rows([rows.ids[i] for i in picks], 0).to(device)  # [B, T]
     inputs = batch[:, :-1]  # [B, T-1]
     index = _completion_index(rows, picks, inputs.shape[1]).to(device)  # [N]
     with autocast(device):
@@ -278,7 +273,7 @@ def teacher_targets(
     count = 0
     for lo in range(0, len(rows), batch_rows):
         picks = list(range(lo, min(len(rows), lo + batch_rows)))
-        p = torch.softmax(_completion_logits(target, rows, picks, device), dim=-1)  # [N, V]
+        p = torch.softmax(completion_logits(target, rows, picks, device), dim=-1)  # [N, V]
         top_p, top_i = p.topk(top_k, dim=-1)  # [N, K]
         mass += float(top_p.sum())
         count += len(top_p)
@@ -353,7 +348,7 @@ def evaluate(
     n = 0
     for lo in range(0, len(rows), batch_rows):
         picks = list(range(lo, min(len(rows), lo + batch_rows)))
-        q = torch.softmax(_completion_logits(drafter, rows, picks, device), dim=-1)  # [N, V]
+        q = torch.softmax(completion_logits(drafter, rows, picks, device), dim=-1)  # [N, V]
         top_p, top_i = _gather(teacher, picks, device)
         accept += float(torch.minimum(top_p, q.gather(-1, top_i)).sum())
         agree += float((q.argmax(-1) == top_i[:, 0]).sum())
@@ -527,7 +522,7 @@ def _train(
             g["lr"] = cosine_lr(step, total, lr, min(max(10, int(cfg.warmup_share * total)), total // 2))
         top_p, top_i = _gather(teacher, picks, device)
         loss, tvd = distill_loss(
-            _completion_logits(model, data.train, picks, device),
+            completion_logits(model, data.train, picks, device),
             top_p,
             top_i,
             cfg.tvd_weight,
