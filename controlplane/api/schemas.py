@@ -2,8 +2,8 @@
 
 Services hand back plain dicts (``describe``, ``version_summary``, ``job_summary``, ...); routes
 validate them into these models, so ``/openapi.json`` names every field a client gets back.
-Timestamps stay the ISO 8601 strings the services write, so a reply is byte-for-byte what the
-service produced. JSON the database stores free-form (metrics, evidence, arms, policies) is typed
+Timestamps are typed as the ISO 8601 strings the services write (a ``datetime`` field would
+re-format them). JSON the database stores free-form (metrics, evidence, arms, policies) is typed
 ``dict[str, Any]``: its shape belongs to whoever writes it.
 """
 
@@ -40,7 +40,7 @@ class Health(Reply):
 
 class Readiness(Reply):
     status: str
-    migration: str | None = Field(description="the database's migration, the newest one")
+    migration: str | None = Field(description="the migration the database schema is at (the newest)")
 
 
 class Unready(Reply):
