@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.service import create_account, issue_key
-from controlplane.api.deps import get_session
+from controlplane.api.deps import get_session, get_work_queue
 from controlplane.app import create_app
 from controlplane.config import Settings
 from controlplane.db.migrate import downgrade_to_base, upgrade_to_head
@@ -198,3 +198,23 @@ def client(db: Database, settings: Settings) -> Iterator[TestClient]:
 
 
 __all__ = ["Database", "Tenant", "downgrade_to_base", "recreate_pg_database"]
+
+
+class RecordingWorkQueue:
+    """Stands in for the Celery work queue: records the job ids the API hands to the gpu workers."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def enqueue_realign(self, job_id: int) -> None:
+        self.sent.append(job_id)
+
+    def enqueue_shadow_replay(self, job_id: int) -> None:
+        self.sent.append(job_id)
+
+
+@pytest.fixture
+def queue(client: TestClient) -> RecordingWorkQueue:
+    recording = RecordingWorkQueue()
+    client.app.dependency_overrides[get_work_queue] = lambda: recording  # type: ignore[attr-defined]
+    return recording

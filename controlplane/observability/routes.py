@@ -7,18 +7,18 @@ account's business, so they are not published to whoever can reach the port.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from fastapi import APIRouter, HTTPException, Response, status
+from fastapi.responses import PlainTextResponse
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from controlplane.api.deps import READ_ROLES, CurrentPrincipal, SessionDep, SettingsDep
 from controlplane.observability.metrics import account_metrics, exposition
+from controlplane.timestamps import utcnow
 
 router = APIRouter(tags=["observability"])
 
 
-@router.get("/metrics", response_class=Response)
+@router.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
 def metrics(principal: CurrentPrincipal, session: SessionDep, settings: SettingsDep) -> Response:
     """Ingest counters, hit rate and accepted length per arm, drift, jobs, canaries, promotions."""
     if principal.role not in READ_ROLES:
@@ -31,6 +31,6 @@ def metrics(principal: CurrentPrincipal, session: SessionDep, settings: Settings
         account_id=principal.account_id,
         account_name=principal.account_name,
         settings=settings,
-        now=datetime.now(UTC),
+        now=utcnow(),
     )
     return Response(exposition(families), media_type=CONTENT_TYPE_LATEST)

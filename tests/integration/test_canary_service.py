@@ -14,7 +14,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
-from controlplane.api.deps import get_work_queue
 from controlplane.canary.evaluate import evaluate_deployment, record_shadow_result
 from controlplane.canary.service import promote, start_canary
 from controlplane.config import Settings
@@ -32,24 +31,9 @@ from controlplane.db.models import (
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.errors import ConflictError
 from controlplane.timestamps import utcnow
-from tests.conftest import Database, Tenant, make_tenant
+from tests.conftest import Database, RecordingWorkQueue, Tenant, make_tenant
 
 BASE = "/v1/accounts/acme/deployments"
-
-
-class RecordingQueue:
-    def __init__(self) -> None:
-        self.sent: list[int] = []
-
-    def enqueue_shadow_replay(self, job_id: int) -> None:
-        self.sent.append(job_id)
-
-
-@pytest.fixture
-def queue(client: TestClient) -> RecordingQueue:
-    recording = RecordingQueue()
-    client.app.dependency_overrides[get_work_queue] = lambda: recording  # type: ignore[attr-defined]
-    return recording
 
 
 def _deployment(client: TestClient, tenant: Tenant, k: int = 4) -> None:
@@ -140,7 +124,7 @@ def test_promote_then_rollback_restores_the_previous_version_and_its_k(
 
 
 def test_rollback_after_a_canary_promotion_restores_version_and_k(
-    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], queue: RecordingQueue
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], queue: RecordingWorkQueue
 ) -> None:
     acme = tenants[0]
     admin = acme.headers(Role.admin)

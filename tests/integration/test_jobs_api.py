@@ -12,7 +12,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
-from controlplane.api.deps import get_work_queue
 from controlplane.db.models import Account, Deployment, Job, JobState, Role
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.jobs.service import (
@@ -22,24 +21,9 @@ from controlplane.jobs.service import (
     start_job,
 )
 from controlplane.jobs.states import ALLOWED, IllegalTransitionError, can_transition, transition
-from tests.conftest import Database, Tenant, add_deployment_to, make_tenant
+from tests.conftest import Database, RecordingWorkQueue, Tenant, add_deployment_to, make_tenant
 
 BASE = "/v1/accounts/acme/deployments"
-
-
-class RecordingQueue:
-    def __init__(self) -> None:
-        self.sent: list[int] = []
-
-    def enqueue_realign(self, job_id: int) -> None:
-        self.sent.append(job_id)
-
-
-@pytest.fixture
-def queue(client: TestClient) -> RecordingQueue:
-    recording = RecordingQueue()
-    client.app.dependency_overrides[get_work_queue] = lambda: recording  # type: ignore[attr-defined]
-    return recording
 
 
 @pytest.fixture
@@ -72,7 +56,7 @@ def test_state_machine_refuses_illegal_transitions() -> None:
 
 
 def test_realign_creates_one_job_and_returns_it_again(
-    client: TestClient, acme: Tenant, queue: RecordingQueue
+    client: TestClient, acme: Tenant, queue: RecordingWorkQueue
 ) -> None:
     admin = acme.headers(Role.admin)
     first = client.post(f"{BASE}/svc:realign", json={"params": {"time_budget_s": 60}}, headers=admin)
@@ -92,7 +76,7 @@ def test_realign_creates_one_job_and_returns_it_again(
     assert bad.status_code == 422
 
 
-def test_roles(client: TestClient, acme: Tenant, queue: RecordingQueue) -> None:
+def test_roles(client: TestClient, acme: Tenant, queue: RecordingWorkQueue) -> None:
     for role in (Role.viewer, Role.ingest):
         assert client.post(f"{BASE}/svc:realign", headers=acme.headers(role)).status_code == 403
     assert client.get(f"{BASE}/svc/jobs", headers=acme.headers(Role.ingest)).status_code == 403
@@ -103,7 +87,7 @@ def test_roles(client: TestClient, acme: Tenant, queue: RecordingQueue) -> None:
 
 
 def test_cancel_and_worker_transitions(
-    client: TestClient, acme: Tenant, queue: RecordingQueue, db: Database
+    client: TestClient, acme: Tenant, queue: RecordingWorkQueue, db: Database
 ) -> None:
     admin = acme.headers(Role.admin)
     job_id = client.post(f"{BASE}/svc:realign", headers=admin).json()["id"]
