@@ -1,1 +1,2 @@
-"""Jobs: realignment (and later canary) runs, their state machine, progress and cancellation."""
+"""Jobs: realignment and shadow-replay runs, their state table, progress and cancellation, and what
+a realign job trains on and registers."""
