@@ -35,7 +35,6 @@ import threading
 import time
 import tomllib
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,7 @@ from controlplane.supervisor import (
     local_url,
     serving_key,
 )
+from controlplane.timestamps import parse_utc
 from workers.serve.traffic import Callbacks, Phase, PhaseReport, RequestResult, Scenario, TrafficDriver
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,8 +132,7 @@ class Api:
 def _epoch(iso: str | None) -> float | None:
     if not iso:
         return None
-    parsed = datetime.fromisoformat(iso)
-    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
+    return parse_utc(iso).timestamp()
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

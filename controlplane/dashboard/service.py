@@ -34,6 +34,7 @@ from controlplane.errors import ValidationProblem
 from controlplane.ingest.service import fold_before_reading
 from controlplane.jobs.service import job_summary
 from controlplane.stats.service import acceptance_series
+from controlplane.timestamps import as_utc
 
 SelectT = TypeVar("SelectT", bound=Select[*tuple[Any, ...]])
 
@@ -79,14 +80,8 @@ SERIES_FIELDS = (
 )
 
 
-def _utc(value: datetime | None) -> datetime | None:
-    if value is None:
-        return None
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
 def _iso(value: datetime | None) -> str | None:
-    aware = _utc(value)
+    aware = as_utc(value)
     return aware.isoformat() if aware else None
 
 
@@ -99,7 +94,7 @@ def resolve_range(*, name: str, end: datetime | None, now: datetime) -> tuple[da
     chosen = RANGES.get(name)
     if chosen is None:
         raise ValidationProblem(f"unknown range {name!r}; choose one of {sorted(RANGES)}")
-    anchor = (_utc(end) or now).timestamp()
+    anchor = (as_utc(end) or now).timestamp()
     grid = chosen.bucket_seconds
     end_at = datetime.fromtimestamp(math.ceil(anchor / grid) * grid, tz=UTC)
     if end is None and end_at.timestamp() == anchor:
@@ -480,8 +475,8 @@ def canaries_view(
     window: dict[str, Any] | None = None
     if canaries:
         newest = canaries[0]
-        started = _utc(newest.started_at) or now
-        finished = _utc(newest.decided_at) or now
+        started = as_utc(newest.started_at) or now
+        finished = as_utc(newest.decided_at) or now
         arm_series, window = _arm_series(session, deployment.id, started, finished)
     return {"canaries": summaries, "arm_series": arm_series, "arm_window": window}
 

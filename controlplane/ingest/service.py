@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import Engine, insert, select
@@ -26,7 +26,7 @@ from controlplane.db.session import driver_cursor, json_dumps
 from controlplane.errors import ValidationProblem
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import RollupDelta, RollupKey, aggregate, apply_deltas
-from controlplane.timestamps import utcnow
+from controlplane.timestamps import as_utc, utcnow
 
 # Duplicate ids echoed back to the caller are capped so a huge retried batch stays a small reply.
 MAX_ECHOED_DUPLICATES = 100
@@ -145,10 +145,6 @@ class IngestResult:
             "duplicates": self.duplicates,
             "duplicate_request_ids": self.duplicate_request_ids,
         }
-
-
-def _as_utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def _check_unique_within_batch(records: Sequence[AcceptanceRecord]) -> None:
@@ -363,7 +359,7 @@ def store_batches(
         repeats = set()
         for rec in records:
             if rec.created_at is not None:
-                rec.created_at = _as_utc(rec.created_at)
+                rec.created_at = as_utc(rec.created_at)
             if rec.request_id in taken:
                 repeats.add(rec.request_id)
             else:

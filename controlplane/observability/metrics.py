@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from prometheus_client.core import (
     CollectorRegistry,
@@ -44,6 +44,7 @@ from controlplane.deployments.lookup import resource_name
 from controlplane.drafters.service import active_drafter
 from controlplane.drift.service import monitor_status
 from controlplane.ingest.service import fold_before_reading
+from controlplane.timestamps import as_utc
 
 DAY = 86400
 RECENT_WINDOW = timedelta(minutes=5)
@@ -51,10 +52,6 @@ RECENT_WINDOW = timedelta(minutes=5)
 JOB_DURATION_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, 21600.0)
 PROMOTION_WORDS = ("promote", "activate")
 ROLLBACK_WORDS = ("rollback",)
-
-
-def _utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 class _Families:
@@ -256,7 +253,7 @@ def _jobs(session: Session, account: str, names: dict[int, str], now: datetime) 
         if state == JobState.running:
             progress.add_metric([account, names[deployment_id], kind.value, str(job_id)], float(fraction))
         if started is not None and finished is not None:
-            run_s = max(0.0, (_utc(finished) - _utc(started)).total_seconds())
+            run_s = max(0.0, (as_utc(finished) - as_utc(started)).total_seconds())
             durations[(deployment_id, kind.value, state.value)].append(run_s)
     for (deployment_id, kind_name, state_name), count in sorted(counted.items()):
         jobs.add_metric([account, names[deployment_id], kind_name, state_name], float(count))

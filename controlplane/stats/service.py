@@ -31,6 +31,7 @@ from controlplane.ingest.rollups import (
     row_percentiles,
 )
 from controlplane.ingest.service import fold_before_reading
+from controlplane.timestamps import as_utc
 
 MAX_BUCKETS = 10_000
 
@@ -104,10 +105,6 @@ def summarise(sums: BucketSums, *, bucket_seconds: int) -> dict[str, Any]:
         "throughput_tokens_per_s": sums.generated_tokens / bucket_seconds,
         "decode_tokens_per_s": _ratio(sums.generated_tokens * 1000.0, sums.total_ms_sum),
     }
-
-
-def _utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def _minute_ceil(value: datetime) -> int:
@@ -331,7 +328,7 @@ def acceptance_series(
     """
     if bucket_seconds < 60 or bucket_seconds % 60:
         raise ValidationProblem("bucket_seconds must be a positive multiple of 60 (rollups are per minute)")
-    start, end = _utc(start), _utc(end)
+    start, end = as_utc(start), as_utc(end)
     if end <= start:
         raise ValidationProblem("end must be after start")
     if (end - start).total_seconds() / bucket_seconds > MAX_BUCKETS:

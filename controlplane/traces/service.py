@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Final, cast
 
 from sqlalchemy import CursorResult, Delete, delete, insert, select
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import Deployment, Trace, TraceSource
-from controlplane.timestamps import utcnow
+from controlplane.timestamps import as_utc, utcnow
 from controlplane.traces.formats import MAX_CATEGORY_CHARS, TraceInput
 from controlplane.traces.scrub import Entity, scrub
 
@@ -47,11 +47,6 @@ class TracePage:
     next_after_id: int | None = None
 
 
-def _as_utc(moment: datetime) -> datetime:
-    # SQLite hands timestamps back naive; they were written as UTC.
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-
-
 def _execute_dml(session: Session, statement: Delete) -> int:
     """Run a bulk DELETE as plain SQL (no ORM objects loaded or synchronised); rows affected."""
     result = session.execute(statement.execution_options(synchronize_session=False))
@@ -68,7 +63,7 @@ def store_traces(
     now: datetime | None = None,
 ) -> StoreResult:
     """Scrub and add every item in the caller's transaction; count the entities scrubbed."""
-    created_at = _as_utc(now or utcnow())
+    created_at = as_utc(now or utcnow())
     totals = dict.fromkeys((entity.value for entity in Entity), 0)
     rows: list[dict[str, Any]] = []
 
@@ -128,7 +123,7 @@ def apply_retention(*, session: Session, now: datetime) -> dict[int, int]:
     Soft-deleted deployments keep their retention: their traces age out like any other.
     """
     deleted: dict[int, int] = {}
-    moment = _as_utc(now)
+    moment = as_utc(now)
     deployments = session.execute(select(Deployment.id, Deployment.trace_retention_days)).all()
     for deployment_id, retention_days in deployments:
         count = _execute_dml(
@@ -147,7 +142,7 @@ def describe_trace(trace: Trace) -> dict[str, Any]:
     """A stored trace as the API shows it (already scrubbed)."""
     return {
         "id": trace.id,
-        "created_at": _as_utc(trace.created_at).isoformat(),
+        "created_at": as_utc(trace.created_at).isoformat(),
         "source": trace.source.value,
         "dataset_name": trace.dataset_name,
         "category": trace.category,
