@@ -37,7 +37,11 @@ def upgrade() -> None:
             sa.Column(
                 "resolution",
                 sa.Enum(
-                    *RESOLUTIONS, name="drift_resolution", native_enum=False, create_constraint=True, length=32
+                    *RESOLUTIONS,
+                    name="drift_resolution",
+                    native_enum=False,
+                    create_constraint=True,
+                    length=32,
                 ),
                 nullable=True,
             )
