@@ -104,7 +104,7 @@ def update(
     row = update_deployment(
         session=session,
         principal=principal,
-        name=deployment.name,
+        deployment=deployment,
         changes=DeploymentChanges(
             speculation=body.speculation(),
             target_model=body.target_model,
@@ -127,7 +127,7 @@ def delete(
     session: SessionDep,
     deployment_ids: DeploymentIdCacheDep,
 ) -> None:
-    delete_deployment(session=session, principal=principal, name=deployment.name)
+    delete_deployment(session=session, principal=principal, deployment=deployment)
     session.commit()
     deployment_ids.clear()
 

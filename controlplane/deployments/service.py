@@ -13,7 +13,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from controlplane.accounts.service import Principal, validate_name
 from controlplane.audit.service import record_change
 from controlplane.db.models import Deployment
-from controlplane.deployments.lookup import get_deployment, resource_name
+from controlplane.deployments.lookup import resource_name
 from controlplane.deployments.spec import (
     SpeculationConfig,
     SpeculationConfigError,
@@ -160,10 +160,10 @@ def create_deployment(
 
 
 def update_deployment(
-    *, session: Session, principal: Principal, name: str, changes: DeploymentChanges
+    *, session: Session, principal: Principal, deployment: Deployment, changes: DeploymentChanges
 ) -> Deployment:
     """Change speculation settings or options; optimistic locking via ``expected_row_version``."""
-    deployment = get_deployment(session=session, account_id=principal.account_id, name=name)
+    name = deployment.name
     if changes.expected_row_version is not None and changes.expected_row_version != deployment.row_version:
         raise ConflictError(
             f"deployment {name!r} changed since row_version {changes.expected_row_version} "
@@ -241,9 +241,9 @@ def _flag_stale_drafters(
     )
 
 
-def delete_deployment(*, session: Session, principal: Principal, name: str) -> None:
+def delete_deployment(*, session: Session, principal: Principal, deployment: Deployment) -> None:
     """Soft delete: the name becomes free, the history (records, audit) is kept."""
-    deployment = get_deployment(session=session, account_id=principal.account_id, name=name)
+    name = deployment.name
     before = _audit_view(deployment)
     deployment.deleted_at = utcnow()
     session.flush()

@@ -112,7 +112,8 @@ def dismiss_event(*, session: Session, deployment_id: int, event_id: int, actor:
     event = get_event(session=session, deployment_id=deployment_id, event_id=event_id)
     if event.state not in states.UNANSWERED:
         raise ConflictError(
-            f"drift event {event_id} is {event.state.value}; only open events can be dismissed"
+            f"drift event {event_id} is {event.state.value}; "
+            "only an open or realigning event can be dismissed"
         )
     end_event(session=session, event=event, resolution=DriftResolution.dismissed, actor=actor)
     return event
