@@ -9,12 +9,16 @@ from controlplane.accounts.service import IssuedKey, create_account, first_accou
 from controlplane.config import Settings
 from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.session import unit_of_work
+from controlplane.models.service import register_reference_models
 
 
 def init_account(settings: Settings, *, account_name: str) -> IssuedKey | None:
-    """Migrate to head and create ``account_name`` with an admin key, unless an account exists."""
+    """Migrate to head, register the bundled reference pair as platform models, and create
+    ``account_name`` with an admin key, unless an account exists."""
     settings.ensure_local_dirs()
     upgrade_to_head(settings.database_url)
+    with unit_of_work(settings.database_url) as session:
+        register_reference_models(session=session, settings=settings)
     with unit_of_work(settings.database_url) as session:
         if first_account(session=session) is not None:
             return None

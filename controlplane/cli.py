@@ -47,9 +47,13 @@ class ApiClient:
             self._account = str(self.request("GET", "/v1/whoami")["account"])
         return self._account
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None
+    ) -> Any:
         try:
-            response = self._http.request(method, path, json=body)
+            response = self._http.request(
+                method, path, json=body, timeout=timeout_s if timeout_s is not None else self._http.timeout
+            )
         except httpx.HTTPError as exc:
             _fail(f"cannot reach the API at {self._http.base_url}: {exc}")
         if response.status_code >= 400:
@@ -385,9 +389,11 @@ def models_build(ctx: typer.Context) -> None:
 
 def _register_resource_verbs() -> None:
     from controlplane.cli_canary import register
+    from controlplane.cli_models import register as register_models
     from loadbench.cli import register as register_benchmark
 
     register(app)
+    register_models(app)
     register_benchmark(app)
 
 

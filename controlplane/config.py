@@ -33,8 +33,26 @@ class Settings(BaseSettings):
     result_backend_url: str = f"db+sqlite:///{VAR_DIR}/celery-results.db"
     var_dir: Path = VAR_DIR
     artifact_dir: Path = VAR_DIR / "artifacts"
-    # Where loosely named models ("target", "generic-drafter") resolve for serving and canaries.
+    # The bundled reference pair, registered as platform models by `controlplane init`.
     reference_models_dir: Path = Path(__file__).resolve().parents[1] / "workers" / "models" / "reference"
+    # Folders a model may be registered from (``model register --path``); nothing outside them
+    # (after resolving symlinks) is ever registered or loaded. The bundled models' folder is one.
+    model_roots: list[Path] = Field(
+        default_factory=lambda: [
+            Path(__file__).resolve().parents[1] / "workers" / "models",
+            VAR_DIR / "models",
+        ]
+    )
+    # Hugging Face cache for ``model register --hf-id`` (None: huggingface_hub's own default).
+    # HF_HUB_OFFLINE=1 makes registration use only what the cache already holds.
+    hf_cache_dir: Path | None = None
+    # Where drafter artifacts live, shared by workers and the serving side: file:///shared/dir or
+    # s3://bucket/prefix (None: file:// on artifact_dir). Loads copy into artifact_cache_dir and
+    # verify every file of the artifact's manifest first.
+    artifact_store_uri: str | None = None
+    artifact_cache_dir: Path = VAR_DIR / "artifact-cache"
+    # An S3-compatible endpoint (MinIO, Ceph, moto); credentials come from the usual AWS_* variables.
+    s3_endpoint_url: str | None = None
     # Peppers the API-key hash so a leaked database alone cannot be brute-forced offline.
     secret_key: str = DEFAULT_SECRET
     api_host: str = "127.0.0.1"
@@ -85,6 +103,10 @@ class Settings(BaseSettings):
     # shared CPU, more threads than cores make OpenMP spin-wait: 10x slower, not faster.
     worker_torch_threads: int = Field(default=0, ge=0)
     worker_concurrency: int = Field(default=2, ge=1)
+    # Where workers run models: "auto" (the first GPU when there is one), "cpu", "cuda" or "cuda:N".
+    worker_device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    # Memory a realignment may spend at once on the teacher's top-K pass (its logits are chunked).
+    worker_teacher_memory_mb: int = Field(default=1024, ge=16)
     realign_max_wait_s: float = Field(default=600.0, ge=0)
 
     @model_validator(mode="after")
@@ -105,6 +127,11 @@ class Settings(BaseSettings):
             None, alpha=self.canary_alpha, min_samples=self.canary_min_samples_per_arm
         )
         return self
+
+    @property
+    def artifact_store(self) -> str:
+        """The artifact store's URI: the configured one, else file:// on artifact_dir."""
+        return self.artifact_store_uri or self.artifact_dir.resolve().as_uri()
 
     @property
     def is_sqlite(self) -> bool:

@@ -24,8 +24,9 @@ from controlplane.app import create_app
 from controlplane.config import Settings
 from controlplane.db.migrate import downgrade_to_base, upgrade_to_head
 from controlplane.db.models import Account, Deployment, Role, SpeculationMode
-from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.db.session import get_engine, get_sessionmaker, unit_of_work
 from controlplane.ingest.batcher import IngestBatcher
+from controlplane.models.service import REFERENCE_TARGET, register_reference_models
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 # Per test session, so two test runs on one machine never drop each other's databases.
@@ -64,17 +65,26 @@ def _drop_session_databases() -> Iterator[None]:
     admin.dispose()
 
 
+def prepare_database(url: str) -> None:
+    """Migrate to head and register the bundled reference pair, as ``controlplane init`` does."""
+    upgrade_to_head(url)
+    with unit_of_work(url) as session:
+        register_reference_models(
+            session=session, settings=Settings(database_url=url, environment="test", secret_key=TEST_SECRET)
+        )
+
+
 @pytest.fixture(scope="session")
 def migrated_pg_url() -> str:
     url = recreate_pg_database(PG_TEST_DB)
-    upgrade_to_head(url)
+    prepare_database(url)
     return url
 
 
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
-    upgrade_to_head(f"sqlite:///{path}")
+    prepare_database(f"sqlite:///{path}")
     get_engine(f"sqlite:///{path}").dispose()
     return path
 
@@ -135,7 +145,7 @@ def add_deployment_to(session: Session, account_id: int, name: str = "d") -> Dep
     deployment = Deployment(
         account_id=account_id,
         name=name,
-        target_model="m",
+        target_model=REFERENCE_TARGET,
         speculation_mode=SpeculationMode.default,
         drift_policy={},
         canary_policy={},

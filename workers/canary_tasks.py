@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import logging
 import random
-from pathlib import Path
 from typing import Any
 
 from controlplane import messaging
+from controlplane.artifacts.manifest import ArtifactVerificationError
 from controlplane.canary.evaluate import evaluate_deployment
 from controlplane.canary.service import deployments_with_open_canaries
-from controlplane.canary.shadow import ReplayPlan, claim_replay, finish_replay
-from controlplane.config import get_settings
+from controlplane.canary.shadow import ReplayPlan, claim_replay, fail_replay, finish_replay
+from controlplane.config import Settings, get_settings
 from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
-from controlplane.drafters.serving import ReferenceModels
-from controlplane.errors import ConflictError
-from controlplane.jobs.service import fail_job, report_progress
+from controlplane.errors import ConflictError, DomainError
+from controlplane.jobs.service import report_progress
 from workers.celery_app import (
     InstrumentedTask,
     TransientError,
@@ -65,6 +64,9 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
             claim = claim_replay(session=session, job_id=job_id, delivery_id=self.request.id)
     except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
+    except DomainError as exc:  # e.g. the target was unregistered: nothing to replay against
+        with unit_of_work(url) as session:
+            return fail_replay(session=session, job_id=job_id, error=exc.message, candidate_refused=False)
     if claim.done is not None or claim.plan is None:
         return claim.done or {"job_id": job_id, "skipped": "nothing to replay"}
     plan = claim.plan
@@ -75,14 +77,22 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
             return report_progress(session=session, job_id=job_id, fraction=fraction, message=message)
 
     try:
-        result = _replay(plan, ReferenceModels(settings.reference_models_dir), progress)
+        result = _replay(plan, settings, progress)
     except _Cancelled:
         return {"job_id": job_id, "stopped": "cancelled"}
+    except _CandidateRefused as exc:  # a changed or missing file: this candidate never serves
+        log.error("shadow replay of job %s refused the candidate: %s", job_id, exc)
+        with unit_of_work(url) as session:
+            return fail_replay(session=session, job_id=job_id, error=str(exc), candidate_refused=True)
     except Exception as exc:  # bad artifacts or data do not get better on retry
         log.exception("shadow replay of job %s failed", job_id)
         with unit_of_work(url) as session:
-            fail_job(session=session, job_id=job_id, error=f"{type(exc).__name__}: {exc}")
-        return {"job_id": job_id, "failed": str(exc)}
+            return fail_replay(
+                session=session,
+                job_id=job_id,
+                error=f"{type(exc).__name__}: {exc}",
+                candidate_refused=False,
+            )
     with unit_of_work(url) as session:
         return finish_replay(
             session=session, job_id=job_id, canary_id=plan.canary_id, result=result, settings=settings
@@ -93,36 +103,48 @@ class _Cancelled(Exception):
     """The canary job was cancelled during the replay."""
 
 
-def _replay(plan: ReplayPlan, models: ReferenceModels, progress: Progress) -> dict[str, Any]:
+class _CandidateRefused(Exception):
+    """The candidate's artifact failed verification (a file changed, missing or unexpected)."""
+
+
+def _replay(plan: ReplayPlan, settings: Settings, progress: Progress) -> dict[str, Any]:
     # torch is imported here, not at module import: beat loads this module too.
     import torch
 
     from workers.canary.replay import ReplayCancelledError
     from workers.canary.replay import shadow_replay as replay
+    from workers.devices import resolve_device, weights_dtype
     from workers.engine.hf_io import load_hf_folder
+    from workers.engine.tokenizer import ensure_same_tokenizer
+    from workers.loading import VerifiedModels
+    from workers.model_cache import TARGETS
 
     if not plan.requests:
         raise ValueError("no held-out prompts: the deployment has no traces the candidate did not train on")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(settings.worker_device)
+    dtype = weights_dtype(device)
     torch.set_num_threads(torch_threads_for_this_process())
-    target_folder = models.resolve(plan.target_model)
-    if target_folder is None:
-        raise ValueError("the deployment names no target model")
-    target, tokenizer = load_hf_folder(target_folder, device=device)
-    drafters: dict[str, tuple[str | None, str | None]] = {
-        "incumbent": plan.incumbent_artifact or (models.resolve(plan.incumbent_model), None),
-        "candidate": plan.candidate_artifact,
-    }
+    models = VerifiedModels(settings)
+    try:
+        candidate_folder = models.folder(plan.candidate, reverify=True)
+    except ArtifactVerificationError as exc:
+        raise _CandidateRefused(str(exc)) from exc
+    target_folder = models.folder(plan.target)
+    target, tokenizer = TARGETS.get(
+        target_folder,
+        identity=plan.target.identity,
+        device=device,
+        dtype=dtype,
+        loader=lambda: load_hf_folder(target_folder, device=device, dtype=dtype),
+    )
+    folders = {"candidate": (plan.candidate.name, candidate_folder)}
+    if plan.incumbent is not None:  # none when the deployment speculated with no drafter
+        folders["incumbent"] = (plan.incumbent.name, models.folder(plan.incumbent))
     arms: dict[str, Any] = {"baseline": None}
-    for name, (path, sha) in drafters.items():
-        if path is None or not Path(path, "config.json").is_file():
-            if name == "candidate":
-                raise ValueError(f"candidate artifact {path} is missing")
-            continue  # no incumbent drafter (speculation was off): two arms
-        model, tok = load_hf_folder(path, device=device, expected_sha256=sha)
-        if tok.fingerprint != tokenizer.fingerprint:
-            raise ValueError(f"the {name} drafter's tokenizer differs from the target's")
-        arms[name] = model
+    for arm, (name, folder) in folders.items():
+        model, tok = load_hf_folder(folder, device=device, dtype=dtype)
+        ensure_same_tokenizer(tokenizer, tok, plan.target.name, name)
+        arms[arm] = model
     # Each request replays at the length it was served (capped by the policy's shadow_new_tokens):
     # one a client ended with a stop string is not replayed into text nobody asked for.
     cap = plan.new_tokens

@@ -7,18 +7,20 @@ No SQL, statistics or training logic lives here: the services are ``controlplane
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from controlplane import messaging
-from controlplane.config import get_settings
+from controlplane.artifacts.store import open_store
+from controlplane.config import Settings, get_settings
 from controlplane.db.models import DriftResolution
 from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
 from controlplane.drift.service import advance_monitor, deployments_with_new_records
-from controlplane.errors import ConflictError
+from controlplane.errors import ConflictError, DomainError
 from controlplane.jobs import realign as realign_job
 from controlplane.jobs.service import claim_stale_queued_realigns, fail_job, report_progress
 from controlplane.timestamps import utcnow
@@ -120,22 +122,8 @@ def apply_trace_retention() -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------ realignment
 
-REFERENCE_MODELS = Path(__file__).resolve().parent / "models" / "reference"
 DEFAULT_TIME_BUDGET_S = 240.0
 TRACE_POLL_S = 2.0
-
-
-def model_folder(name: str | None, fallback: Path) -> Path:
-    """A local HF folder for a model name: the path itself, a reference model's name, else the fallback.
-
-    Deployments on the reference setup name their models loosely ("m", "reference"); the fallback
-    is recorded in the version's training metrics, so a silent substitution stays visible.
-    """
-    if name:
-        for candidate in (Path(name), REFERENCE_MODELS / name):
-            if (candidate / "config.json").is_file():
-                return candidate
-    return fallback
 
 
 class _Stopped(Exception):
@@ -185,9 +173,13 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
         return {"job_id": job_id, "stopped": str(stop)}
     except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
+    except DomainError as exc:  # e.g. the target was unregistered: no model to train against
+        with unit_of_work(url) as session:
+            fail_job(session=session, job_id=job_id, error=exc.message)
+        return {"job_id": job_id, "failed": exc.message}
 
     try:
-        metrics, artifact = _train_and_save(inputs, job_id, settings.artifact_dir, progress)
+        metrics, artifact = _train_and_save(inputs, job_id, settings, progress)
     except _Stopped as stop:
         log.info("realign job %s stopped: %s", job_id, stop)
         return {"job_id": job_id, "stopped": str(stop)}
@@ -202,8 +194,9 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
             session=session,
             job_id=job_id,
             inputs=inputs,
-            artifact_path=str(artifact.path),
+            artifact_path=artifact.uri,
             artifact_sha256=artifact.sha256,
+            manifest_sha256=artifact.manifest_sha256,
             metrics=metrics,
         )
     # Once per job: a redelivery finds the version registered and sends nothing.
@@ -211,13 +204,24 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
     return registered.result
 
 
+@dataclass(frozen=True, slots=True)
+class StoredArtifact:
+    uri: str
+    sha256: str
+    manifest_sha256: str
+
+
 def _train_and_save(
-    inputs: realign_job.RealignInputs, job_id: int, artifact_dir: Path, progress: Progress
-) -> tuple[dict[str, Any], Any]:
+    inputs: realign_job.RealignInputs, job_id: int, settings: Settings, progress: Progress
+) -> tuple[dict[str, Any], StoredArtifact]:
     # torch is imported here, not at module import: the beat and drift tasks share this module.
     import torch
 
+    from workers.devices import resolve_device, weights_dtype
     from workers.engine.hf_io import load_hf_folder
+    from workers.engine.tokenizer import ensure_same_tokenizer
+    from workers.loading import VerifiedModels
+    from workers.model_cache import TARGETS
     from workers.training.realign import (
         NotEnoughDataError,
         RealignCancelledError,
@@ -227,24 +231,35 @@ def _train_and_save(
         save_drafter,
     )
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if inputs.incumbent is None:
+        raise ValueError(
+            "the deployment has no drafter to realign: name a draft_model or give its target a "
+            "default drafter"
+        )
+    device = resolve_device(settings.worker_device)
+    dtype = weights_dtype(device)
     torch.set_num_threads(torch_threads_for_this_process())
-    default_budget = get_settings().realign_time_budget_s or DEFAULT_TIME_BUDGET_S
-    target_folder = model_folder(inputs.target_model, REFERENCE_MODELS / "target")
-    if inputs.incumbent_artifact is not None:
-        incumbent_folder, incumbent_sha = Path(inputs.incumbent_artifact[0]), inputs.incumbent_artifact[1]
-    else:
-        incumbent_folder = model_folder(inputs.incumbent_model, REFERENCE_MODELS / "generic-drafter")
-        incumbent_sha = None
-    target, tokenizer = load_hf_folder(target_folder, device=device)
-    incumbent, incumbent_tok = load_hf_folder(incumbent_folder, device=device, expected_sha256=incumbent_sha)
-    if incumbent_tok.fingerprint != tokenizer.fingerprint:
-        raise ValueError("the incumbent drafter's tokenizer differs from the target's")
+    default_budget = settings.realign_time_budget_s or DEFAULT_TIME_BUDGET_S
+    models = VerifiedModels(settings)
+    target_folder = models.folder(inputs.target)
+    incumbent_folder = models.folder(inputs.incumbent)
+    target, tokenizer = TARGETS.get(
+        target_folder,
+        identity=inputs.target.identity,
+        device=device,
+        dtype=dtype,
+        loader=lambda: load_hf_folder(target_folder, device=device, dtype=dtype),
+    )
+    # The incumbent is trained in place, so it is loaded fresh (never from the shared cache), in
+    # float32: the optimizer keeps master weights at full precision (autocast runs bf16 on CUDA).
+    incumbent, incumbent_tok = load_hf_folder(incumbent_folder, device=device)
+    ensure_same_tokenizer(tokenizer, incumbent_tok, inputs.target.name, inputs.incumbent.name)
     params = inputs.params
     cfg = RealignConfig(
         seed=int(params.get("seed", 0)),
         time_budget_s=float(params.get("time_budget_s", default_budget)),
-        device=device,
+        device=str(device),
+        teacher_memory_mb=settings.worker_teacher_memory_mb,
     )
     if params.get("replay_share") is not None:
         cfg.replay_share = float(params["replay_share"])
@@ -255,7 +270,7 @@ def _train_and_save(
     except RealignCancelledError as exc:
         raise _Stopped(f"cancelled at: {exc}") from exc
     except NotEnoughDataError as exc:
-        with unit_of_work(get_settings().database_url) as session:
+        with unit_of_work(settings.database_url) as session:
             fail_job(
                 session=session, job_id=job_id, error=str(exc), resolution=DriftResolution.not_enough_data
             )
@@ -264,16 +279,24 @@ def _train_and_save(
         **{k: v for k, v in result.metrics.items() if k != "config"},
         "seed": cfg.seed,
         "time_budget_s": cfg.time_budget_s,
-        "target_folder": str(target_folder),
-        "incumbent_folder": str(incumbent_folder),
+        "device": str(device),
+        "target": inputs.target.name,
+        "target_identity": inputs.target.identity,
+        "incumbent": inputs.incumbent.name,
+        "incumbent_identity": inputs.incumbent.identity,
         "tokenizer_fingerprint": tokenizer.fingerprint,
     }
-    folder = Path(artifact_dir) / f"deployment-{inputs.deployment_id}" / f"job-{job_id}"
+    key = f"deployment-{inputs.deployment_id}/job-{job_id}"
+    staging = settings.var_dir / "staging" / key
     artifact = save_drafter(
         result.model,
         tokenizer,
-        folder,
-        metadata={"job_id": job_id, "deployment_id": inputs.deployment_id, "target": str(target_folder)},
+        staging,
+        metadata={"job_id": job_id, "deployment_id": inputs.deployment_id, "target": inputs.target.name},
     )
-    progress(0.99, "artifact saved")
-    return metrics, artifact
+    uri = open_store(settings.artifact_store, s3_endpoint_url=settings.s3_endpoint_url).upload_folder(
+        artifact.path, key
+    )
+    shutil.rmtree(staging, ignore_errors=True)  # the store holds it now
+    progress(0.99, "artifact stored")
+    return metrics, StoredArtifact(uri, artifact.sha256, artifact.manifest_sha256)

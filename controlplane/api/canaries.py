@@ -36,7 +36,7 @@ from controlplane.canary.tuning_view import draft_length_table
 from controlplane.config import Settings
 from controlplane.db.models import Canary, Deployment, DrafterVersion
 from controlplane.drafters.service import get_version, list_versions, version_summary
-from controlplane.drafters.serving import ReferenceModels, serving_config
+from controlplane.drafters.serving import serving_config
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["canary"])
 
@@ -60,12 +60,8 @@ def _policy(deployment: Deployment, settings: Settings) -> schemas.CanaryPolicy:
 
 
 @router.get("/serving-config")
-def serving(
-    account: str, deployment: ServingDeployment, session: SessionDep, settings: SettingsDep
-) -> schemas.ServingConfig:
-    config = serving_config(
-        session=session, deployment=deployment, models=ReferenceModels(settings.reference_models_dir)
-    )
+def serving(account: str, deployment: ServingDeployment, session: SessionDep) -> schemas.ServingConfig:
+    config = serving_config(session=session, deployment=deployment)
     return schemas.ServingConfig.model_validate(config)
 
 

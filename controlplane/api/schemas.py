@@ -92,6 +92,14 @@ class Deployment(Reply):
     effective_draft_token_count: int
     ngram_speculation_length: int | None
     active_drafter_version: int | None
+    registered_drafter: str | None = Field(
+        description="the registered drafter speculated with while no trained version is active"
+    )
+    registered_drafter_source: str = Field(
+        description="explicit (draft_model), target_default (the target's default drafter), "
+        "none (no drafter: no speculation) or not_applicable (n-gram or disabled)"
+    )
+    speculation_note: str
     drafter_stale: bool = Field(description="the active drafter was trained for another target")
     drafter_stale_reason: str | None
     auto_realign: bool
@@ -277,12 +285,21 @@ class RealignResult(Job):
 # --- drafter versions, canaries, serving config, draft length -------------------------------
 
 
+class ModelRef(Reply):
+    """Where a model's files are and the digests every load verifies them by."""
+
+    name: str
+    uri: str = Field(description="file:// folder or s3:// artifact")
+    files: dict[str, str] = Field(description="a registered model's sha256 per file")
+    manifest_sha256: str | None = Field(description="a drafter artifact's MANIFEST.json sha256")
+    identity: str
+
+
 class ServingArm(Reply):
     arm: str
     weight: float
     speculation: SpeculationMode
-    drafter_path: str | None
-    drafter_sha256: str | None
+    drafter: ModelRef | None
     drafter_version: int | None
     k: int
     ngram_length: int
@@ -290,8 +307,7 @@ class ServingArm(Reply):
 
 class ServingConfig(Reply):
     model: str
-    target_path: str | None
-    target_sha256: str | None
+    target: ModelRef
     trace_sample_rate: float
     arms: list[ServingArm]
     config_version: str = Field(description="changes whenever anything else in this reply changes")
@@ -302,7 +318,9 @@ class DrafterVersion(Reply):
     state: DrafterState
     parent_version_id: int | None
     training_job_id: int | None
+    artifact_uri: str
     artifact_sha256: str
+    manifest_sha256: str | None
     traffic_window_start: str | None
     traffic_window_end: str | None
     training_metrics: dict[str, Any]
@@ -380,3 +398,32 @@ class DraftLengthTable(Reply):
     cost_ratio: float | None = None
     extrapolated_acceptance: float | None = None
     rows: list[DraftLengthRow] | None = None
+
+
+# --- registered models -------------------------------------------------------------------------
+
+
+class RegisteredModel(Reply):
+    name: str
+    scope: str = Field(description="account (this account's own) or platform (every account's)")
+    source: str = Field(description="path (a folder under a model root) or hf (a Hugging Face id)")
+    hf_id: str | None
+    hf_revision: str | None
+    family: str
+    architecture: str | None
+    parameter_count: int
+    dtype: str
+    vocab_size: int
+    embedding_rows: int
+    tokenizer_size: int
+    tokenizer_fingerprint: str
+    files: dict[str, str] = Field(description="sha256 of every file loading reads")
+    manifest_sha256: str
+    total_bytes: int
+    drafter_for: list[str] = Field(description="targets this model may draft for")
+    default_drafter: str | None = Field(description="the drafter deployments of this target get by default")
+    created_at: str
+
+
+class RegisteredModelList(Reply):
+    models: list[RegisteredModel]

@@ -22,6 +22,7 @@ from controlplane.canary import policy as decision_policy
 from controlplane.canary.phases import CanaryDecision, CanaryPhase
 from controlplane.canary.policy import CanaryPolicy
 from controlplane.canary.service import (
+    UnverifiedArtifactError,
     canary_policy,
     close_watch,
     end_inconclusive,
@@ -279,17 +280,21 @@ def _apply_decision(
                 expected_hit = (float(row["expected_tokens_per_step"]) - 1.0) / new_k
                 figures["expected_hit_rate_at_new_k"] = expected_hit
         candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
-        promote(
-            session=session,
-            deployment_id=canary.deployment_id,
-            version_number=candidate.version,
-            actor="system",
-            reason=f"{source}: {outcome.reason}",
-            canary=canary,
-            figures=figures,
-            draft_token_count=new_k,
-            expected_hit_rate=expected_hit,
-        )
+        try:
+            promote(
+                session=session,
+                deployment_id=canary.deployment_id,
+                version_number=candidate.version,
+                actor="system",
+                reason=f"{source}: {outcome.reason}",
+                canary=canary,
+                figures=figures,
+                draft_token_count=new_k,
+                expected_hit_rate=expected_hit,
+            )
+        except UnverifiedArtifactError as exc:
+            # It won on the numbers, but its files changed since: it must not serve.
+            reject(session=session, canary=canary, actor="system", reason=str(exc), figures=figures)
     elif outcome.decision == CanaryDecision.reject:
         reject(
             session=session,

@@ -17,10 +17,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.service import Principal
+from controlplane.artifacts.manifest import ArtifactVerificationError
+from controlplane.artifacts.store import ArtifactStoreError, VerifiedArtifactCache
 from controlplane.audit.service import record_change
 from controlplane.canary.phases import OPEN, UNDECIDED, CanaryDecision, CanaryPhase, move
 from controlplane.canary.policy import CanaryPolicy, CanaryPolicyError
-from controlplane.config import Settings
+from controlplane.config import Settings, get_settings
 from controlplane.db.models import (
     Canary,
     Deployment,
@@ -280,6 +282,7 @@ def promote(
         .where(Canary.candidate_version_id == version.id, Canary.phase.in_(UNDECIDED))
         .order_by(Canary.id.desc())
     )
+    _refuse_unverified(version)
     restore = drafters.promote_version(
         session=session,
         deployment=deployment,
@@ -317,6 +320,29 @@ def promote(
             },
         }
     return version
+
+
+class UnverifiedArtifactError(ConflictError):
+    """The candidate's artifact no longer matches its manifest: it is never promoted."""
+
+
+def _refuse_unverified(version: DrafterVersion) -> None:
+    """A version whose artifact no longer matches its manifest is never promoted.
+
+    Versions registered before artifacts recorded a manifest digest have none to check here; the
+    servers still verify their folder's own manifest when they load them.
+    """
+    if version.manifest_sha256 is None:
+        return
+    settings = get_settings()
+    location = drafters.location_of_version(version)
+    cache = VerifiedArtifactCache(settings.artifact_cache_dir, s3_endpoint_url=settings.s3_endpoint_url)
+    try:
+        cache.local_folder(location.uri, location.manifest_sha256)
+    except (ArtifactVerificationError, ArtifactStoreError, ValueError) as exc:
+        raise UnverifiedArtifactError(
+            f"drafter version {version.version} failed verification and is not promoted: {exc}"
+        ) from exc
 
 
 def reject(

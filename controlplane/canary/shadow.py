@@ -15,14 +15,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.canary.evaluate import record_shadow_result
-from controlplane.canary.phases import OPEN
-from controlplane.canary.service import canary_of_job, canary_policy
+from controlplane.canary.phases import OPEN, UNDECIDED
+from controlplane.canary.service import canary_of_job, canary_policy, end_inconclusive, reject
 from controlplane.config import Settings
 from controlplane.db.models import Deployment, DrafterVersion, Job, JobState, Trace
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
-from controlplane.drafters.service import active_drafter
+from controlplane.drafters.service import location_of_version
+from controlplane.drafters.serving import incumbent_location, target_location
 from controlplane.jobs.service import fail_job, finish_job, start_job
 from controlplane.jobs.states import TERMINAL
+from controlplane.models.location import ModelLocation
 from controlplane.timestamps import as_utc
 from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, is_held_out, trace_key
 
@@ -33,11 +35,10 @@ class ReplayPlan:
     (prompt, served completion), newest first."""
 
     canary_id: int
-    target_model: str
-    candidate_artifact: tuple[str, str]
-    # The active version's artifact when there is one, else the deployment's configured drafter name.
-    incumbent_artifact: tuple[str, str] | None
-    incumbent_model: str | None
+    target: ModelLocation
+    candidate: ModelLocation
+    # The drafter serving now (the active version, else the registered one), if any.
+    incumbent: ModelLocation | None
     k: int
     requests: list[tuple[str, str]]
     new_tokens: int
@@ -83,17 +84,15 @@ def claim_replay(*, session: Session, job_id: int, delivery_id: str | None) -> R
         start_job(session=session, job_id=job_id, celery_task_id=delivery_id)
     deployment = session.get_one(Deployment, canary.deployment_id)
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
-    incumbent = active_drafter(session=session, deployment_id=deployment.id)
     policy = canary_policy(deployment)
     config = speculation_of(deployment)
     return ReplayClaim(
         None,
         ReplayPlan(
             canary_id=canary.id,
-            target_model=deployment.target_model,
-            candidate_artifact=(candidate.artifact_path, candidate.artifact_sha256),
-            incumbent_artifact=(incumbent.artifact_path, incumbent.artifact_sha256) if incumbent else None,
-            incumbent_model=deployment.draft_model,
+            target=target_location(session=session, deployment=deployment),
+            candidate=location_of_version(candidate),
+            incumbent=incumbent_location(session=session, deployment=deployment),
             k=int(canary.arms.get("k") or config.effective_draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT),
             requests=held_out_requests(
                 session=session, deployment_id=deployment.id, candidate=candidate, n=policy.shadow_prompts
@@ -112,3 +111,20 @@ def finish_replay(
     if job.state == JobState.running:
         finish_job(session=session, job_id=job_id, result={"canary_id": canary_id, "phase": phase})
     return {"job_id": job_id, "canary_id": canary_id, "phase": phase}
+
+
+def fail_replay(*, session: Session, job_id: int, error: str, candidate_refused: bool) -> dict[str, Any]:
+    """The replay could not run: fail its job and end its canary, so nothing waits on it forever.
+
+    A candidate whose artifact failed verification is rejected (it is never promoted); any other
+    failure leaves the canary inconclusive and the incumbent serving.
+    """
+    fail_job(session=session, job_id=job_id, error=error)
+    canary = canary_of_job(session=session, job_id=job_id)
+    if canary is None or canary.phase not in UNDECIDED:
+        return {"job_id": job_id, "failed": error}
+    if candidate_refused:
+        reject(session=session, canary=canary, actor="system", reason=f"candidate artifact refused: {error}")
+    else:
+        end_inconclusive(session=session, canary=canary, reason=f"shadow replay failed: {error}", figures={})
+    return {"job_id": job_id, "failed": error, "canary_id": canary.id, "phase": canary.phase}

@@ -182,6 +182,59 @@ class Deployment(Base):
     __mapper_args__ = {"version_id_col": row_version}
 
 
+class RegisteredModel(Base):
+    """A model folder deployments may name: a target, a drafter (it lists the targets it may
+    serve), or both. ``account_id`` NULL is a platform model every account can use."""
+
+    __tablename__ = "registered_models"
+    __table_args__ = (
+        Index(
+            "uq_registered_models_account_name",
+            "account_id",
+            "name",
+            unique=True,
+            postgresql_where=text("account_id IS NOT NULL"),
+            sqlite_where=text("account_id IS NOT NULL"),
+        ),
+        Index(
+            "uq_registered_models_platform_name",
+            "name",
+            unique=True,
+            postgresql_where=text("account_id IS NULL"),
+            sqlite_where=text("account_id IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    account_id: Mapped[int | None] = mapped_column(ForeignKey("accounts.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    # Where it came from: a folder under a model root, or a Hugging Face id at a revision.
+    source: Mapped[str] = mapped_column(String(16))
+    hf_id: Mapped[str | None] = mapped_column(String(300))
+    hf_revision: Mapped[str | None] = mapped_column(String(100))
+    # The resolved local folder (inside a model root or the Hugging Face cache).
+    location: Mapped[str] = mapped_column(String(1000))
+    family: Mapped[str] = mapped_column(String(32))
+    architecture: Mapped[str | None] = mapped_column(String(100))
+    parameter_count: Mapped[int] = mapped_column(BigInteger)
+    dtype: Mapped[str] = mapped_column(String(16))
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    embedding_rows: Mapped[int] = mapped_column(Integer)
+    tokenizer_size: Mapped[int] = mapped_column(Integer)
+    tokenizer_fingerprint: Mapped[str] = mapped_column(String(64))
+    # sha256 of every file loading reads, verified before each load; the digest names the set.
+    files: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    manifest_sha256: Mapped[str] = mapped_column(String(64))
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    # Names of the targets this model may draft for (empty: a target only).
+    drafter_for: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    # The drafter a deployment of this target gets when it sets no speculation flags.
+    default_drafter_id: Mapped[int | None] = mapped_column(
+        ForeignKey("registered_models.id", ondelete="SET NULL")
+    )
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class DrafterVersion(Base):
     __tablename__ = "drafter_versions"
     __table_args__ = (
@@ -206,6 +259,8 @@ class DrafterVersion(Base):
     traffic_window_end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     artifact_path: Mapped[str] = mapped_column(String(1000))
     artifact_sha256: Mapped[str] = mapped_column(String(64))
+    # sha256 of the artifact's MANIFEST.json: every load verifies it, then every file it lists.
+    manifest_sha256: Mapped[str | None] = mapped_column(String(64))
     # The target model the drafter was trained against (the deployment's target_model then): when
     # the deployment's target changes, versions trained for another target are stale.
     target_model: Mapped[str | None] = mapped_column(String(500))

@@ -29,6 +29,7 @@ from controlplane.drafters.service import (
     stale_versions,
 )
 from controlplane.errors import ConflictError, ValidationProblem
+from controlplane.models.service import drafter_choice, validate_deployment_models
 from controlplane.timestamps import utcnow
 
 DRIFT_POLICY_KEYS = {"arl0_requests", "min_drop", "cooldown_s", "reference_requests"}
@@ -60,6 +61,7 @@ def describe(*, session: Session, deployment: Deployment, account_name: str) -> 
     config = speculation_of(deployment)
     active = active_drafter(session=session, deployment_id=deployment.id)
     stale_reason = drafter_staleness(deployment, active) if active is not None else None
+    choice = drafter_choice(session=session, deployment=deployment)
     return {
         "name": resource_name(account_name, deployment.name),
         "deployment_id": deployment.name,
@@ -71,6 +73,10 @@ def describe(*, session: Session, deployment: Deployment, account_name: str) -> 
         "effective_draft_token_count": config.effective_draft_token_count,
         "ngram_speculation_length": config.ngram_speculation_length,
         "active_drafter_version": active.version if active else None,
+        # The registered drafter used when no trained version is active, and where it comes from.
+        "registered_drafter": choice.model.name if choice.model is not None else None,
+        "registered_drafter_source": choice.source,
+        "speculation_note": choice.note,
         # The active drafter was trained for another target than the one now served.
         "drafter_stale": stale_reason is not None,
         "drafter_stale_reason": stale_reason,
@@ -126,6 +132,12 @@ def create_deployment(
         config = resolve_create(speculation)
     except SpeculationConfigError as exc:
         raise ValidationProblem(str(exc)) from exc
+    validate_deployment_models(
+        session=session,
+        account_id=principal.account_id,
+        target_model=target_model,
+        draft_model=config.draft_model,
+    )
     exists = session.scalar(
         select(Deployment.id).where(
             Deployment.account_id == principal.account_id,
@@ -180,6 +192,13 @@ def update_deployment(
         if not changes.target_model.strip():
             raise ValidationProblem("target_model must not be empty")
         deployment.target_model = changes.target_model
+    if (deployment.target_model, deployment.draft_model) != (old_target, before["draft_model"]):
+        validate_deployment_models(
+            session=session,
+            account_id=deployment.account_id,
+            target_model=deployment.target_model,
+            draft_model=deployment.draft_model,
+        )
     if changes.display_name is not None:
         deployment.display_name = changes.display_name
     if changes.auto_realign is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
@@ -22,6 +23,7 @@ from controlplane.deployments.lookup import resource_of
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.drafters import states
 from controlplane.errors import ConflictError, NotFoundError
+from controlplane.models.location import ModelLocation
 from controlplane.timestamps import utcnow
 
 # --- reads ----------------------------------------------------------------------------------
@@ -72,7 +74,9 @@ def version_summary(version: DrafterVersion) -> dict[str, Any]:
         "state": version.state.value,
         "parent_version_id": version.parent_version_id,
         "training_job_id": version.training_job_id,
+        "artifact_uri": version.artifact_path,
         "artifact_sha256": version.artifact_sha256,
+        "manifest_sha256": version.manifest_sha256,
         "traffic_window_start": version.traffic_window_start.isoformat()
         if version.traffic_window_start
         else None,
@@ -139,6 +143,7 @@ class TrainedDrafter:
     target_model: str
     artifact_path: str
     artifact_sha256: str
+    manifest_sha256: str | None
     traffic_window_start: datetime | None
     traffic_window_end: datetime | None
     training_metrics: dict[str, Any]
@@ -163,6 +168,7 @@ def register_candidate(*, session: Session, trained: TrainedDrafter, actor: str)
         traffic_window_end=trained.traffic_window_end,
         artifact_path=trained.artifact_path,
         artifact_sha256=trained.artifact_sha256,
+        manifest_sha256=trained.manifest_sha256,
         target_model=trained.target_model,
         state=DrafterState.candidate,
         training_metrics=trained.training_metrics,
@@ -348,3 +354,17 @@ def roll_back(*, session: Session, deployment: Deployment, actor: str, reason: s
         },
     )
     return RolledBack(removed=current, restored=previous)
+
+
+def location_of_version(version: DrafterVersion) -> ModelLocation:
+    """Where a trained version's artifact is (its URI; rows from before the store hold a bare
+    path) and the manifest digest every load checks."""
+    uri = version.artifact_path
+    if "://" not in uri:
+        uri = Path(uri).resolve().as_uri()
+    return ModelLocation(
+        name=f"drafter-v{version.version}",
+        uri=uri,
+        manifest_sha256=version.manifest_sha256,
+        identity=version.manifest_sha256 or version.artifact_sha256,
+    )

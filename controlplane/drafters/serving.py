@@ -1,14 +1,15 @@
 """The serving config: what the fleet should run now for a deployment (target, drafter, k, and the
-canary's traffic split while one is live), and where loosely named reference models live.
+canary's traffic split while one is live).
 
-Servers poll it; ``config_version`` changes whenever anything in the answer changes.
+Every model is named by location and digest (``ModelRef``): a registered model's folder with the
+sha256 of each file, or a trained drafter's artifact URI with its manifest's sha256. Servers load
+nothing they have not verified against these. ``config_version`` changes whenever anything in the
+answer changes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -17,44 +18,51 @@ from sqlalchemy.orm import Session
 from controlplane.canary.phases import CanaryPhase
 from controlplane.db.models import Canary, Deployment, DrafterVersion, SpeculationMode
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
-from controlplane.drafters.service import active_drafter
+from controlplane.drafters.service import active_drafter, location_of_version
+from controlplane.errors import ConflictError
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
+from controlplane.models.location import ModelLocation
+from controlplane.models.service import drafter_choice, find_model, location_of
 
 
-@dataclass(frozen=True, slots=True)
-class ReferenceModels:
-    """Where loosely named models ("target", "generic-drafter") resolve to HF folders."""
-
-    root: Path
-
-    def resolve(self, name: str | None) -> str | None:
-        if not name:
-            return None
-        for candidate in (Path(name), self.root / name):
-            if (candidate / "config.json").is_file():
-                return str(candidate)
-        return name  # the serving side resolves it (a path on its own disk, or a hub-free name)
+def target_location(*, session: Session, deployment: Deployment) -> ModelLocation:
+    """The deployment's registered target; a target unregistered since is a clear conflict,
+    never a substitute."""
+    target = find_model(session=session, account_id=deployment.account_id, name=deployment.target_model)
+    if target is None:
+        raise ConflictError(
+            f"target model {deployment.target_model!r} of deployment {deployment.name!r} is no longer "
+            "registered; register it again or point the deployment at a registered model"
+        )
+    return location_of(target)
 
 
-def serving_config(*, session: Session, deployment: Deployment, models: ReferenceModels) -> dict[str, Any]:
+def incumbent_location(*, session: Session, deployment: Deployment) -> ModelLocation | None:
+    """The drafter serving now: the active trained version, else the registered drafter the
+    deployment names or inherits from its target; None when it speculates with no drafter."""
+    active = active_drafter(session=session, deployment_id=deployment.id)
+    if active is not None:
+        return location_of_version(active)
+    choice = drafter_choice(session=session, deployment=deployment)
+    return location_of(choice.model) if choice.model is not None else None
+
+
+def serving_config(*, session: Session, deployment: Deployment) -> dict[str, Any]:
     """What the serving fleet should run now: one ``live`` arm, plus the canary's arms while live."""
     config = speculation_of(deployment)
     active = active_drafter(session=session, deployment_id=deployment.id)
+    drafter = incumbent_location(session=session, deployment=deployment)
     k = config.effective_draft_token_count
     mode = config.mode.value
     if mode == SpeculationMode.default.value:
-        mode = (
-            SpeculationMode.draft_model.value
-            if (active or deployment.draft_model)
-            else SpeculationMode.disabled.value
-        )
+        mode = SpeculationMode.draft_model.value if drafter is not None else SpeculationMode.disabled.value
+    uses_drafter = mode == SpeculationMode.draft_model.value
     live: dict[str, Any] = {
         "arm": ARM_LIVE,
         "weight": 1.0,
         "speculation": mode,
-        "drafter_path": active.artifact_path if active else models.resolve(deployment.draft_model),
-        "drafter_sha256": active.artifact_sha256 if active else None,
-        "drafter_version": active.version if active else None,
+        "drafter": drafter.to_dict() if drafter is not None and uses_drafter else None,
+        "drafter_version": active.version if active and uses_drafter else None,
         "k": k or DEFAULT_DRAFT_TOKEN_COUNT,
         "ngram_length": deployment.ngram_speculation_length or 3,
     }
@@ -73,8 +81,7 @@ def serving_config(*, session: Session, deployment: Deployment, models: Referenc
                 "arm": f"{ARM_CANARY_PREFIX}{candidate.version}",
                 "weight": weights["candidate"],
                 "speculation": SpeculationMode.draft_model.value,
-                "drafter_path": candidate.artifact_path,
-                "drafter_sha256": candidate.artifact_sha256,
+                "drafter": location_of_version(candidate).to_dict(),
                 "drafter_version": candidate.version,
                 "k": int(canary.arms.get("k") or live["k"]),
                 "ngram_length": live["ngram_length"],
@@ -85,8 +92,7 @@ def serving_config(*, session: Session, deployment: Deployment, models: Referenc
                 "arm": ARM_BASELINE,
                 "weight": weights["baseline"],
                 "speculation": SpeculationMode.disabled.value,
-                "drafter_path": None,
-                "drafter_sha256": None,
+                "drafter": None,
                 "drafter_version": None,
                 "k": 0,
                 "ngram_length": live["ngram_length"],
@@ -94,8 +100,7 @@ def serving_config(*, session: Session, deployment: Deployment, models: Referenc
         )
     body = {
         "model": deployment.name,
-        "target_path": models.resolve(deployment.target_model),
-        "target_sha256": None,
+        "target": target_location(session=session, deployment=deployment).to_dict(),
         "trace_sample_rate": deployment.trace_sample_rate,
         "arms": arms,
     }

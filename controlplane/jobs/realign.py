@@ -26,10 +26,12 @@ from controlplane.db.models import (
     Trace,
 )
 from controlplane.drafters import service as drafters
+from controlplane.drafters.serving import incumbent_location, target_location
 from controlplane.ingest.record import ARM_LIVE
 from controlplane.jobs.service import finish_job, start_job
 from controlplane.jobs.states import TERMINAL
 from controlplane.messaging import SHADOW_REPLAY, TaskMessage
+from controlplane.models.location import ModelLocation
 from controlplane.traces.holdout import trace_key
 
 # Traces from a little before the alarm count as post-drift: detection lags the change itself.
@@ -152,10 +154,11 @@ class RealignInputs:
     """Everything a realign job trains from, read in one transaction."""
 
     deployment_id: int
+    account_id: int
     target_model: str
-    # The active version's artifact when there is one, else the deployment's configured drafter name.
-    incumbent_artifact: tuple[str, str] | None
-    incumbent_model: str | None
+    target: ModelLocation
+    # The active version's artifact, else the registered drafter the deployment names or inherits.
+    incumbent: ModelLocation | None
     parent_version_id: int | None
     recent: list[TrainingTrace]
     older: list[TrainingTrace]
@@ -194,9 +197,10 @@ def realign_inputs(*, session: Session, job_id: int) -> RealignInputs:
     active = drafters.active_drafter(session=session, deployment_id=deployment.id)
     return RealignInputs(
         deployment_id=deployment.id,
+        account_id=deployment.account_id,
         target_model=deployment.target_model,
-        incumbent_artifact=(active.artifact_path, active.artifact_sha256) if active is not None else None,
-        incumbent_model=deployment.draft_model,
+        target=target_location(session=session, deployment=deployment),
+        incumbent=incumbent_location(session=session, deployment=deployment),
         parent_version_id=active.id if active is not None else None,
         recent=_training_traces(recent),
         older=_training_traces(older),
@@ -223,6 +227,7 @@ def register_trained(
     inputs: RealignInputs,
     artifact_path: str,
     artifact_sha256: str,
+    manifest_sha256: str,
     metrics: dict[str, Any],
 ) -> Registered:
     """Register the job's drafter as a candidate, finish the job and, on a deployment with
@@ -242,6 +247,7 @@ def register_trained(
             target_model=inputs.target_model,
             artifact_path=artifact_path,
             artifact_sha256=artifact_sha256,
+            manifest_sha256=manifest_sha256,
             traffic_window_start=inputs.window_start,
             traffic_window_end=inputs.window_end,
             training_metrics=metrics,

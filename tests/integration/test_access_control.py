@@ -44,7 +44,12 @@ PROM = (
 # (method, path template, roles allowed, json body or raw text)
 MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("GET", "/v1/accounts/{account}/deployments", READ, None),
-    ("POST", "/v1/accounts/{account}/deployments", ADMIN, {"target_model": "m", "deployment_id": "new"}),
+    (
+        "POST",
+        "/v1/accounts/{account}/deployments",
+        ADMIN,
+        {"target_model": "reference-target", "deployment_id": "new"},
+    ),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}", READ, None),
     ("PATCH", "/v1/accounts/{account}/deployments/{deployment}", ADMIN, {"draft_token_count": 5}),
     ("DELETE", "/v1/accounts/{account}/deployments/{deployment}", ADMIN, None),
@@ -186,7 +191,7 @@ def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
     admin = tenant.headers(Role.admin)
     response = client.post(
         f"/v1/accounts/{tenant.name}/deployments",
-        json={"target_model": "m", "deployment_id": "svc"},
+        json={"target_model": "reference-target", "deployment_id": "svc"},
         headers=admin,
     )
     assert response.status_code == 201

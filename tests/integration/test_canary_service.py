@@ -40,9 +40,9 @@ def _deployment(client: TestClient, tenant: Tenant, k: int = 4) -> None:
     response = client.post(
         BASE,
         json={
-            "target_model": "target",
+            "target_model": "reference-target",
             "deployment_id": "svc",
-            "draft_model": "generic-drafter",
+            "draft_model": "reference-drafter",
             "draft_token_count": k,
         },
         headers=tenant.headers(Role.admin),
@@ -236,9 +236,9 @@ def test_concurrent_promotions_of_two_candidates_leave_exactly_one_active(
         deployment = Deployment(
             account_id=tenant.account_id,
             name="svc",
-            target_model="target",
+            target_model="reference-target",
             speculation_mode=SpeculationMode.draft_model,
-            draft_model="generic-drafter",
+            draft_model="reference-drafter",
             draft_token_count=4,
             drift_policy={},
             canary_policy={},

@@ -51,7 +51,7 @@ def test_a_worker_process_detects_the_drop(worker_env: dict[str, str], tmp_path:
         deployment = Deployment(
             account_id=tenant.account_id,
             name="svc",
-            target_model="m",
+            target_model="reference-target",
             speculation_mode=SpeculationMode.default,
             draft_token_count=4,
             drift_policy={},
@@ -135,9 +135,9 @@ def test_ingestion_alone_drives_the_monitor(worker_env: dict[str, str], tmp_path
             client.post(
                 "/v1/accounts/acme/deployments",
                 json={
-                    "target_model": "m",
+                    "target_model": "reference-target",
                     "deployment_id": "svc",
-                    "draft_model": "d",
+                    "draft_model": "reference-drafter",
                     "draft_token_count": 4,
                 },
                 headers=headers,

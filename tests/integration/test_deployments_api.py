@@ -18,21 +18,26 @@ def _create(client: TestClient, tenant: Tenant, body: dict[str, object]) -> dict
 
 def test_create_modes_follow_firectl(client: TestClient, tenants: tuple[Tenant, Tenant]) -> None:
     acme, _ = tenants
-    inherit = _create(client, acme, {"target_model": "llama-8b", "deployment_id": "inherit"})
+    inherit = _create(client, acme, {"target_model": "reference-target", "deployment_id": "inherit"})
     assert inherit["speculation_mode"] == "default"
     assert inherit["name"] == "accounts/acme/deployments/inherit"
     assert inherit["effective_draft_token_count"] == 4
     drafted = _create(
         client,
         acme,
-        {"target_model": "m", "deployment_id": "drafted", "draft_model": "d1", "draft_token_count": 5},
+        {
+            "target_model": "reference-target",
+            "deployment_id": "drafted",
+            "draft_model": "reference-drafter",
+            "draft_token_count": 5,
+        },
     )
     assert (drafted["speculation_mode"], drafted["draft_token_count"]) == ("draft_model", 5)
     ngram = _create(
         client,
         acme,
         {
-            "target_model": "m",
+            "target_model": "reference-target",
             "deployment_id": "ngram",
             "ngram_speculation_length": 3,
             "draft_token_count": 4,
@@ -40,7 +45,9 @@ def test_create_modes_follow_firectl(client: TestClient, tenants: tuple[Tenant, 
     )
     assert (ngram["speculation_mode"], ngram["ngram_speculation_length"]) == ("ngram", 3)
     off = _create(
-        client, acme, {"target_model": "m", "deployment_id": "off", "disable_speculative_decoding": True}
+        client,
+        acme,
+        {"target_model": "reference-target", "deployment_id": "off", "disable_speculative_decoding": True},
     )
     assert (off["speculation_mode"], off["effective_draft_token_count"]) == ("disabled", 0)
 
@@ -52,14 +59,19 @@ def test_invalid_combinations_are_rejected_and_store_nothing(
     url = f"/v1/accounts/{acme.name}/deployments"
     headers = acme.headers(Role.admin)
     bad_bodies = [
-        {"target_model": "m", "draft_model": "d", "ngram_speculation_length": 3, "draft_token_count": 4},
-        {"target_model": "m", "draft_model": "d"},
-        {"target_model": "m", "ngram_speculation_length": 3},
-        {"target_model": "m", "disable_speculative_decoding": True, "draft_token_count": 3},
-        {"target_model": "m", "draft_model": "d", "draft_token_count": 99},
-        {"target_model": "m", "deployment_id": "Not A Name"},
+        {
+            "target_model": "reference-target",
+            "draft_model": "reference-drafter",
+            "ngram_speculation_length": 3,
+            "draft_token_count": 4,
+        },
+        {"target_model": "reference-target", "draft_model": "reference-drafter"},
+        {"target_model": "reference-target", "ngram_speculation_length": 3},
+        {"target_model": "reference-target", "disable_speculative_decoding": True, "draft_token_count": 3},
+        {"target_model": "reference-target", "draft_model": "reference-drafter", "draft_token_count": 99},
+        {"target_model": "reference-target", "deployment_id": "Not A Name"},
         {"target_model": ""},
-        {"target_model": "m", "unknown_flag": 1},
+        {"target_model": "reference-target", "unknown_flag": 1},
     ]
     for body in bad_bodies:
         response = client.post(url, json=body, headers=headers)
@@ -72,14 +84,16 @@ def test_update_changes_drafter_and_count_and_is_audited(
     client: TestClient, tenants: tuple[Tenant, Tenant]
 ) -> None:
     acme, _ = tenants
-    _create(client, acme, {"target_model": "m", "deployment_id": "web"})
+    _create(client, acme, {"target_model": "reference-target", "deployment_id": "web"})
     url = f"/v1/accounts/{acme.name}/deployments/web"
     headers = acme.headers(Role.admin)
-    response = client.patch(url, json={"draft_model": "drafter-v2", "draft_token_count": 6}, headers=headers)
+    response = client.patch(
+        url, json={"draft_model": "reference-drafter", "draft_token_count": 6}, headers=headers
+    )
     assert response.status_code == 200, response.text
-    assert (response.json()["draft_model"], response.json()["draft_token_count"]) == ("drafter-v2", 6)
+    assert (response.json()["draft_model"], response.json()["draft_token_count"]) == ("reference-drafter", 6)
     response = client.patch(url, json={"draft_token_count": 3}, headers=headers)
-    assert response.json()["draft_token_count"] == 3 and response.json()["draft_model"] == "drafter-v2"
+    assert response.json()["draft_token_count"] == 3 and response.json()["draft_model"] == "reference-drafter"
     response = client.patch(url, json={"ngram_speculation_length": 2}, headers=headers)
     assert response.json()["speculation_mode"] == "ngram" and response.json()["draft_model"] is None
     stale = client.patch(url, json={"draft_token_count": 5, "row_version": 1}, headers=headers)
@@ -91,23 +105,23 @@ def test_update_changes_drafter_and_count_and_is_audited(
     assert actions == ["deployment.update", "deployment.update", "deployment.update", "deployment.create"]
     first_update = audit["entries"][-2]
     assert first_update["before"]["speculation_mode"] == "default"
-    assert first_update["after"]["draft_model"] == "drafter-v2"
+    assert first_update["after"]["draft_model"] == "reference-drafter"
     assert first_update["actor"].startswith("key:admin#")
 
 
 def test_delete_frees_the_name_and_keeps_history(client: TestClient, tenants: tuple[Tenant, Tenant]) -> None:
     acme, _ = tenants
     headers = acme.headers(Role.admin)
-    _create(client, acme, {"target_model": "m", "deployment_id": "tmp"})
+    _create(client, acme, {"target_model": "reference-target", "deployment_id": "tmp"})
     duplicate = client.post(
         f"/v1/accounts/{acme.name}/deployments",
-        json={"target_model": "m", "deployment_id": "tmp"},
+        json={"target_model": "reference-target", "deployment_id": "tmp"},
         headers=headers,
     )
     assert duplicate.status_code == 409
     assert client.delete(f"/v1/accounts/{acme.name}/deployments/tmp", headers=headers).status_code == 204
     assert client.get(f"/v1/accounts/{acme.name}/deployments/tmp", headers=headers).status_code == 404
-    _create(client, acme, {"target_model": "m2", "deployment_id": "tmp"})
+    _create(client, acme, {"target_model": "reference-target", "deployment_id": "tmp"})
     audit = client.get(f"/v1/accounts/{acme.name}/audit", headers=headers).json()["entries"]
     assert [e["action"] for e in audit][:3] == ["deployment.create", "deployment.delete", "deployment.create"]
 

@@ -66,7 +66,12 @@ def svc_deployment(client: TestClient, tenants: tuple[Tenant, Tenant]) -> None:
     acme, _ = tenants
     response = client.post(
         f"/v1/accounts/{acme.name}/deployments",
-        json={"target_model": "m", "deployment_id": "svc", "draft_model": "d", "draft_token_count": 4},
+        json={
+            "target_model": "reference-target",
+            "deployment_id": "svc",
+            "draft_model": "reference-drafter",
+            "draft_token_count": 4,
+        },
         headers=acme.headers(Role.admin),
     )
     assert response.status_code == 201
@@ -189,7 +194,7 @@ def test_two_monitors_at_once_consume_each_record_once(committed_pg: str) -> Non
         deployment = Deployment(
             account_id=tenant.account_id,
             name="svc",
-            target_model="m",
+            target_model="reference-target",
             speculation_mode=SpeculationMode.default,
             draft_token_count=4,
             drift_policy={},

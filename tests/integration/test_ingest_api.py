@@ -45,7 +45,7 @@ def native_record(
 def _deployment(client: TestClient, tenant: Tenant, name: str = "svc") -> str:
     response = client.post(
         f"/v1/accounts/{tenant.name}/deployments",
-        json={"target_model": "m", "deployment_id": name},
+        json={"target_model": "reference-target", "deployment_id": name},
         headers=tenant.headers(Role.admin),
     )
     assert response.status_code == 201, response.text

@@ -30,7 +30,9 @@ BASE = "/v1/accounts/acme/deployments"
 def acme(client: TestClient, tenants: tuple[Tenant, Tenant]) -> Tenant:
     tenant = tenants[0]
     response = client.post(
-        BASE, json={"target_model": "m", "deployment_id": "svc"}, headers=tenant.headers(Role.admin)
+        BASE,
+        json={"target_model": "reference-target", "deployment_id": "svc"},
+        headers=tenant.headers(Role.admin),
     )
     assert response.status_code == 201
     return tenant

@@ -430,9 +430,9 @@ def _svc(client: TestClient, tenant: Tenant, **extra: Any) -> None:
     response = client.post(
         f"/v1/accounts/{tenant.name}/deployments",
         json={
-            "target_model": "m",
+            "target_model": "reference-target",
             "deployment_id": "svc",
-            "draft_model": "d",
+            "draft_model": "reference-drafter",
             "draft_token_count": 4,
             **extra,
         },
@@ -502,7 +502,7 @@ def test_a_new_target_flags_the_drafter_stale(
                 version=n,
                 artifact_path="x",
                 artifact_sha256="0" * 64,
-                target_model="m",
+                target_model="reference-target",
                 state=state,
             )
         )
@@ -522,5 +522,5 @@ def test_a_new_target_flags_the_drafter_stale(
     assert len(stale) == 1
     assert [v["version"] for v in stale[0]["after"]["stale_versions"]] == [1, 2]  # not the retired one
     assert client.patch(base, json={"target_model": ""}, headers=admin).status_code == 422
-    back = client.patch(base, json={"target_model": "m"}, headers=admin).json()
+    back = client.patch(base, json={"target_model": "reference-target"}, headers=admin).json()
     assert back["drafter_stale"] is False  # derived from the recorded target, not a sticky flag

@@ -84,9 +84,9 @@ def test_up_runs_everything_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
         created = api.post(
             "/v1/accounts/default/deployments",
             json={
-                "target_model": "target",
+                "target_model": "reference-target",
                 "deployment_id": "svc",
-                "draft_model": "generic-drafter",
+                "draft_model": "reference-drafter",
                 "draft_token_count": 4,
             },
         )

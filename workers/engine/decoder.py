@@ -11,6 +11,10 @@ one host sync (the accepted count), append-only Python lists for the context, an
 allocation beyond a 1-element tensor. `torch.set_num_threads` is left to the caller, except that
 `multi_row_threads` lets passes over several rows (prefill, verification) use more threads than
 one-row steps (`MultiRowThreads`).
+
+Target and drafter may pad their embeddings to different row counts past the shared tokenizer's
+last token: proposing, verifying and sampling read only the ids the tokenizer defines
+(`shared_vocab_size`), with or without a drafter, so speculation stays lossless.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from workers.engine.verifier import (
     sample_from,
     sample_token,
     score,
+    shared_vocab_size,
     verify_greedy,
     verify_sampled,
 )
@@ -123,10 +128,14 @@ class SpeculativeDecoder:
     ) -> None:
         if k < 1 and proposer is not None:
             raise ValueError(f"k must be >= 1 with a proposer, got {k}")
-        if isinstance(proposer, DraftModelProposer):
-            dv, tv = proposer.drafter.config.vocab_size, target.config.vocab_size
-            if dv != tv:
-                raise ValueError(f"drafter vocab_size {dv} differs from the target's {tv}")
+        target_rows = target.config.vocab_size
+        # The ids every logit comparison reads; past them lie padding rows that are no token.
+        self.vocab_size = shared_vocab_size(tokenizer.vocab_size, target_rows)
+        for drafter in _draft_models(proposer):
+            shared_vocab_size(tokenizer.vocab_size, target_rows, drafter.drafter.config.vocab_size)
+            drafter.vocab_limit = self.vocab_size
+        # Only a padded target needs its logits cut (a view, but kept off the common path).
+        self._vocab_cut = self.vocab_size if self.vocab_size < target_rows else None
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
@@ -194,7 +203,10 @@ class SpeculativeDecoder:
         with torch.inference_mode(), _threads(prefill_threads, base_threads):
             cache.reset()
             logits = target.forward_cached(torch.tensor([prompt_ids]), cache, last_only=True)[0, -1]  # [V]
+        vocab_cut = self._vocab_cut
         with torch.inference_mode():
+            if vocab_cut is not None:
+                logits = logits[:vocab_cut]
             first = sample_token(logits, params, generator)
             t_first = time.perf_counter()
             ctx = list(prompt_ids)  # prompt + output, append-only: proposers read it every round
@@ -240,6 +252,8 @@ class SpeculativeDecoder:
                 else:
                     target_logits = score(target, cache, last, drafts)  # [k'+1, V]
                     t_c = clock()
+                if vocab_cut is not None:
+                    target_logits = target_logits[:, :vocab_cut]
                 propose_s += t_b - t_a
                 score_s += t_c - t_b
                 if greedy:
@@ -289,6 +303,16 @@ class SpeculativeDecoder:
         if choice is None or choice.options != (base_threads, wanted):
             choice = self._thread_choice = MultiRowThreads(base_threads, wanted)
         return choice
+
+
+def _draft_models(proposer: Proposer | None) -> list[DraftModelProposer]:
+    """The draft-model proposers that may draft for the decoder: the proposer, or its fallback."""
+    found: list[DraftModelProposer] = []
+    while proposer is not None:
+        if isinstance(proposer, DraftModelProposer):
+            found.append(proposer)
+        proposer = proposer.fallback if isinstance(proposer, PredictedOutputProposer) else None
+    return found
 
 
 class MultiRowThreads:
@@ -408,13 +432,18 @@ def _threads(count: int | None, restore: int) -> Iterator[None]:
 
 @torch.inference_mode()
 def greedy_reference(
-    model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int | None = None
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
 ) -> list[int]:
-    """Plain greedy decoding that recomputes the full sequence every step (no KV cache)."""
+    """Plain greedy decoding that recomputes the full sequence every step (no KV cache), over the
+    first `vocab_size` ids (default: all of the model's rows)."""
     ids = list(prompt_ids)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        tok = int(model(torch.tensor([ids]))[0, -1].argmax())
+        tok = int(model(torch.tensor([ids]))[0, -1, :vocab_size].argmax())
         if tok == eos_id:
             break
         out.append(tok)

@@ -1,9 +1,11 @@
 """Model artifacts as Hugging Face folders: the only on-disk format the engine reads or writes.
 
-Owns `save_hf_folder` (config.json with the `LlamaForCausalLM` architecture, model.safetensors,
-tokenizer.json + tokenizer_config.json, so `transformers`' `AutoModelForCausalLM` and
-`AutoTokenizer` load the folder unchanged) and `load_hf_folder`, which loads any local Llama-family
-folder as a target or drafter.
+Owns `save_hf_folder` (config.json naming the model's own family, `LlamaForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM` or `MistralForCausalLM`, with that family's keys;
+model.safetensors; tokenizer.json + tokenizer_config.json), so `transformers`' `AutoModelForCausalLM`
+and `AutoTokenizer` load the folder unchanged and a drafter trained from a Qwen2 drafter is saved as
+a Qwen2 model, and `load_hf_folder`, which loads any local folder of a family `ModelConfig` supports
+(llama, qwen2, qwen3, mistral) as a target or drafter; other `model_type`s are refused by name.
 
 Only safetensors are read: a pickle (`pytorch_model.bin`, `*.pt`) can run code when loaded, so a
 folder that holds only pickles is refused with an error saying so. Half-precision weights load into
@@ -118,7 +120,7 @@ def load_hf_folder(
     expected_sha256: str | None = None,
     max_seq_len: int | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """Load a local Llama-family HF folder as (model in eval mode, tokenizer).
+    """Load a local HF folder of a supported family as (model in eval mode, tokenizer).
 
     `expected_sha256` is checked against model.safetensors (single-file folders) before anything is
     read. `max_seq_len` caps the rotary/mask tables, which real checkpoints size for 100k+ positions.
@@ -156,7 +158,7 @@ def load_hf_folder(
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(
-            f"{path} is not a Llama-family checkpoint this engine understands: "
+            f"{path} is not a {cfg.family} checkpoint this engine understands: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     if cfg.tie_embeddings:

@@ -1,12 +1,22 @@
-"""The Llama-style decoder the engine runs as target and drafter, and its rollback-able KV cache.
+"""The decoder-only transformers the engine runs as target and drafter, and their rollback-able KV cache.
 
-Owns: `ModelConfig` (with the mapping to and from a Hugging Face Llama `config.json`), the
-`Transformer` module (RMSNorm, rotary positions in the HF `rotate_half` layout, SwiGLU, grouped-query
-attention, tied or untied embeddings) and `KVCache`.
+Owns: `ModelConfig` (with the mapping to and from a Hugging Face `config.json`), the `Transformer`
+module and `KVCache`. One module covers the model families whose blocks are the same pre-norm
+RMSNorm / rotary / SwiGLU / grouped-query attention stack and differ only in details the config
+names (`ModelConfig.family`, see FAMILIES):
+- llama (Llama 2 and 3.x): optional biases on all four attention projections and on the MLP,
+  Llama 3.x's rescaled rotary frequencies, tied or untied embeddings;
+- qwen2 (Qwen2, Qwen2.5): a bias on q/k/v but never on o_proj (its config has no key for it);
+- qwen3: RMSNorm over head_dim on each query and key head before the rotation, an explicit head_dim;
+- mistral: Llama's block with a sliding attention window.
+A sliding window is honoured by capping the usable context at the window (see
+`ModelConfig.__post_init__`): within it, windowed attention is full causal attention, so the logits
+stay exact without a windowed mask or a ring-buffer cache.
 
-Parameter names are exactly those of `transformers`' `LlamaForCausalLM` (`model.embed_tokens.weight`,
-`model.layers.N.self_attn.q_proj.weight`, ..., `model.norm.weight`, `lm_head.weight`), so a state dict
-moves between the two without renaming and the logits agree to float rounding.
+Parameter names are exactly those of `transformers`' `*ForCausalLM` classes (`model.embed_tokens.weight`,
+`model.layers.N.self_attn.q_proj.weight`, `...self_attn.q_norm.weight`, ..., `model.norm.weight`,
+`lm_head.weight`), so a state dict moves between the two without renaming and the logits agree to
+float rounding.
 
 Two forward paths:
 - `forward(tokens)` is the full causal pass for training and scoring (no cache, SDPA with
@@ -24,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -33,10 +43,25 @@ import torch.nn.functional as F
 from threadpoolctl import ThreadpoolController
 from torch import nn
 
+# The families this engine implements: HF `model_type` -> the `architectures` entry it saves.
+FAMILIES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# Families whose config.json has an `attention_bias` key (on all four projections, Llama semantics)
+# or an `mlp_bias` key; the others have a fixed layout that no key changes.
+_ATTENTION_BIAS_FAMILIES = ("llama", "qwen3")
+_MLP_BIAS_FAMILIES = ("llama",)
+_WINDOW_FAMILIES = ("qwen2", "qwen3", "mistral")
+# Qwen configs say which layers use the window by `max_window_layers` (the layers from that index on).
+_LAYERED_WINDOW_FAMILIES = ("qwen2", "qwen3")
+
 
 @dataclass
 class ModelConfig:
-    vocab_size: int
+    vocab_size: int  # embedding rows; may exceed the tokenizer's size (padded vocabularies)
     dim: int
     n_layers: int
     n_heads: int
@@ -46,36 +71,91 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
-    # Only needed for foreign checkpoints: HF lets head_dim differ from dim // n_heads, Qwen2-style
-    # models put a bias on q/k/v, and Llama 3.x rescales the rotary frequencies.
+    # Only needed for foreign checkpoints: HF lets head_dim differ from dim // n_heads, Llama and
+    # Qwen3 may put a bias on every attention projection, and Llama 3.x rescales the rotary
+    # frequencies.
     head_dim: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
     rope_scaling: dict[str, Any] | None = field(default=None)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    family: str = "llama"
+    # The attention window of the layers that have one (None: every layer attends to everything),
+    # and for Qwen families the first layer that has it (Mistral windows every layer).
+    sliding_window: int | None = None
+    max_window_layers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unsupported model family {self.family!r}: supported are {', '.join(FAMILIES)}")
         if self.head_dim is None:
             if self.dim % self.n_heads:
                 raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        # A flag the family's config.json cannot express would be lost on saving: refuse it here.
+        if self.attention_bias and self.family not in _ATTENTION_BIAS_FAMILIES:
+            raise ValueError(
+                f"attention_bias does not apply to {self.family} (qwen2 always biases q/k/v and never "
+                "o_proj; mistral has no biases)"
+            )
+        if self.mlp_bias and self.family not in _MLP_BIAS_FAMILIES:
+            raise ValueError(f"mlp_bias does not apply to {self.family}")
+        if self.sliding_window is not None and self.family not in _WINDOW_FAMILIES:
+            raise ValueError(f"{self.family} has no sliding attention window")
+        if self.max_window_layers is not None and self.family not in _LAYERED_WINDOW_FAMILIES:
+            raise ValueError(f"max_window_layers does not apply to {self.family}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        window = self.sliding_window
+        if window is not None and self.windowed_layers and self.max_seq_len > window:
+            # Honest windows without a windowed mask: a query at position p attends to the keys at
+            # p - window + 1 .. p, so on sequences no longer than the window it sees every earlier
+            # key and windowed attention is exactly full causal attention. The context is capped
+            # there (max_position_embeddings is saved capped too), rather than computing something
+            # else past it.
+            self.max_seq_len = window
 
     @property
     def hd(self) -> int:
         assert self.head_dim is not None
         return self.head_dim
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q_proj, k_proj and v_proj carry a bias."""
+        return self.attention_bias or self.family == "qwen2"
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether o_proj carries a bias (never for qwen2, whatever its q/k/v do)."""
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalised over head_dim before the rotation."""
+        return self.family == "qwen3"
+
+    @property
+    def windowed_layers(self) -> int:
+        """How many layers attend through the sliding window."""
+        if self.sliding_window is None:
+            return 0
+        if self.family in _LAYERED_WINDOW_FAMILIES:
+            first = self.max_window_layers if self.max_window_layers is not None else 0
+            return max(0, self.n_layers - first)
+        return self.n_layers
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` of an equivalent `LlamaForCausalLM`."""
+        """The `config.json` of the equivalent transformers model of this family."""
         out: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [FAMILIES[self.family]],
+            "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
             "intermediate_size": self.ffn_dim,
@@ -88,13 +168,24 @@ class ModelConfig:
             "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
-            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
-            "mlp_bias": self.mlp_bias,
             "rope_scaling": self.rope_scaling,
             "initializer_range": 0.02,
             "use_cache": True,
         }
+        if self.family in _ATTENTION_BIAS_FAMILIES:
+            out["attention_bias"] = self.attention_bias
+        if self.family in _MLP_BIAS_FAMILIES:
+            out["mlp_bias"] = self.mlp_bias
+        if self.family in _LAYERED_WINDOW_FAMILIES:
+            windowed = self.sliding_window is not None
+            out["use_sliding_window"] = windowed
+            out["sliding_window"] = self.sliding_window
+            out["max_window_layers"] = (
+                self.max_window_layers if windowed and self.max_window_layers is not None else self.n_layers
+            )
+        elif self.family == "mistral":
+            out["sliding_window"] = self.sliding_window
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
@@ -103,10 +194,19 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Read a Llama-family HF `config.json`; refuse features this engine does not implement."""
+        """Read the HF `config.json` of a supported family; refuse what this engine does not implement."""
+        family = d.get("model_type")
+        if family is None:  # very old folders name only the class
+            by_class = {arch: name for name, arch in FAMILIES.items()}
+            family = next((by_class[a] for a in d.get("architectures") or [] if a in by_class), None)
+        if family not in FAMILIES:
+            raise ValueError(
+                f"unsupported model_type {family!r} (architectures {d.get('architectures')}): "
+                f"this engine runs the {', '.join(FAMILIES)} families"
+            )
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) Llama-family models")
+            raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) models")
         scaling = d.get("rope_scaling")
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -122,13 +222,15 @@ class ModelConfig:
                     raise ValueError(f"unsupported rope_type {kind!r}")
                 scaling = rope_params
         n_heads = int(d["num_attention_heads"])
+        n_layers = int(d["num_hidden_layers"])
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        window, first_windowed = _hf_sliding_window(family, d, n_layers)
         return cls(
             vocab_size=int(d["vocab_size"]),
             dim=int(d["hidden_size"]),
-            n_layers=int(d["num_hidden_layers"]),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
             ffn_dim=int(d["intermediate_size"]),
@@ -137,17 +239,46 @@ class ModelConfig:
             norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             head_dim=d.get("head_dim") or int(d["hidden_size"]) // n_heads,
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            # Qwen2's q/k/v bias is implied by the family (its config has no key for it).
+            attention_bias=family in _ATTENTION_BIAS_FAMILIES and bool(d.get("attention_bias", False)),
+            mlp_bias=family in _MLP_BIAS_FAMILIES and bool(d.get("mlp_bias", False)),
             rope_scaling=scaling,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
+            family=family,
+            sliding_window=window,
+            max_window_layers=first_windowed,
         )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _hf_sliding_window(family: str, d: dict[str, Any], n_layers: int) -> tuple[int | None, int | None]:
+    """(window, first windowed layer) from a config.json; (None, None) when no layer has a window."""
+    if family == "mistral":
+        window = d.get("sliding_window")
+        return (int(window), None) if window is not None else (None, None)
+    if family not in _LAYERED_WINDOW_FAMILIES:
+        return None, None
+    window = d.get("sliding_window")
+    layer_types = d.get("layer_types")
+    if layer_types is not None:  # transformers 5 spells the layers out
+        windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        first = windowed[0] if windowed else n_layers
+        if windowed != list(range(first, n_layers)):
+            raise ValueError(f"unsupported layer_types {layer_types}: windowed layers must be the last ones")
+    elif d.get("use_sliding_window") and window is not None:
+        first = int(d.get("max_window_layers", 28))  # transformers' default
+    else:
+        first = n_layers
+    if first >= n_layers:
+        return None, None
+    if window is None:
+        raise ValueError("layer_types names sliding_attention layers but sliding_window is null")
+    return int(window), first
 
 
 def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -225,21 +356,32 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
         self.gqa = cfg.n_heads != cfg.n_kv_heads
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.hd, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B,H,T,hd]
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.hd).transpose(1, 2)  # [B,Hkv,T,hd]
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hd)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim, before the rotation
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B,H,T,hd], [B,Hkv,T,hd]
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.hd).transpose(1, 2)  # [B,Hkv,T,hd]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -288,7 +430,7 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    """Holds the `model.*` parameters so names match `LlamaForCausalLM` exactly."""
+    """Holds the `model.*` parameters so names match transformers' `*ForCausalLM` classes exactly."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -498,11 +640,14 @@ class Transformer(nn.Module):
         b, dim, eps = tokens.shape[0], cfg.dim, cfg.norm_eps
         h_q, h_kv, hd, gqa = cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.n_heads != cfg.n_kv_heads
         h = F.embedding(tokens, embed)  # [B,T,D]
-        for i, (n1, wqkv, wo, n2, wgu, wd) in enumerate(layers):
+        for i, (n1, wqkv, q_norm, k_norm, wo, n2, wgu, wd) in enumerate(layers):
             x = F.rms_norm(h, (dim,), n1, eps)  # [B,T,D]
             q, k, v = wqkv.parts(x)
-            q = q.view(b, t, h_q, hd).transpose(1, 2)  # [B,H,T,hd]
-            k = k.view(b, t, h_kv, hd).transpose(1, 2)  # [B,Hkv,T,hd]
+            q = q.view(b, t, h_q, hd)
+            k = k.view(b, t, h_kv, hd)
+            if q_norm is not None and k_norm is not None:
+                q, k = F.rms_norm(q, (hd,), q_norm, eps), F.rms_norm(k, (hd,), k_norm, eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B,H,T,hd], [B,Hkv,T,hd]
             v = v.view(b, t, h_kv, hd).transpose(1, 2)  # [B,Hkv,T,hd]
             k_buf, v_buf = cache.k[i], cache.v[i]
             k_buf[:, :, pos:end] = apply_rope(k, cos, sin)
@@ -536,6 +681,8 @@ class Transformer(nn.Module):
                     (
                         layer.input_layernorm.weight,
                         FastLinear([p.weight for p in qkv], [p.bias for p in qkv]),
+                        a.q_norm.weight if a.q_norm is not None else None,
+                        a.k_norm.weight if a.k_norm is not None else None,
                         FastLinear([a.o_proj.weight], [a.o_proj.bias]),
                         layer.post_attention_layernorm.weight,
                         FastLinear([p.weight for p in gate_up], [p.bias for p in gate_up]),
@@ -581,13 +728,38 @@ class Transformer(nn.Module):
         return out
 
 
-# (input norm, fused q/k/v, o, post-attention norm, fused gate/up, down)
-_LayerWeights = tuple[torch.Tensor, FastLinear, FastLinear, torch.Tensor, FastLinear, FastLinear]
+# (input norm, fused q/k/v, q head norm, k head norm (both None without), o, post-attention norm,
+# fused gate/up, down)
+_LayerWeights = tuple[
+    torch.Tensor,
+    FastLinear,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    FastLinear,
+    torch.Tensor,
+    FastLinear,
+    FastLinear,
+]
 _FastWeights = tuple[list[_LayerWeights], torch.Tensor, torch.Tensor, FastLinear]
 
 _F32 = npt.NDArray[np.float32]
-# input norm, fused q/k/v [D, n_q + 2 n_kv], o [n_q, D], post-attention norm, fused gate/up, down
-_NumpyLayer = tuple[_F32, _F32, _F32, _F32, _F32, _F32]
+
+
+class _NumpyLayer(NamedTuple):
+    """One layer's weights for `NumpyStep`, products as x @ W ([in, out]); None where absent."""
+
+    norm1: _F32
+    w_qkv: _F32  # [D, n_q + 2 n_kv]
+    b_qkv: _F32 | None
+    q_norm: _F32 | None  # [hd]
+    k_norm: _F32 | None
+    w_o: _F32  # [n_q, D]
+    b_o: _F32 | None
+    norm2: _F32
+    w_gate_up: _F32  # [D, 2 F]
+    b_gate_up: _F32 | None
+    w_down: _F32  # [F, D]
+    b_down: _F32 | None
 
 
 # What `Transformer.numpy_step_rows` should be set to when NumPy steps are wanted: one-row steps
@@ -659,14 +831,8 @@ class NumpyStep:
 
     @staticmethod
     def supports(model: Transformer) -> bool:
-        cfg = model.config
-        return (
-            model.device.type == "cpu"
-            and model.dtype == torch.float32
-            and not cfg.attention_bias
-            and not cfg.mlp_bias
-            and cfg.hd % 2 == 0
-        )
+        # Biases (Llama's, Qwen2's q/k/v only) and Qwen3's per-head q/k norms are all implemented.
+        return model.device.type == "cpu" and model.dtype == torch.float32 and model.config.hd % 2 == 0
 
     def refresh(self) -> None:
         versions = [p._version for p in self._params]
@@ -680,18 +846,36 @@ class NumpyStep:
         def fused_t(*weights: torch.Tensor) -> _F32:  # x @ W.T for several W, as one [in, out]
             return np.ascontiguousarray(np.concatenate([arr(w) for w in weights]).T)
 
+        def fused_bias(*linears: nn.Linear) -> _F32 | None:  # zeros where one of them has none
+            if all(lin.bias is None for lin in linears):
+                return None
+            parts = [
+                arr(lin.bias) if lin.bias is not None else np.zeros(lin.out_features, np.float32)
+                for lin in linears
+            ]
+            return np.concatenate(parts)
+
+        def optional(norm: RMSNorm | None) -> _F32 | None:
+            return arr(norm.weight) if norm is not None else None
+
         layers: list[_NumpyLayer] = []
         for layer in m.model.layers:
             assert isinstance(layer, DecoderLayer)
             a, mlp = layer.self_attn, layer.mlp
             layers.append(
-                (
-                    arr(layer.input_layernorm.weight),
-                    fused_t(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                    fused_t(a.o_proj.weight),
-                    arr(layer.post_attention_layernorm.weight),
-                    fused_t(mlp.gate_proj.weight, mlp.up_proj.weight),
-                    fused_t(mlp.down_proj.weight),
+                _NumpyLayer(
+                    norm1=arr(layer.input_layernorm.weight),
+                    w_qkv=fused_t(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                    b_qkv=fused_bias(a.q_proj, a.k_proj, a.v_proj),
+                    q_norm=optional(a.q_norm),
+                    k_norm=optional(a.k_norm),
+                    w_o=fused_t(a.o_proj.weight),
+                    b_o=fused_bias(a.o_proj),
+                    norm2=arr(layer.post_attention_layernorm.weight),
+                    w_gate_up=fused_t(mlp.gate_proj.weight, mlp.up_proj.weight),
+                    b_gate_up=fused_bias(mlp.gate_proj, mlp.up_proj),
+                    w_down=fused_t(mlp.down_proj.weight),
+                    b_down=fused_bias(mlp.down_proj),
                 )
             )
         self.layers = layers
@@ -715,10 +899,15 @@ class NumpyStep:
         # Query row i (position pos+i) may not see keys after it: an additive -inf above the diagonal.
         mask = np.triu(np.full((t, end), -np.inf, dtype=np.float32), pos + 1) if t > 1 else None
         h = self.embed[tokens.numpy()[0]]  # [T, D]
-        for i, (n1, w_qkv, w_o, n2, w_gu, w_down) in enumerate(self.layers):
-            qkv = self._rms(h, n1) @ w_qkv  # [T, n_q + 2 n_kv]
-            q = qkv[:, :n_q].reshape(t, h_q, hd).transpose(1, 0, 2)  # [H, T, hd]
-            k = qkv[:, n_q : n_q + n_kv].reshape(t, h_kv, hd).transpose(1, 0, 2)  # [Hkv, T, hd]
+        for i, layer in enumerate(self.layers):
+            qkv = self._rms(h, layer.norm1) @ layer.w_qkv  # [T, n_q + 2 n_kv]
+            if layer.b_qkv is not None:
+                qkv += layer.b_qkv
+            q = qkv[:, :n_q].reshape(t, h_q, hd)
+            k = qkv[:, n_q : n_q + n_kv].reshape(t, h_kv, hd)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)  # per head, before rotation
+            q, k = q.transpose(1, 0, 2), k.transpose(1, 0, 2)  # [H, T, hd], [Hkv, T, hd]
             k_buf, v_buf = keys[i, 0], values[i, 0]  # [Hkv, S, hd]
             k_buf[:, pos:end] = k * cos + k[..., perm] * ssin
             v_buf[:, pos:end] = qkv[:, n_q + n_kv :].reshape(t, h_kv, hd).transpose(1, 0, 2)
@@ -729,11 +918,19 @@ class NumpyStep:
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             scores /= scores.sum(axis=-1, keepdims=True)
             y = (scores @ v_buf[:, :end]).reshape(h_q, t, hd).transpose(1, 0, 2).reshape(t, n_q)  # [T, D]
-            h = h + y @ w_o
-            gate_up = self._rms(h, n2) @ w_gu  # [T, 2 F]
+            attn = y @ layer.w_o
+            if layer.b_o is not None:
+                attn += layer.b_o
+            h = h + attn
+            gate_up = self._rms(h, layer.norm2) @ layer.w_gate_up  # [T, 2 F]
+            if layer.b_gate_up is not None:
+                gate_up += layer.b_gate_up
             gate = gate_up[:, : self.ffn]
             # silu(g) = g * sigmoid(g), with sigmoid through tanh: no overflow for very negative g.
-            h = h + (gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * gate_up[:, self.ffn :]) @ w_down
+            mlp = (gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * gate_up[:, self.ffn :]) @ layer.w_down
+            if layer.b_down is not None:
+                mlp += layer.b_down
+            h = h + mlp
         cache.pos = end
         if last_only:
             h = h[-1:]

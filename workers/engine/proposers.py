@@ -10,7 +10,9 @@ Owns the `Proposer` protocol, the `Proposals` it returns, and:
   With a `confidence_threshold` it stops a round early once the drafter gives its own token less
   than that probability (dynamic draft length, as Hugging Face's assistant_confidence_threshold):
   a draft past a token the drafter doubts is mostly rejected, yet costs drafter steps and verify
-  rows. Stopping depends on the drafter alone, so verification stays exact.
+  rows. Stopping depends on the drafter alone, so verification stays exact. It proposes only ids
+  below `vocab_limit` (set by the decoder to the range target and drafter share), so a drafter whose
+  embedding is padded past the target's never proposes an id the target has no row for.
 - `NgramProposer(n)`: prompt lookup (`--ngram-speculation-length n`): find the most recent earlier
   occurrence of the context's last n tokens and propose the tokens that followed it; no match means
   no proposal (the step is plain decoding). An incremental n-gram index keeps lookups O(1).
@@ -87,6 +89,10 @@ class DraftModelProposer:
         self.name = name
         self.confidence_threshold = confidence_threshold
         self.cache = drafter.new_cache(1, max_len)
+        # Ids at or above this are never proposed (None: all of the drafter's rows). The decoder
+        # sets it to `shared_vocab_size`, so drafts and their distribution q cover exactly the ids
+        # the target's logits are verified over.
+        self.vocab_limit: int | None = None
         self._ids: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._stable = 0  # prefix of _ids known to equal the context at the last call
 
@@ -125,7 +131,8 @@ class DraftModelProposer:
         self._ids.extend(feed)
         self._stable = len(context)
         drafter, cache = self.drafter, self.cache
-        logits = drafter.forward_cached(torch.tensor([feed]), cache, last_only=True)[0, -1]  # [V]
+        limit = self.vocab_limit if self.vocab_limit is not None else drafter.config.vocab_size
+        logits = drafter.forward_cached(torch.tensor([feed]), cache, last_only=True)[0, -1, :limit]  # [V]
         greedy = sampling is None or sampling.greedy
         threshold = self.confidence_threshold
         toks: list[torch.Tensor] = []
@@ -143,7 +150,7 @@ class DraftModelProposer:
                 break
             if threshold and self._doubts(logits, tok, qs[-1] if qs else None, threshold):
                 break
-            logits = drafter.forward_cached(tok.view(1, 1), cache)[0, -1]  # [V]
+            logits = drafter.forward_cached(tok.view(1, 1), cache)[0, -1, :limit]  # [V]
         drafts = torch.cat(toks)  # [k'], k' <= k
         self._ids.extend(drafts[:-1].tolist())  # the last draft was never fed
         return Proposals(drafts, torch.stack(qs) if qs else None)

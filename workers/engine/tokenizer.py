@@ -1,8 +1,9 @@
 """The tokenizer target and drafters share: a byte-level BPE from the `tokenizers` library.
 
 Owns: `Tokenizer` (encode/decode, the end-of-text id, a content fingerprint), `train_bpe` to train one
-from text, and `ensure_same_tokenizer`, the guard that refuses a drafter whose vocabulary differs from
-its target's (speculation compares token ids, so a different vocabulary silently proposes garbage).
+from text, and `ensure_same_tokenizer`, the guard that refuses a drafter whose token -> id mapping
+differs from its target's over the ids both define (speculation compares token ids, so a different
+mapping silently proposes garbage; extra tokens at the end of one of them are fine).
 
 The fingerprint is the sha256 of a canonical JSON of the BPE vocabulary, the merges and the added
 (special) tokens: two files that tokenize identically but differ in whitespace or key order agree.
@@ -74,6 +75,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self.tok.get_vocab_size(with_added_tokens=True))
 
+    def id_to_token_table(self) -> list[str | None]:
+        """Every id's token, in id order (None for an id no token has)."""
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        table: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+        for token, token_id in vocab.items():
+            table[token_id] = token
+        return table
+
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
@@ -142,15 +151,27 @@ def train_bpe(
 def ensure_same_tokenizer(
     target_tok: Tokenizer, drafter_tok: Tokenizer, target_name: str = "target", drafter_name: str = "drafter"
 ) -> None:
-    """Raise `TokenizerMismatchError` naming both models unless the two tokenizers are identical."""
+    """Raise `TokenizerMismatchError` naming both models unless every id both tokenizers define
+    stands for the same token in each.
+
+    One of them may define extra ids at the end (a larger model's folder adding tokens past the
+    shared ones): the decoder then samples only the ids both cover. The fingerprint stays strict
+    (it identifies one exact tokenizer), so identical tokenizers pass on it without a comparison.
+    """
     if target_tok.fingerprint == drafter_tok.fingerprint:
         return
+    target_ids, drafter_ids = target_tok.id_to_token_table(), drafter_tok.id_to_token_table()
+    shared = min(len(target_ids), len(drafter_ids))
+    if target_ids[:shared] == drafter_ids[:shared]:
+        return
+    first = next(i for i in range(shared) if target_ids[i] != drafter_ids[i])
     detail = ""
     if target_tok.vocab_size != drafter_tok.vocab_size:
         detail = f" (vocab sizes {target_tok.vocab_size} vs {drafter_tok.vocab_size})"
     raise TokenizerMismatchError(
         f"drafter {drafter_name!r} does not share the tokenizer of target {target_name!r}{detail}: "
-        f"target fingerprint {target_tok.fingerprint[:16]}, drafter fingerprint "
-        f"{drafter_tok.fingerprint[:16]}. Speculative decoding compares token ids, so the drafter "
-        "must be trained with the target's tokenizer."
+        f"id {first} is {target_ids[first]!r} for the target but {drafter_ids[first]!r} for the drafter "
+        f"(fingerprints {target_tok.fingerprint[:16]} and {drafter_tok.fingerprint[:16]}). "
+        "Speculative decoding compares token ids, so the drafter must be trained with the target's "
+        "tokenizer."
     )

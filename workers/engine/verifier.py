@@ -1,8 +1,9 @@
 """Scoring and verification: turn one target forward over the drafts into the tokens to emit.
 
 Owns `SamplingParams`, `logits_to_probs` (temperature + top-p, shared by target and drafter so both
-sample from the distributions the verifier reasons about), the scorer (`score`: one target forward
-over [last emitted token, d_1..d_k']) and the verifier:
+sample from the distributions the verifier reasons about), `shared_vocab_size` (which ids target and
+drafter are compared over when their embeddings are padded to different row counts), the scorer
+(`score`: one target forward over [last emitted token, d_1..d_k']) and the verifier:
 
 - greedy: accept drafts while they equal the target's argmax, then emit the target's argmax at the
   first disagreement (or the bonus token after k' accepted drafts). The output is token-identical to
@@ -40,6 +41,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def shared_vocab_size(tokenizer_size: int, target_rows: int, drafter_rows: int | None = None) -> int:
+    """How many leading logits decoding reads: the ids the tokenizer defines that the models score.
+
+    Real pairs share a tokenizer but pad their embeddings differently (Qwen2.5-0.5B has 151,936 rows,
+    Qwen2.5-7B 152,064, for 151,665 tokens). Ids past the tokenizer's are no token at all, so they
+    are never proposed, verified or sampled, with or without a drafter: speculation stays lossless
+    against plain decoding because both sample the target over the same ids. Each model needs a row
+    for every token (or, for toy models smaller than their tokenizer, both the same rows): otherwise
+    one of them could be fed, or asked to score, an id it has no row for.
+    """
+    shared = min(tokenizer_size, target_rows)
+    if drafter_rows is not None and min(tokenizer_size, drafter_rows) != shared:
+        raise ValueError(
+            f"drafter has {drafter_rows} embedding rows and the target {target_rows}, but the tokenizer "
+            f"has {tokenizer_size} tokens: both need a row for every token"
+        )
+    return shared
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -105,7 +125,14 @@ def verify_sampled(
 def rejection_sample(
     p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None = None
 ) -> tuple[int, list[int]]:
-    """p [k'+1, V] target probabilities, drafts [k'], q [k', V] or None -> (n accepted, emitted)."""
+    """p [k'+1, V] target probabilities, drafts [k'], q [k', V] or None -> (n accepted, emitted).
+
+    p and q must cover the same ids (the caller cuts both to `shared_vocab_size`)."""
+    if q is not None and q.shape[-1] != p.shape[-1]:
+        raise ValueError(
+            f"draft distribution over {q.shape[-1]} ids, target's over {p.shape[-1]}: cut both to the "
+            "shared vocabulary first"
+        )
     k = drafts.numel()
     n = 0
     if k:

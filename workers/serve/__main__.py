@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from controlplane.config import get_settings
 from workers.engine.proposers import check_confidence_threshold
+from workers.loading import VerifiedModels
 from workers.serve.reporter import ControlPlaneReporter
 from workers.serve.server import ServerConfig, create_app, http_serving_config
 
@@ -93,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         config = ServerConfig(
             serving_config=http_serving_config(url, api_key, ttl_s=args.config_ttl), model_names=args.model
         )
+    # Model refs from the control plane resolve through the same settings as the workers: the
+    # model roots, and the artifact store with its verified local cache.
+    config.model_locator = VerifiedModels(get_settings()).path_of
     config.trace_sample_rate = args.trace_sample_rate
     config.multi_row_threads = args.multi_row_threads
     try:  # drafters load on the first request: refuse a bad value now, not then

@@ -95,6 +95,10 @@ class ServerConfig:
     # Called once when the app shuts down (e.g. to flush a reporter): uvicorn re-raises SIGTERM
     # after its graceful shutdown, so code after `uvicorn.run` would never run.
     on_shutdown: Callable[[], None] | None = None
+    # Turns the control plane's model refs ({"name", "uri", "files" | "manifest_sha256", ...}) into
+    # a verified local folder (workers.loading.VerifiedModels.path_of). Without it, only static
+    # entries with target_path/drafter_path are served.
+    model_locator: Callable[[Mapping[str, Any]], str] | None = None
 
 
 class APIError(Exception):
@@ -175,6 +179,32 @@ class Deployment:
             arm=str(raw.get("arm", "live")),
             max_len=int(raw["max_len"]) if raw.get("max_len") else None,
         )
+
+
+def with_local_paths(
+    raw: Mapping[str, Any], locator: Callable[[Mapping[str, Any]], str] | None
+) -> Mapping[str, Any]:
+    """The serving config with its model refs (``target``, each arm's ``drafter``) replaced by the
+    verified local folders the locator gives; a ref that fails verification fails the request."""
+    refs = isinstance(raw.get("target"), Mapping) or any(
+        isinstance(arm.get("drafter"), Mapping) for arm in raw.get("arms") or []
+    )
+    if not refs:
+        return raw
+    if locator is None:
+        raise ValueError("the serving config names models by reference, but this server has no locator")
+    out = dict(raw)
+    if isinstance(raw.get("target"), Mapping):
+        out["target_path"] = locator(raw["target"])
+    arms = []
+    for arm in raw.get("arms") or []:
+        arm = dict(arm)
+        if isinstance(arm.get("drafter"), Mapping):
+            arm["drafter_path"] = locator(arm["drafter"])
+        arms.append(arm)
+    if arms:
+        out["arms"] = arms
+    return out
 
 
 def unit_interval(key: str) -> float:
@@ -277,7 +307,7 @@ class Engine:
         if raw is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         try:
-            return ServingPlan.parse(name, raw)
+            return ServingPlan.parse(name, with_local_paths(raw, self.config.model_locator))
         except (ValueError, TypeError, AttributeError) as exc:
             raise APIError(500, f"bad serving config: {exc}", "server_error") from exc
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from workers.devices import autocast_for
 from workers.engine.model import Transformer
 
 
@@ -60,10 +61,22 @@ def pick_device(name: str) -> torch.device:
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU, where bf16 matmuls are slower."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU, where bf16 matmuls are slower.
+
+    The same context as ``workers.devices.autocast_for``: training and serving share one precision rule.
+    """
+    return autocast_for(device)
+
+
+def shared_vocab_size(*models: Transformer) -> int:
+    """The embedding rows every model has: where their logits can be compared column by column.
+
+    Models sharing a tokenizer may still pad their embedding tables to different row counts
+    (Qwen2.5-0.5B has 151,936 rows, Qwen2.5-7B 152,064); the rows past the shared range are padding
+    that no tokenizer id reaches, so a distribution compared across models is taken over the
+    shared range only.
+    """
+    return min(m.config.vocab_size for m in models)
 
 
 def setup_threads(device: torch.device) -> None:

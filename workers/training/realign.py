@@ -8,7 +8,16 @@ reports progress; this module owns
   traces plus a replay share of older ones so that the traffic before the drift is not forgotten;
   a held-out split *by request* (a hash of the trace key and the seed), never by position;
 - the teacher: the target runs once over every row and its distribution is kept as the top-K
-  tokens per position, so epochs cost drafter work only (the target forward dominates on a CPU);
+  tokens per position, so epochs cost drafter work only (the target forward dominates on a CPU).
+  Its logits are computed a chunk of positions at a time within ``teacher_memory_mb`` (a batch's
+  full [positions x vocab] never exists: at a 152k vocabulary that is 0.6 MB per position), and
+  over the vocabulary range target and drafter share (models of one tokenizer may pad their
+  embedding tables to different row counts), so every kept id is one the drafter has. The target
+  is only read: forward passes under ``torch.no_grad`` on the device it was loaded on, no
+  ``.to()``, no mode or ``requires_grad`` flips, so a worker may keep it loaded for the next job
+  (``workers.model_cache``);
+- precision: on a GPU the target runs in its bf16 weights under bf16 autocast and the drafter
+  trains with float32 master weights under bf16 autocast; on a CPU everything is float32;
 - the loss: forward KL to the (truncated) target distribution, mass-covering, plus total-variation
   distance, which is exactly 1 - expected acceptance of a sampled draft token;
 - hyperparameters from data size and a time budget: a timed probe step fixes how many steps fit,
@@ -35,15 +44,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from controlplane.artifacts.manifest import (
+    MANIFEST_NAME,
+    ArtifactVerificationError,
+    verify_artifact_folder,
+    write_manifest,
+)
 from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, is_held_out
-from workers.engine.hf_io import save_hf_folder, sha256_of_file
+from workers.engine.hf_io import save_hf_folder
 from workers.engine.model import DecoderLayer, Transformer
 from workers.engine.tokenizer import Tokenizer
-from workers.training.common import autocast, cosine_lr, make_optimizer
+from workers.devices import autocast_for, resolve_device
+from workers.training.common import cosine_lr, make_optimizer, shared_vocab_size
 
 # progress(fraction, message) -> keep going? False stops the run (the job was cancelled).
 ProgressFn = Callable[[float, str], bool]
-MANIFEST_NAME = "MANIFEST.json"
+# Peak bytes per logit while a chunk of positions is scored: its float32 logits (4) and their
+# float32 softmax (4). On a GPU the head's bf16 output (2) lives only while it is converted to
+# float32 (2 + 4 < 8).
+SCORING_BYTES_PER_LOGIT = 8
+# What topk returns per kept entry: a float32 probability and an int64 id.
+TOPK_BYTES_PER_ENTRY = 4 + 8
 SPEC_CONFIG_NAME = "speculative_config.json"
 
 
@@ -78,6 +99,9 @@ class RealignConfig:
     max_prompt_tokens: int = 192
     max_completion_tokens: int = 192
     teacher_top_k: int = 32
+    # Memory the target's top-K pass (and the held-out scoring) may hold at once for logits: they
+    # are computed this many MB of positions at a time (see rows_per_chunk).
+    teacher_memory_mb: float = 1024.0
     tvd_weight: float = 0.5
     kl_weight: float = 1.0
     # Cross-entropy on the teacher's argmax (greedy serving accepts exactly the argmax).
@@ -110,7 +134,9 @@ class RealignConfig:
     grad_clip: float = 1.0
     evals: int = 10  # held-out evaluations over the planned run
     patience: int = 5
-    device: str | None = None  # None: CUDA when available, else CPU
+    # None: where the target is. Else a worker device setting ("auto", "cpu", "cuda", "cuda:N"),
+    # which must be where the target was loaded: realign never moves the target.
+    device: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -141,8 +167,10 @@ class RealignDataset:
 class Teacher:
     """The target's top-K distribution at every completion position of some rows.
 
-    ``probs[i]``/``index[i]`` are [N_i, K] for row i (N_i completion positions); ``coverage`` is the
-    mean top-K mass, the share of the target's distribution the loss actually sees.
+    ``probs[i]``/``index[i]`` are [N_i, K] for row i (N_i completion positions), held on the CPU:
+    float32 probabilities and integer ids (int32 from the target pass: every vocabulary fits, and
+    it halves their memory). ``coverage`` is the mean top-K mass, the share of the target's
+    distribution the loss actually sees.
     """
 
     probs: list[torch.Tensor]
@@ -245,36 +273,94 @@ def _completion_index(rows: Rows, picks: Sequence[int], width: int) -> torch.Ten
     return torch.cat(parts)  # [N]
 
 
-def completion_logits(
+def _completion_features(
     model: Transformer, rows: Rows, picks: Sequence[int], device: torch.device
 ) -> torch.Tensor:
-    """Logits at the completion positions of the picked rows, concatenated: [N, V].
+    """Final-normed hidden states at the completion positions of the picked rows: [N, D].
 
     Right padding is harmless under causal attention: no real position attends to a pad.
     """
     batch = pad_rows([rows.ids[i] for i in picks], 0).to(device)  # [B, T]
     inputs = batch[:, :-1]  # [B, T-1]
     index = _completion_index(rows, picks, inputs.shape[1]).to(device)  # [N]
-    with autocast(device):
-        h = _features(model, inputs)  # [B, T-1, D]
-        logits: torch.Tensor = model.lm_head(h.flatten(0, 1)[index])  # [N, V]
+    return _features(model, inputs).flatten(0, 1)[index]  # [N, D]
+
+
+def completion_logits(
+    model: Transformer, rows: Rows, picks: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """Logits at the completion positions of the picked rows, concatenated: [N, V] (float32).
+
+    What the drafter trains through; scoring without gradients goes through chunks of positions
+    instead (``_chunk_logits``), so that no [N, V] tensor is needed.
+    """
+    with autocast_for(device):
+        logits: torch.Tensor = model.lm_head(_completion_features(model, rows, picks, device))  # [N, V]
     return logits.float()
+
+
+def _chunk_logits(
+    model: Transformer, hidden: torch.Tensor, device: torch.device, columns: int | None = None
+) -> torch.Tensor:
+    """hidden [R, D] -> float32 logits [R, columns] over the first ``columns`` vocabulary rows
+    (all of the model's when None): the head's other rows are never multiplied."""
+    with autocast_for(device):
+        if columns is None or columns >= model.config.vocab_size:
+            logits: torch.Tensor = model.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, model.lm_head.weight[:columns])
+    return logits.float()
+
+
+def rows_per_chunk(vocab_size: int, budget_mb: float, bytes_per_logit: int, top_k: int = 0) -> int:
+    """How many positions' logits to compute at once: the largest R with
+    R * (vocab_size * bytes_per_logit + top_k * TOPK_BYTES_PER_ENTRY) <= budget_mb MiB, and at
+    least 1 (one position's logits are the least a pass can hold, whatever the budget)."""
+    if vocab_size < 1 or bytes_per_logit < 1 or top_k < 0:
+        raise ValueError(f"vocab_size {vocab_size}, bytes_per_logit {bytes_per_logit}, top_k {top_k}")
+    per_row = vocab_size * bytes_per_logit + top_k * TOPK_BYTES_PER_ENTRY
+    return max(1, int(budget_mb * 2**20) // per_row)
 
 
 @torch.no_grad()
 def teacher_targets(
-    target: Transformer, rows: Rows, top_k: int, device: torch.device, batch_rows: int = 16
+    target: Transformer,
+    rows: Rows,
+    top_k: int,
+    device: torch.device,
+    batch_rows: int = 16,
+    *,
+    columns: int | None = None,
+    memory_mb: float = 1024.0,
 ) -> Teacher:
-    """Run the target once over every row and keep its top-K next-token distribution."""
-    target.eval()
+    """Run the target once over every row and keep its top-K next-token distribution.
+
+    ``columns``: the vocabulary range the drafter shares with the target (the first ``columns``
+    rows; all of the target's when None). The distribution is taken over that range, so every kept
+    id is one the drafter has. Logits are computed ``rows_per_chunk`` positions at a time within
+    ``memory_mb``. The target is only read (no mode, flag or device change): it may be a model a
+    worker keeps loaded for other jobs.
+    """
+    width = min(columns or target.config.vocab_size, target.config.vocab_size)
+    k = min(top_k, width)
+    step = rows_per_chunk(width, memory_mb, SCORING_BYTES_PER_LOGIT, k)
     probs: list[torch.Tensor] = []
     index: list[torch.Tensor] = []
     mass = 0.0
     count = 0
     for lo in range(0, len(rows), batch_rows):
         picks = list(range(lo, min(len(rows), lo + batch_rows)))
-        p = torch.softmax(completion_logits(target, rows, picks, device), dim=-1)  # [N, V]
-        top_p, top_i = p.topk(top_k, dim=-1)  # [N, K]
+        with autocast_for(device):
+            hidden = _completion_features(target, rows, picks, device)  # [N, D]
+        parts_p: list[torch.Tensor] = []
+        parts_i: list[torch.Tensor] = []
+        for start in range(0, len(hidden), step):
+            p = torch.softmax(_chunk_logits(target, hidden[start : start + step], device, width), dim=-1)
+            chunk_p, chunk_i = p.topk(k, dim=-1)  # [R, K]
+            del p  # before the next chunk's logits: the budget holds one chunk at a time
+            parts_p.append(chunk_p)
+            parts_i.append(chunk_i)
+        top_p, top_i = torch.cat(parts_p), torch.cat(parts_i).to(torch.int32)  # [N, K]
         mass += float(top_p.sum())
         count += len(top_p)
         offset = 0
@@ -291,7 +377,7 @@ def _gather(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return (
         torch.cat([teacher.probs[i] for i in picks]).to(device),  # [N, K]
-        torch.cat([teacher.index[i] for i in picks]).to(device),  # [N, K]
+        torch.cat([teacher.index[i] for i in picks]).to(device=device, dtype=torch.long),  # [N, K]
     )
 
 
@@ -319,6 +405,10 @@ def distill_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, TVD) for student logits [N, V] against the teacher's top-K probs/ids [N, K].
 
+    The student's distribution is over all of its V rows (what it drafts from: mass on rows the
+    target lacks can never be accepted, so it counts against it); the teacher's ids lie in the
+    shared range, hence in [0, V).
+
     KL term: cross-entropy to the renormalised top-K teacher (KL up to a constant). TVD term: with
     the teacher's mass outside its top K taken as zero, 0.5 * (sum_K |p - q| + (1 - sum_K q)).
     CE term: cross-entropy on the teacher's most likely token (column 0: top-K is sorted).
@@ -338,21 +428,35 @@ def distill_loss(
 
 @torch.no_grad()
 def evaluate(
-    drafter: Transformer, rows: Rows, teacher: Teacher, device: torch.device, batch_rows: int = 16
+    drafter: Transformer,
+    rows: Rows,
+    teacher: Teacher,
+    device: torch.device,
+    batch_rows: int = 16,
+    memory_mb: float = 1024.0,
 ) -> dict[str, float]:
     """Held-out expected acceptance (sum over the teacher's top K of min(p, q): a lower bound on
-    1 - TVD, tight when the top K holds the mass) and greedy agreement (drafter argmax = target's)."""
+    1 - TVD, tight when the top K holds the mass) and greedy agreement (drafter argmax = target's).
+
+    q is the drafter's distribution over all of its rows, scored ``rows_per_chunk`` positions at a
+    time within ``memory_mb``; the teacher's ids lie in the range both models share."""
     was_training = drafter.training
     drafter.eval()
+    step = rows_per_chunk(drafter.config.vocab_size, memory_mb, SCORING_BYTES_PER_LOGIT)
     accept = agree = 0.0
     n = 0
     for lo in range(0, len(rows), batch_rows):
         picks = list(range(lo, min(len(rows), lo + batch_rows)))
-        q = torch.softmax(completion_logits(drafter, rows, picks, device), dim=-1)  # [N, V]
+        with autocast_for(device):
+            hidden = _completion_features(drafter, rows, picks, device)  # [N, D]
         top_p, top_i = _gather(teacher, picks, device)
-        accept += float(torch.minimum(top_p, q.gather(-1, top_i)).sum())
-        agree += float((q.argmax(-1) == top_i[:, 0]).sum())
-        n += len(q)
+        for start in range(0, len(hidden), step):
+            end = start + step
+            q = torch.softmax(_chunk_logits(drafter, hidden[start:end], device), dim=-1)  # [R, V]
+            accept += float(torch.minimum(top_p[start:end], q.gather(-1, top_i[start:end])).sum())
+            agree += float((q.argmax(-1) == top_i[start:end, 0]).sum())
+            n += len(q)
+            del q
     drafter.train(was_training)
     return {"expected_acceptance": accept / max(n, 1), "greedy_agreement": agree / max(n, 1)}
 
@@ -369,10 +473,19 @@ def _argmax_share(rows: Rows, teacher: Teacher) -> float:
     return hits / max(1, total)
 
 
-def pick_device(name: str | None) -> torch.device:
-    if name is not None:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def run_device(setting: str | None, target: Transformer) -> torch.device:
+    """Where a realignment runs: where the target is (``setting`` None), else the setting's device,
+    which must hold the target already. Moving the target here would move the caller's model in
+    place (``Module.to`` does), and that model may be one a worker keeps loaded for other jobs."""
+    if setting is None:
+        return target.device
+    device = resolve_device(setting)
+    if target.device != device:
+        raise ValueError(
+            f"the target is on {target.device} but the realignment is set to run on {device}: load "
+            "the target on the device the run uses (realign never moves the target)"
+        )
+    return device
 
 
 # Peak learning rate for a drafter that does not know the new traffic at all (measured on the
@@ -404,12 +517,25 @@ def realign(
 ) -> RealignResult:
     """Distil a new drafter from ``target`` on the traces, starting from ``incumbent``'s weights.
 
-    ``incumbent`` is not modified. Raises RealignCancelledError when ``progress`` returns False,
-    NotEnoughDataError when the traces cannot make a training and a held-out set.
+    Neither model is modified: ``incumbent``'s weights are copied into the drafter that trains, and
+    ``target`` is only read (forward passes without gradients, on the device it is on; no ``.to()``,
+    no ``eval()``/``requires_grad_`` flips), so it may be a model a worker keeps loaded between
+    jobs. Target and incumbent may have different embedding row counts (padded vocabularies of
+    one tokenizer): the teacher's distribution is taken over the rows both share. Raises
+    RealignCancelledError when ``progress`` returns False, NotEnoughDataError when the traces
+    cannot make a training and a held-out set.
     """
     cfg = cfg or RealignConfig()
     started = time.perf_counter()
-    device = pick_device(cfg.device)
+    device = run_device(cfg.device, target)
+    columns = shared_vocab_size(target, incumbent)
+    if tokenizer.vocab_size > columns:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the target and the drafter share "
+            f"only {columns} embedding rows"
+        )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     report = progress or (lambda _f, _m: True)
 
     def checkpoint(fraction: float, message: str) -> None:
@@ -424,27 +550,38 @@ def realign(
         f"dataset: {len(data.train)} train rows ({data.replay_rows} replay), {len(data.held_out)} held out",
     )
 
-    target = target.to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
     if cfg.teacher not in ("auto", "topk", "tokens"):
         raise ValueError(f"teacher must be 'auto', 'topk' or 'tokens', got {cfg.teacher!r}")
     if cfg.select_on not in ("auto", "expected_acceptance", "greedy_agreement"):
         raise ValueError(
             f"select_on must be 'expected_acceptance' or 'greedy_agreement', got {cfg.select_on!r}"
         )
+    def targets(rows: Rows) -> Teacher:
+        return teacher_targets(
+            target,
+            rows,
+            cfg.teacher_top_k,
+            device,
+            cfg.teacher_batch_rows,
+            columns=columns,
+            memory_mb=cfg.teacher_memory_mb,
+        )
+
     t_teacher = time.perf_counter()
-    held_teacher = teacher_targets(target, data.held_out, cfg.teacher_top_k, device, cfg.teacher_batch_rows)
+    held_teacher = targets(data.held_out)
     held_s = time.perf_counter() - t_teacher
     row_tokens = sum(len(t) for t in data.train.ids)
-    projected_s = held_s * row_tokens / max(1, sum(len(t) for t in data.held_out.ids))
+    held_tokens = sum(len(t) for t in data.held_out.ids)
+    projected_s = held_s * row_tokens / max(1, held_tokens)
     mode = cfg.teacher
     if mode == "auto":
         mode = "topk" if projected_s <= cfg.teacher_budget_share * cfg.time_budget_s else "tokens"
     if mode == "tokens":
         teacher = token_targets(data.train)
+        teacher_tokens = held_tokens
     else:
-        teacher = teacher_targets(target, data.train, cfg.teacher_top_k, device, cfg.teacher_batch_rows)
+        teacher = targets(data.train)
+        teacher_tokens = held_tokens + row_tokens
     teacher_s = time.perf_counter() - t_teacher
     checkpoint(
         0.1,
@@ -461,6 +598,8 @@ def realign(
             device=device,
             started=started,
             teacher_s=teacher_s,
+            teacher_tokens=teacher_tokens,
+            shared_vocab=columns,
             teacher_mode=mode,
             teacher_projected_s=projected_s,
             checkpoint=checkpoint,
@@ -488,6 +627,8 @@ def _train(
     device: torch.device,
     started: float,
     teacher_s: float,
+    teacher_tokens: int,
+    shared_vocab: int,
     teacher_mode: str,
     teacher_projected_s: float,
     checkpoint: Callable[[float, str], None],
@@ -496,7 +637,7 @@ def _train(
     model.invalidate_fast_path()
     model.train()
     t_eval = time.perf_counter()
-    before = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
+    before = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
     eval_s = time.perf_counter() - t_eval
     greedy_share = _argmax_share(data.held_out, held_teacher)
     key = cfg.select_on
@@ -557,7 +698,7 @@ def _train(
     stop_reason = "planned steps done"
     for step in range(2, total):
         if step % eval_every == 0:
-            scores = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
+            scores = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
             history.append(
                 {"step": step, "loss": round(loss, 4), **{k: round(v, 4) for k, v in scores.items()}}
             )
@@ -581,7 +722,7 @@ def _train(
         tokens += n
         steps_run += 1
     train_s = time.perf_counter() - t_train
-    final = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows)
+    final = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
     history.append({"step": steps_run, "loss": round(loss, 4), **{k: round(v, 4) for k, v in final.items()}})
     if final[key] > best[key]:
         best, best_step = final, steps_run
@@ -612,13 +753,20 @@ def _train(
         "held_out_after": {k: round(v, 4) for k, v in best.items()},
         "history": history,
         "teacher_s": round(teacher_s, 2),
+        "teacher_tokens": teacher_tokens,
+        "teacher_tokens_per_s": round(teacher_tokens / max(teacher_s, 1e-9), 1),
+        "shared_vocab_size": shared_vocab,
         "train_s": round(train_s, 2),
         "train_tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
         "wall_s": round(wall_s, 2),
         "throughput_definition": "completion tokens trained on / seconds of the training phase "
         "(steps, held-out evaluations, best-weight copies; the target pass excluded, it is teacher_s)",
+        "teacher_throughput_definition": "row tokens (prompt and completion) through the target / "
+        "teacher_s",
         "config": asdict(cfg),
     }
+    if device.type == "cuda":
+        metrics["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     checkpoint(
         0.97,
         f"trained: held-out {key.replace('_', ' ')} {before[key]:.3f} -> {best[key]:.3f}",
@@ -632,8 +780,9 @@ def _train(
 @dataclass(frozen=True, slots=True)
 class Artifact:
     path: Path
-    sha256: str  # of model.safetensors (what load_hf_folder's expected_sha256 checks)
+    sha256: str  # of model.safetensors
     manifest: dict[str, Any]
+    manifest_sha256: str  # of MANIFEST.json: what every later load verifies first
 
 
 def save_drafter(
@@ -647,7 +796,8 @@ def save_drafter(
     """Write the HF folder, the vLLM ``--speculative-config`` JSON and a sha256 manifest of every file.
 
     Written to a temporary sibling and renamed, so a crash never leaves a half-written artifact
-    at ``folder`` (a rerun overwrites any earlier attempt's folder).
+    at ``folder`` (a rerun overwrites any earlier attempt's folder). The speculative config names
+    the drafter by its folder name: the serving side points it at its own verified local copy.
     """
     final = Path(folder)
     tmp = final.with_name(final.name + ".tmp")
@@ -655,25 +805,25 @@ def save_drafter(
         _remove_tree(tmp)
     sha = save_hf_folder(model, tokenizer, tmp, metadata={"realign": "1"})
     spec = {
-        "model": str(final.resolve()),
+        "model": final.name,
         "method": "draft_model",
         "num_speculative_tokens": num_speculative_tokens,
     }
     (tmp / SPEC_CONFIG_NAME).write_text(json.dumps(spec, indent=2) + "\n")
-    files = {p.name: sha256_of_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-    manifest = {"files": files, "model_sha256": sha, "metadata": metadata or {}}
-    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    manifest_sha = write_manifest(tmp, metadata=metadata or {})
     if final.exists():
         _remove_tree(final)
     tmp.rename(final)
-    return Artifact(final, sha, manifest)
+    return Artifact(final, sha, json.loads((final / MANIFEST_NAME).read_text()), manifest_sha)
 
 
-def verify_artifact(folder: str | Path) -> bool:
-    """True when every file named in the manifest still has its recorded sha256."""
-    path = Path(folder)
-    manifest = json.loads((path / MANIFEST_NAME).read_text())
-    return all(sha256_of_file(path / name) == digest for name, digest in manifest["files"].items())
+def verify_artifact(folder: str | Path, manifest_sha256: str | None = None) -> bool:
+    """True when the manifest (and, given, its digest) and every file it names still match."""
+    try:
+        verify_artifact_folder(folder, manifest_sha256)
+    except ArtifactVerificationError:
+        return False
+    return True
 
 
 def _remove_tree(path: Path) -> None:
