@@ -1,13 +1,17 @@
 """A real S3-compatible server for tests: moto's standalone server, started once per test session
 as a child process on a free port of 127.0.0.1 and stopped at the end.
 
-Tests that want it import the fixtures (``from tests.s3_server import s3_bucket, s3_endpoint``):
-``s3_endpoint`` is the server's URL, ``s3_bucket`` a fresh bucket's ``s3://<bucket>/artifacts``
-with test credentials in the environment for that test only.
+A test module that wants it binds the fixtures at its top level (``s3_endpoint =
+s3_server.s3_endpoint``, ``s3_bucket = s3_server.s3_bucket``; an assignment rather than an import,
+which linters would report as redefined by each test's parameter). ``s3_endpoint`` is the server's
+URL; ``s3_bucket`` creates a fresh bucket, returns ``s3://<bucket>/artifacts`` and puts test
+credentials in the environment for that test only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import socket
 import subprocess
 import sys
@@ -74,8 +78,33 @@ def stop_s3_server(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=5)
 
 
+@contextlib.contextmanager
+def checking_credentials(endpoint: str) -> Iterator[None]:
+    """Within the block the server checks every request's credentials against its own IAM, which
+    knows none of the test keys: each request is refused as a real S3 would refuse a bad key."""
+
+    def set_unchecked_requests(count: str) -> None:
+        request = urllib.request.Request(
+            f"{endpoint}/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
+            # Not urllib's default form type, which the server would parse away from the body.
+            headers={"Content-Type": "text/plain"},
+        )
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+
+    set_unchecked_requests("0")
+    try:
+        yield
+    finally:
+        set_unchecked_requests("inf")
+
+
+@functools.cache
 def s3_client(endpoint: str) -> Any:
-    """A boto3 client for the test server, with the test credentials whatever the environment."""
+    """A boto3 client for the test server, with the test credentials whatever the environment
+    (one per endpoint: building a client costs a few hundred milliseconds)."""
     import boto3
 
     return boto3.session.Session(

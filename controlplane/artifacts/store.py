@@ -239,10 +239,10 @@ class FileArtifactStore:
 
     def delete(self, uri: str) -> None:
         folder = self._folder_of(uri)
-        if not folder.exists():
-            return
+        # The manifest goes first, so a delete that stops half-way leaves an incomplete artifact
+        # that every reader refuses, never a complete-looking one missing a file.
         (folder / MANIFEST_NAME).unlink(missing_ok=True)
-        shutil.rmtree(folder)
+        _discard(folder)
 
     def _folder_of(self, uri: str) -> Path:
         try:
@@ -291,7 +291,7 @@ class S3ArtifactStore:
         self.prefix = prefix.strip("/")
         if self.prefix:
             check_artifact_key(self.prefix)
-        self.endpoint_url = endpoint_url
+        self.endpoint_url = endpoint_url or None  # an empty setting means AWS itself
         self._client = client
         self._client_lock = threading.Lock()
 

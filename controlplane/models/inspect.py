@@ -213,22 +213,23 @@ def inspect_folder(folder: Path) -> ModelFacts:
         )
 
     parameters_by_dtype: dict[str, int] = {}
-    embedding_rows: int | None = None
+    embedding_tensor: str | None = None
+    embedding_rows = 0
     for weights_file in safetensors_weight_files(folder):
         for name, tensor in read_safetensors_header(folder / weights_file).items():
             dtype_name = SAFETENSORS_DTYPES[tensor.dtype][0]
             parameters_by_dtype[dtype_name] = parameters_by_dtype.get(dtype_name, 0) + tensor.elements
             is_embedding = name == EMBEDDING_TENSOR or (
-                embedding_rows is None and name.endswith(EMBEDDING_TENSOR_SUFFIX)
+                embedding_tensor is None and name.endswith(EMBEDDING_TENSOR_SUFFIX)
             )
             if is_embedding and tensor.shape:
-                embedding_rows = tensor.shape[0]
+                embedding_tensor, embedding_rows = name, tensor.shape[0]
     parameter_count = sum(parameters_by_dtype.values())
     if parameter_count == 0:
         raise ModelSourceError(f"{folder}'s safetensors files hold no parameters; save the weights again")
     # Most parameters first; ties by name, so the answer never depends on file order.
     dtype = min(parameters_by_dtype, key=lambda name: (-parameters_by_dtype[name], name))
-    if embedding_rows is None:
+    if embedding_tensor is None:
         raise ModelSourceError(
             f"{folder}'s weights have no {EMBEDDING_TENSOR_SUFFIX} tensor, so its vocabulary rows are "
             f"unknown; save the whole causal language model (a *ForCausalLM), not a part of it"
@@ -236,7 +237,7 @@ def inspect_folder(folder: Path) -> ModelFacts:
 
     vocabulary = load_vocabulary(folder)
     tokenizer_size = len(vocabulary)
-    for what, rows in (("config.json's vocab_size", vocab_size), (EMBEDDING_TENSOR_SUFFIX, embedding_rows)):
+    for what, rows in (("config.json's vocab_size", vocab_size), (embedding_tensor, embedding_rows)):
         if rows < tokenizer_size:
             raise ModelSourceError(
                 f"{folder}: {what} gives {rows} vocabulary rows but the tokenizer has {tokenizer_size} "
@@ -245,7 +246,7 @@ def inspect_folder(folder: Path) -> ModelFacts:
             )
     if embedding_rows != vocab_size:
         raise ModelSourceError(
-            f"{folder}: config.json's vocab_size is {vocab_size} but {EMBEDDING_TENSOR_SUFFIX} has "
+            f"{folder}: config.json's vocab_size is {vocab_size} but {embedding_tensor} has "
             f"{embedding_rows} rows, so the weights do not load into the model the config describes; "
             "save the model again"
         )

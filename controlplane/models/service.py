@@ -202,7 +202,7 @@ def register_model(
     """Register ``name`` (platform-wide when ``account_id`` is None) after inspecting its folder.
 
     A drafter lists the targets it may serve (they must be registered and tokenize alike);
-    ``default_for`` also makes it the default drafter of those targets.
+    ``default_for`` also makes it the default drafter of those targets (and so drafts for them).
     """
     validate_model_name(name)
     if session.scalar(select(RegisteredModel.id).where(_scope(account_id), RegisteredModel.name == name)):
@@ -211,11 +211,7 @@ def register_model(
         select(RegisteredModel.id).where(_scope(None), RegisteredModel.name == name)
     ):
         raise ConflictError(f"model {name!r} is a platform model; choose another name")
-    unknown_defaults = sorted(set(default_for) - set(drafter_for))
-    if unknown_defaults:
-        raise ValidationProblem(
-            f"default_for names targets missing from drafter_for: {', '.join(unknown_defaults)}"
-        )
+    drafter_for = sorted(set(drafter_for) | set(default_for))  # a default drafter drafts for it
     folder, kind, hf_id, revision = _resolve_source(
         source, settings, settings.model_roots if roots is None else roots
     )

@@ -86,8 +86,9 @@ def load_vocabulary(folder: Path) -> Vocabulary:
 
 def vocabulary_fingerprint(vocab: Sequence[str | None]) -> str:
     """Sha256 (hex) of the canonical id → token listing: equal exactly when the vocabularies are."""
-    canonical = json.dumps(list(vocab), ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    # ASCII escapes: a token JSON allows but UTF-8 cannot encode (a lone surrogate) still hashes.
+    canonical = json.dumps(list(vocab), ensure_ascii=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
 def _shown(token: str | None) -> str:

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from controlplane.canary.service import promote, start_canary
+from controlplane.config import Settings
 from controlplane.db.models import (
     Deployment,
     DrafterState,
@@ -19,6 +20,7 @@ from controlplane.db.models import (
     JobKind,
     Role,
 )
+from controlplane.models.service import ModelSource, find_model, register_model
 from tests.conftest import Database, Tenant
 
 ADMIN = {Role.admin}
@@ -79,6 +81,16 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/jobs/{job_id}", READ, None),
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/jobs/{job_id}:cancel", ADMIN, None),
     ("POST", "/v1/accounts/{account}/deployments/{deployment}:realign", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/models", READ, None),
+    (
+        "POST",
+        "/v1/accounts/{account}/models",
+        ADMIN,
+        {"name": "mine", "path": "reference/generic-drafter", "drafter_for": ["own-target"]},
+    ),
+    ("GET", "/v1/accounts/{account}/models/{name}", READ, None),
+    ("PATCH", "/v1/accounts/{account}/models/{name}", ADMIN, {"default_drafter": "own-drafter"}),
+    ("DELETE", "/v1/accounts/{account}/models/{name}", ADMIN, None),
     ("GET", "/v1/accounts/{account}/api-keys", ADMIN, None),
     ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
@@ -198,6 +210,7 @@ def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
     key = client.post(
         f"/v1/accounts/{tenant.name}/api-keys", json={"name": "spare", "role": "viewer"}, headers=admin
     ).json()
+    _own_models(db, tenant)
     canary_id = _drafter_history(db, tenant)  # before the event: a promotion answers open events
     event_id = _open_drift_event(db, tenant)
     job_id = _queued_job(db, event_id)
@@ -209,7 +222,31 @@ def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
         "key_id": str(key["id"]),
         "event_id": str(event_id),
         "job_id": str(job_id),
+        "name": "own-target",
     }
+
+
+def _own_models(db: Database, tenant: Tenant) -> None:
+    """The account's own target and a drafter registered for it (from the bundled folders); an
+    earlier round of the same test may have registered (or deleted) either."""
+    session = db.new_session()
+    settings = Settings(database_url=db.url, environment="test")
+    wanted = (
+        ("own-target", "reference/target", []),
+        ("own-drafter", "reference/generic-drafter", ["own-target"]),
+    )
+    for name, path, drafter_for in wanted:
+        if find_model(session=session, account_id=tenant.account_id, name=name) is None:
+            register_model(
+                session=session,
+                account_id=tenant.account_id,
+                name=name,
+                source=ModelSource(path=path),
+                settings=settings,
+                drafter_for=drafter_for,
+            )
+    session.commit()
+    session.close()
 
 
 def test_matrix_covers_every_account_route(client: TestClient) -> None:

@@ -20,7 +20,12 @@ from controlplane.artifacts.store import (
     check_artifact_uri,
     open_store,
 )
-from tests.s3_server import s3_bucket, s3_client, s3_endpoint  # noqa: F401  (fixtures)
+from tests import s3_server
+from tests.s3_server import checking_credentials, s3_client
+
+# The real S3 server's fixtures, bound here so pytest finds them for this module's tests.
+s3_endpoint = s3_server.s3_endpoint
+s3_bucket = s3_server.s3_bucket
 
 ARTIFACT_FILES = {
     "config.json": b'{"architectures": ["LlamaForCausalLM"], "hidden_size": 16}\n',
@@ -66,7 +71,7 @@ def cache_entries(cache_dir: Path) -> list[str]:
 
 
 @pytest.fixture
-def uploaded(s3_bucket: str, s3_endpoint: str, tmp_path: Path) -> tuple[str, str]:  # noqa: F811
+def uploaded(s3_bucket: str, s3_endpoint: str, tmp_path: Path) -> tuple[str, str]:
     """An artifact uploaded to the test bucket: (its URI, its manifest's sha256)."""
     folder, digest = make_artifact(tmp_path / "local")
     store = open_store(s3_bucket, s3_endpoint_url=s3_endpoint)
@@ -77,8 +82,8 @@ def uploaded(s3_bucket: str, s3_endpoint: str, tmp_path: Path) -> tuple[str, str
 
 
 def test_an_uploaded_artifact_comes_back_byte_for_byte_through_the_cache(
-    s3_bucket: str,  # noqa: F811
-    s3_endpoint: str,  # noqa: F811
+    s3_bucket: str,
+    s3_endpoint: str,
     tmp_path: Path,
 ) -> None:
     folder, digest = make_artifact(tmp_path / "local")
@@ -103,34 +108,39 @@ def test_an_uploaded_artifact_comes_back_byte_for_byte_through_the_cache(
 
 
 def test_the_manifest_is_uploaded_last_so_a_broken_upload_never_looks_complete(
-    s3_bucket: str,  # noqa: F811
-    s3_endpoint: str,  # noqa: F811
+    s3_bucket: str,
+    s3_endpoint: str,
     tmp_path: Path,
 ) -> None:
     folder, digest = make_artifact(tmp_path / "local")
     real = s3_client(s3_endpoint)
-    uploaded_keys: list[str] = []
 
-    class FailsOnThirdUpload:
+    class RecordingClient:
+        """The real client, recording upload order and able to lose the network mid-upload."""
+
+        def __init__(self) -> None:
+            self.uploaded_keys: list[str] = []
+            self.fail_on_upload: int | None = None
+
         def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
 
         def upload_file(self, filename: str, bucket: str, key: str) -> None:
-            uploaded_keys.append(key)
-            if len(uploaded_keys) == 3 and fail:
+            self.uploaded_keys.append(key)
+            if len(self.uploaded_keys) == self.fail_on_upload:
                 raise ConnectionError("network gone mid-upload")
             real.upload_file(filename, bucket, key)
 
+    client = RecordingClient()
     bucket, _ = object_key(s3_bucket, "")
-    store = S3ArtifactStore(bucket, "artifacts", endpoint_url=s3_endpoint, client=FailsOnThirdUpload())
-    fail = False
+    store = S3ArtifactStore(bucket, "artifacts", endpoint_url=s3_endpoint, client=client)
     uri = store.upload_folder(folder, KEY)
-    assert uploaded_keys[-1] == f"artifacts/{KEY}/{MANIFEST_NAME}"
-    assert len(uploaded_keys) == len(ARTIFACT_FILES) + 1
+    assert client.uploaded_keys[-1] == f"artifacts/{KEY}/{MANIFEST_NAME}"
+    assert len(client.uploaded_keys) == len(ARTIFACT_FILES) + 1
 
     # A second upload under the same key dies half-way: the old manifest was withdrawn first and
     # the new one never written, so readers see an incomplete artifact, not a mix of two.
-    fail, uploaded_keys[:] = True, []
+    client.uploaded_keys, client.fail_on_upload = [], 3
     with pytest.raises(ConnectionError):
         store.upload_folder(folder, KEY)
     with pytest.raises(ArtifactVerificationError, match=f"{MANIFEST_NAME} is missing"):
@@ -140,7 +150,7 @@ def test_the_manifest_is_uploaded_last_so_a_broken_upload_never_looks_complete(
 def test_a_one_byte_change_to_an_object_is_refused_and_not_cached(
     uploaded: tuple[str, str],
     s3_endpoint: str,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     uri, digest = uploaded
     put_object(s3_endpoint, uri, "model.safetensors", flipped(ARTIFACT_FILES["model.safetensors"], at=1000))
@@ -159,7 +169,7 @@ def test_a_one_byte_change_to_an_object_is_refused_and_not_cached(
     ]
 
 
-def test_a_deleted_object_is_refused(uploaded: tuple[str, str], s3_endpoint: str, tmp_path: Path) -> None:  # noqa: F811
+def test_a_deleted_object_is_refused(uploaded: tuple[str, str], s3_endpoint: str, tmp_path: Path) -> None:
     uri, digest = uploaded
     bucket, key = object_key(uri, "tokenizer.json")
     s3_client(s3_endpoint).delete_object(Bucket=bucket, Key=key)
@@ -172,7 +182,7 @@ def test_a_deleted_object_is_refused(uploaded: tuple[str, str], s3_endpoint: str
 
 def test_a_manifest_rehashed_over_tampered_files_is_refused_by_the_recorded_digest(
     uploaded: tuple[str, str],
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     tmp_path: Path,
 ) -> None:
     uri, digest = uploaded
@@ -197,7 +207,7 @@ def test_a_manifest_rehashed_over_tampered_files_is_refused_by_the_recorded_dige
 
 def test_a_verified_copy_is_reused_and_still_checked_on_every_call(
     uploaded: tuple[str, str],
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -230,7 +240,7 @@ def test_a_verified_copy_is_reused_and_still_checked_on_every_call(
 
 def test_processes_racing_for_one_artifact_share_one_verified_copy(
     uploaded: tuple[str, str],
-    s3_endpoint: str,  # noqa: F811
+    s3_endpoint: str,
     tmp_path: Path,
 ) -> None:
     uri, digest = uploaded
@@ -258,8 +268,8 @@ def test_processes_racing_for_one_artifact_share_one_verified_copy(
 
 def test_delete_removes_every_object_and_is_idempotent(
     uploaded: tuple[str, str],
-    s3_bucket: str,  # noqa: F811
-    s3_endpoint: str,  # noqa: F811
+    s3_bucket: str,
+    s3_endpoint: str,
     tmp_path: Path,
 ) -> None:
     uri, digest = uploaded
@@ -274,9 +284,9 @@ def test_delete_removes_every_object_and_is_idempotent(
         store.delete(s3_bucket)
 
 
-def test_a_missing_bucket_and_missing_credentials_are_named(
-    s3_bucket: str,  # noqa: F811
-    s3_endpoint: str,  # noqa: F811
+def test_a_missing_bucket_and_refused_or_missing_credentials_are_named(
+    s3_bucket: str,
+    s3_endpoint: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -288,6 +298,12 @@ def test_a_missing_bucket_and_missing_credentials_are_named(
     with pytest.raises(ArtifactStoreError, match="bucket 'no-such-bucket' .*does not exist"):
         cache.local_folder(f"s3://no-such-bucket/artifacts/{KEY}", digest)
 
+    with (
+        checking_credentials(s3_endpoint),
+        pytest.raises(ArtifactStoreError, match="refused the credentials"),
+    ):
+        open_store(s3_bucket, s3_endpoint_url=s3_endpoint).upload_folder(folder, KEY)
+
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
@@ -296,8 +312,8 @@ def test_a_missing_bucket_and_missing_credentials_are_named(
 
 
 def test_an_upload_refuses_a_folder_that_does_not_match_its_manifest(
-    s3_bucket: str,  # noqa: F811
-    s3_endpoint: str,  # noqa: F811
+    s3_bucket: str,
+    s3_endpoint: str,
     tmp_path: Path,
 ) -> None:
     folder, _ = make_artifact(tmp_path / "local")

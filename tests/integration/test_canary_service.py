@@ -80,7 +80,9 @@ def test_promote_then_rollback_restores_the_previous_version_and_its_k(
     config = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.ingest)).json()
     assert [a["arm"] for a in config["arms"]] == ["live"]
     assert config["arms"][0]["drafter_version"] is None
-    assert config["arms"][0]["drafter_path"].endswith("generic-drafter")  # resolved to the reference folder
+    drafter = config["arms"][0]["drafter"]  # the registered drafter, by folder and per-file sha256
+    assert drafter["name"] == "reference-drafter" and drafter["uri"].endswith("generic-drafter")
+    assert "model.safetensors" in drafter["files"] and config["target"]["name"] == "reference-target"
 
     # Viewers read but never change; another account does not see the deployment at all.
     assert client.post(f"{BASE}/svc/drafter-versions/1:promote", headers=viewer).status_code == 403
@@ -103,7 +105,7 @@ def test_promote_then_rollback_restores_the_previous_version_and_its_k(
     }
     assert states == {1: "retired", 2: "active"}
     config = client.get(f"{BASE}/svc/serving-config", headers=viewer).json()
-    assert config["arms"][0]["drafter_version"] == 2 and config["arms"][0]["drafter_path"] == "/artifacts/v2"
+    assert config["arms"][0]["drafter_version"] == 2 and config["arms"][0]["drafter"]["uri"] == "file:///artifacts/v2"
 
     assert client.post(f"{BASE}/svc:rollback", headers=viewer).status_code == 403
     back = client.post(f"{BASE}/svc:rollback", headers=admin, json={"reason": "bad"})

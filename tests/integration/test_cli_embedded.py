@@ -62,6 +62,26 @@ def test_first_start_prints_a_key_once_and_the_cli_manages_deployments(
     key_file = Path(env["CWD"]) / "var" / "admin.key"
     key = key_file.read_text().strip()
     assert key.startswith("sk_") and oct(key_file.stat().st_mode & 0o777) == "0o600"
+    # init registered the bundled pair; the account registers its own names for the same folders.
+    assert "reference-target\tplatform\tllama" in _cli(env, "model", "list").stdout
+    unknown = _cli(env, "deployment", "create", "llama-8b", "--deployment-id", "chat")
+    assert unknown.returncode == 1 and "422" in unknown.stderr and "model register llama-8b" in unknown.stderr
+    registered = _cli(env, "model", "register", "llama-8b", "--path", "reference/target")
+    assert registered.returncode == 0, registered.stderr
+    assert json.loads(registered.stdout)["family"] == "llama"
+    drafter = _cli(
+        env,
+        "model",
+        "register",
+        "drafter-a",
+        "--path",
+        "reference/generic-drafter",
+        "--drafter-for",
+        "llama-8b",
+    )
+    assert drafter.returncode == 0, drafter.stderr
+    outside = _cli(env, "model", "register", "stolen", "--path", "/etc")
+    assert outside.returncode == 1 and "model root" in outside.stderr
     created = _cli(
         env,
         "deployment",
@@ -80,9 +100,9 @@ def test_first_start_prints_a_key_once_and_the_cli_manages_deployments(
         env,
         "deployment",
         "create",
-        "m",
+        "llama-8b",
         "--draft-model",
-        "d",
+        "drafter-a",
         "--ngram-speculation-length",
         "3",
         "--draft-token-count",

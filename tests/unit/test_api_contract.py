@@ -36,6 +36,7 @@ NON_JSON_ROUTES = {
     ("GET", "/metrics"),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}"),
     ("DELETE", DEPLOYMENT_PATH),
+    ("DELETE", "/v1/accounts/{account}/models/{name}"),
     ("GET", "/dashboard"),
     ("GET", "/dashboard/"),
     ("GET", "/dashboard/login"),

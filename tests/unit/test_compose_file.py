@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 import yaml
 from typer.main import get_command
@@ -115,7 +116,7 @@ def test_grafana_dashboard_covers_hit_rate_accepted_length_drift_and_jobs() -> N
         assert panel["datasource"]["uid"] == "specctl-prometheus", panel["title"]
 
 
-def test_the_reference_server_runs_with_a_gpu_its_own_key_and_an_existing_module() -> None:
+def test_the_reference_server_runs_with_its_own_key_and_an_existing_module() -> None:
     import argparse
     import importlib.util
 
@@ -125,7 +126,6 @@ def test_the_reference_server_runs_with_a_gpu_its_own_key_and_an_existing_module
     assert command[:3] == ["python", "-m", "workers.serve"]
     assert importlib.util.find_spec("workers.serve.__main__") is not None
     assert "healthcheck" in serve and serve["depends_on"]["api"]["condition"] == "service_healthy"
-    assert serve["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert "serving_api_key" in serve["secrets"] and "serving_api_key" in spec["secrets"]
     # Every flag the compose file passes is one the server's own parser knows.
     from workers.serve.__main__ import build_parser
@@ -134,6 +134,64 @@ def test_the_reference_server_runs_with_a_gpu_its_own_key_and_an_existing_module
     known = {opt for action in parser._actions for opt in action.option_strings}
     flags = {word for word in command if word.startswith("--")}
     assert flags <= known, flags - known
+
+
+SERVE_GPU_OVERRIDE = DEPLOY / "compose.serve-gpu.yml"
+
+
+def _gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return [d for d in devices if "gpu" in d.get("capabilities", [])]
+
+
+def test_only_services_that_run_on_a_gpu_reserve_one() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    reserving = {name for name, service in services.items() if _gpu_devices(service)}
+    # Training and shadow replay run on the GPU worker; the reference engine runs on CPU.
+    assert reserving == {"worker-gpu"}
+    # A GPU serving engine is an override of the same service, named in the compose file's header.
+    override = yaml.safe_load(SERVE_GPU_OVERRIDE.read_text())
+    assert set(override["services"]) == {"serve"}
+    assert set(override["services"]["serve"]) == {"deploy"}
+    (device,) = _gpu_devices(override["services"]["serve"])
+    assert device["driver"] == "nvidia" and device["count"] == 1
+    assert f"-f {SERVE_GPU_OVERRIDE.relative_to(COMPOSE.parent)}" in COMPOSE.read_text()
+
+
+def _environment(service: dict[str, Any]) -> dict[str, str]:
+    environment = service.get("environment", {})
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {str(k): str(v) for k, v in environment.items()}
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """target path: (source, mode) of each short-syntax volume."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":")
+        mounts[target] = (source, mode[0] if mode else "rw")
+    return mounts
+
+
+def test_the_gpu_worker_and_the_serving_side_share_one_artifact_store() -> None:
+    from controlplane.artifacts.store import artifact_uri_is_supported
+
+    spec = yaml.safe_load(COMPOSE.read_text())
+    services = spec["services"]
+    worker, serve = services["worker-gpu"], services["serve"]
+    uri = _environment(worker)["CONTROLPLANE_ARTIFACT_STORE_URI"]
+    assert artifact_uri_is_supported(uri) and uri.startswith("file:///")
+    store_path = uri.removeprefix("file://")
+    # Every service running this package records and resolves the same URIs.
+    for name, service in services.items():
+        if service.get("image") == "specctl:latest":
+            assert _environment(service)["CONTROLPLANE_ARTIFACT_STORE_URI"] == uri, name
+            assert _mounts(service)[store_path][0] == "artifacts", name
+    # One named volume, mounted at that path: written by the worker, read by the server.
+    assert "artifacts" in spec["volumes"]
+    assert _mounts(worker)[store_path] == ("artifacts", "rw")
+    assert _mounts(serve)[store_path] == ("artifacts", "ro")
 
 
 def test_env_example_names_every_variable_compose_requires() -> None:

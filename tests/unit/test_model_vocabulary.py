@@ -62,6 +62,7 @@ def test_the_fingerprint_changes_with_any_id_or_token() -> None:
     assert base == vocabulary_fingerprint(["a", "b", None])
     for other in (["b", "a", None], ["a", "b"], ["a", "b", None, None], ["a", "b", "c"]):
         assert vocabulary_fingerprint(other) != base
+    assert vocabulary_fingerprint(["\ud800", "é"]) != vocabulary_fingerprint(["\ud801", "é"])
 
 
 def test_extra_trailing_tokens_on_either_side_are_compatible() -> None:

@@ -25,19 +25,27 @@ task around it).
   ``ms_per_token`` (request latency / output tokens).
 - Costs: ``c`` = drafter step / target step (1 token each, at the prompts' context length) and
   ``verify_cost[k]`` = target forward over k + 1 tokens / over 1 token, medians of interleaved
-  timings; the same ratios measured in situ during the replay are reported beside them.
+  timings (on a GPU each timed forward waits for its kernels); the same ratios measured in situ
+  during the replay are reported beside them.
+- Device: everything runs where the target is. On a GPU the forward passes run under bf16 autocast
+  and the GPU is torch's default device for the replay, so the token tensors the engine builds
+  land beside the weights; on a CPU nothing changes. The models are only read (forward passes in
+  inference mode), so a target a worker keeps loaded between jobs may be replayed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from workers.devices import autocast_for
 from workers.engine.decoder import GenerationResult, SpeculativeDecoder
 from workers.engine.metrics import RequestMetrics
 from workers.engine.model import Transformer
@@ -49,6 +57,8 @@ ArmSpec = Transformer | Proposer | None
 DecoderFactory = Callable[[str, Proposer | None, int], SpeculativeDecoder]
 ProgressFn = Callable[[float, str], bool]
 ARM_ORDER = ("baseline", "incumbent", "candidate")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class ReplayCancelledError(RuntimeError):
@@ -176,16 +186,50 @@ def _quantile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+# ------------------------------------------------------------------------------------------ device
+
+
+@contextlib.contextmanager
+def _forward_passes_on(device: torch.device) -> Iterator[None]:
+    """On a GPU: bf16 autocast, and the GPU as torch's default device, because the engine's decoder
+    and proposers build their token tensors without naming a device. On a CPU: nothing."""
+    if device.type == "cpu":
+        yield
+        return
+    with autocast_for(device), device:
+        yield
+
+
+def _on_the_targets_device(
+    fn: Callable[Concatenate[Transformer, P], R],
+) -> Callable[Concatenate[Transformer, P], R]:
+    @functools.wraps(fn)
+    def run(target: Transformer, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with _forward_passes_on(target.device):
+            return fn(target, *args, **kwargs)
+
+    return run
+
+
+def _wait_for(device: torch.device) -> None:
+    """Let queued GPU work finish, so that a clock read after it times the work, not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # ---------------------------------------------------------------------------------------- reference
 
 
+@_on_the_targets_device
 @torch.inference_mode()
 def greedy_tokens(
     target: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None
 ) -> list[int]:
     """Plain greedy decoding in a minimal KV-cache loop (no scorer, verifier or proposer code)."""
+    device = target.device
     cache = target.new_cache(1, len(prompt) + max_new_tokens)
-    logits = target.forward_cached(torch.tensor([list(prompt)]), cache, last_only=True)[0, -1]  # [V]
+    tokens = torch.tensor([list(prompt)], device=device)
+    logits = target.forward_cached(tokens, cache, last_only=True)[0, -1]  # [V]
     out: list[int] = []
     for i in range(max_new_tokens):
         tok = int(logits.argmax())
@@ -193,7 +237,7 @@ def greedy_tokens(
             break
         out.append(tok)
         if i + 1 < max_new_tokens:
-            logits = target.forward_cached(torch.tensor([[tok]]), cache)[0, -1]  # [V]
+            logits = target.forward_cached(torch.tensor([[tok]], device=device), cache)[0, -1]  # [V]
     return out
 
 
@@ -211,7 +255,8 @@ def _is_tie(
     want = reference[j] if j < len(reference) else eos_id
     if want is None or got is None:
         return False
-    logits = target(torch.tensor([list(prompt) + list(reference[:j])]))[0, -1].float()  # [V]
+    tokens = torch.tensor([list(prompt) + list(reference[:j])], device=target.device)
+    logits = target(tokens)[0, -1].float()  # [V]
     top = float(logits.max())
     return top - min(float(logits[want]), float(logits[got])) <= tol * (1.0 + abs(top))
 
@@ -226,6 +271,7 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 # -------------------------------------------------------------------------------------------- costs
 
 
+@_on_the_targets_device
 @torch.inference_mode()
 def measure_costs(
     target: Transformer,
@@ -242,7 +288,7 @@ def measure_costs(
 
     def prefilled(model: Transformer) -> Any:
         cache = model.new_cache(1, length + max_k + 1)
-        model.forward_cached(torch.tensor([ctx]), cache)
+        model.forward_cached(torch.tensor([ctx], device=model.device), cache)
         return cache
 
     caches = {"target": prefilled(target), **{name: prefilled(m) for name, m in drafters.items()}}
@@ -254,9 +300,11 @@ def measure_costs(
         for name, t in jobs:
             cache, model = caches[name], models[name]
             cache.rollback(length)
-            tokens = torch.tensor([probe[:t]])
+            tokens = torch.tensor([probe[:t]], device=model.device)
+            _wait_for(model.device)
             t0 = clock()
             model.forward_cached(tokens, cache)
+            _wait_for(model.device)
             dt = clock() - t0
             if rep:
                 times.setdefault((name, t), []).append(dt * 1000.0)
@@ -301,6 +349,7 @@ def _arm_order(names: Sequence[str], i: int) -> list[str]:
     return list(names[s:]) + list(names[:s])
 
 
+@_on_the_targets_device
 def shadow_replay(
     target: Transformer,
     tokenizer: Tokenizer,
@@ -330,7 +379,8 @@ def shadow_replay(
     the same every time). ``reference``: "independent" (a separate plain greedy loop, the default),
     "baseline" (the no-speculation arm's own output) or "none" (no lossless check). The lossless
     check applies to greedy decoding only (``temperature == 0``). ``tie_tol``: the relative logit
-    gap under which a divergence is a rounding tie (default 1e-4 in float32, 2e-2 otherwise).
+    gap under which a divergence is a rounding tie (default 1e-4 for a float32 target on a CPU,
+    2e-2 otherwise: on a GPU the products run in bf16 under autocast).
     Raises ReplayCancelledError when ``progress`` returns False.
     """
     if not arms:
@@ -347,7 +397,8 @@ def shadow_replay(
         raise ValueError("reference='baseline' needs an arm without speculation (None)")
     greedy = temperature == 0.0
     check = greedy and reference != "none"
-    tol = tie_tol if tie_tol is not None else (1e-4 if target.dtype == torch.float32 else 2e-2)
+    exact = target.dtype == torch.float32 and target.device.type == "cpu"
+    tol = tie_tol if tie_tol is not None else (1e-4 if exact else 2e-2)
     eos = tokenizer.eos_id if stop_at_eos else None
     make = decoder_factory or _default_decoder(target, tokenizer)
     decoders = {name: make(name, _proposer(name, arms[name]), k) for name in names}
@@ -362,7 +413,7 @@ def shadow_replay(
         costs = measure_costs(target, drafters, context, max_k=cost_max_k, repeats=cost_repeats)
 
     def run(name: str, prompt: Sequence[int], i: int, n_new: int) -> GenerationResult:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + i) if not greedy else None
+        gen = torch.Generator(target.device).manual_seed(seed * 1_000_003 + i) if not greedy else None
         return decoders[name].generate(
             list(prompt), n_new, temperature=temperature, generator=gen, stop_at_eos=stop_at_eos
         )

@@ -36,6 +36,7 @@ from workers.training.common import (
     log,
     make_optimizer,
     save_checkpoint,
+    shared_vocab_size,
 )
 
 
@@ -164,9 +165,19 @@ def make_traces(
 
 def _kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """Forward KL(p_target || q_drafter), mean over positions: mass-covering, the divergence whose
-    minimiser maximises expected greedy agreement when the drafter cannot match the target exactly."""
+    minimiser maximises expected greedy agreement when the drafter cannot match the target exactly.
+
+    Embedding tables padded to different row counts: p is the target's distribution over the rows
+    both models share, q the drafter's over all of its rows (its mass on rows the target lacks is
+    mass no verification accepts), compared on the shared rows.
+    """
+    shared = min(teacher_logits.shape[-1], student_logits.shape[-1])
+    if teacher_logits.shape[-1] > shared:
+        teacher_logits = teacher_logits[..., :shared]
     t = F.log_softmax(teacher_logits.float(), dim=-1)
     s = F.log_softmax(student_logits.float(), dim=-1)
+    if s.shape[-1] > shared:
+        s = s[..., :shared]
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
@@ -178,12 +189,15 @@ def agreement(
     device: torch.device,
     batch_size: int = 16,
 ) -> float:
-    """Share of positions where the drafter's argmax equals the target's (a proxy for greedy α)."""
+    """Share of positions where the drafter's argmax equals the target's (a proxy for greedy α).
+
+    The target's argmax is taken over the rows both models share (padding rows are no tokens)."""
+    shared = shared_vocab_size(target, drafter)
     hits, count = 0, 0
     for i in range(0, len(windows), batch_size):
         w = windows[i : i + batch_size].to(device)
         with autocast(device):
-            a = target(w).argmax(-1)
+            a = target(w)[..., :shared].argmax(-1)
             b = drafter(w).argmax(-1)
         hits += int((a == b).sum())
         count += a.numel()

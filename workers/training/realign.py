@@ -51,10 +51,10 @@ from controlplane.artifacts.manifest import (
     write_manifest,
 )
 from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, is_held_out
+from workers.devices import autocast_for, resolve_device
 from workers.engine.hf_io import save_hf_folder
 from workers.engine.model import DecoderLayer, Transformer
 from workers.engine.tokenizer import Tokenizer
-from workers.devices import autocast_for, resolve_device
 from workers.training.common import cosine_lr, make_optimizer, shared_vocab_size
 
 # progress(fraction, message) -> keep going? False stops the run (the job was cancelled).
@@ -556,6 +556,7 @@ def realign(
         raise ValueError(
             f"select_on must be 'expected_acceptance' or 'greedy_agreement', got {cfg.select_on!r}"
         )
+
     def targets(rows: Rows) -> Teacher:
         return teacher_targets(
             target,
@@ -698,7 +699,9 @@ def _train(
     stop_reason = "planned steps done"
     for step in range(2, total):
         if step % eval_every == 0:
-            scores = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
+            scores = evaluate(
+                model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb
+            )
             history.append(
                 {"step": step, "loss": round(loss, 4), **{k: round(v, 4) for k, v in scores.items()}}
             )
@@ -761,8 +764,7 @@ def _train(
         "wall_s": round(wall_s, 2),
         "throughput_definition": "completion tokens trained on / seconds of the training phase "
         "(steps, held-out evaluations, best-weight copies; the target pass excluded, it is teacher_s)",
-        "teacher_throughput_definition": "row tokens (prompt and completion) through the target / "
-        "teacher_s",
+        "teacher_throughput_definition": "row tokens (prompt and completion) through the target / teacher_s",
         "config": asdict(cfg),
     }
     if device.type == "cuda":
