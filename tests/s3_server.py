@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,33 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# The server is local: never ask a proxy the environment may name.
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _answers(endpoint: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1) as response:
+        with _direct.open(f"{endpoint}/moto-api/", timeout=1) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """On Linux, a hook for the child that has the kernel stop it when the test process dies, so
+    a test run killed outright (a timeout, ^C twice) leaves no server behind."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+
+    def die_with_parent() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return die_with_parent
 
 
 def start_s3_server(log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -58,6 +79,7 @@ def start_s3_server(log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent_hook(),
         )
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _answers(endpoint):
@@ -91,7 +113,7 @@ def checking_credentials(endpoint: str) -> Iterator[None]:
             # Not urllib's default form type, which the server would parse away from the body.
             headers={"Content-Type": "text/plain"},
         )
-        with urllib.request.urlopen(request, timeout=5):
+        with _direct.open(request, timeout=5):
             pass
 
     set_unchecked_requests("0")

@@ -64,8 +64,8 @@ POLL_S = 1.0
 # scales the traffic down; the loop and every decision rule stay the same.
 DEMO_DEFAULTS: dict[str, Any] = {
     "deployment": "demo",
-    "target_model": "target",
-    "draft_model": "generic-drafter",
+    "target_model": "reference-target",
+    "draft_model": "reference-drafter",
     "draft_token_count": 4,
     "trace_sample_rate": 1.0,
     "calibration_requests": 16,

@@ -39,6 +39,7 @@ from controlplane.drift.observation import RequestObservation
 from controlplane.drift.service import DetectorPair
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.service import store_records
+from controlplane.models.service import ModelSource, register_model
 
 K = 4
 HISTORY_MINUTES = 360
@@ -176,6 +177,19 @@ def seed_loop_history(
     viewer = issue_key(session=session, account=owner, name="viewer", role=Role.viewer, secret=secret)
     ingest = issue_key(session=session, account=owner, name="ingest", role=Role.ingest, secret=secret)
     principal = Principal(admin.key.id, "admin", Role.admin, account.id, account_name)
+    # The account's own names for the bundled folders (deployments name registered models only).
+    for model_name, folder, drafts_for in (
+        ("llama-3-8b-instruct", "reference/target", []),
+        ("drafter-160m", "reference/generic-drafter", ["llama-3-8b-instruct"]),
+    ):
+        register_model(
+            session=session,
+            account_id=account.id,
+            name=model_name,
+            source=ModelSource(path=folder),
+            settings=Settings(),
+            drafter_for=drafts_for,
+        )
     deployment = create_deployment(
         session=session,
         principal=principal,

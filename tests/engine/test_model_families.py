@@ -22,9 +22,10 @@ from safetensors import safe_open
 
 from workers.engine.decoder import ContextLengthError, SpeculativeDecoder, greedy_reference
 from workers.engine.hf_io import load_hf_folder, save_hf_folder
-from workers.engine.model import _ONEDNN_LINEAR, FAMILIES, ModelConfig, Transformer
+from workers.engine.model import FAMILIES, ModelConfig, Transformer
 from workers.engine.proposers import DraftModelProposer
 from workers.engine.tokenizer import Tokenizer, TokenizerMismatchError, ensure_same_tokenizer
+from workers.engine.verifier import rejection_sample
 
 transformers = pytest.importorskip("transformers")
 
@@ -205,7 +206,9 @@ def test_greedy_and_speculative_decoding_reproduce_transformers(pair: Pair) -> N
 
 
 def test_unknown_model_type_is_refused_with_the_supported_families() -> None:
-    cfg = ModelConfig(vocab_size=TOKENS, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=TOKENS, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64
+    )
     with pytest.raises(ValueError, match="llama, qwen2, qwen3, mistral") as err:
         ModelConfig.from_hf_dict({**cfg.to_hf_dict(), "model_type": "gemma2"})
     assert "gemma2" in str(err.value)
@@ -266,9 +269,16 @@ def test_padded_vocabularies_decode_over_the_shared_tokens(tmp_path: Path) -> No
 
 def test_drafter_without_a_row_for_every_token_is_refused(tmp_path: Path) -> None:
     target, tokenizer = load_hf_folder(write_folder(build_hf("llama", seed=6), tmp_path / "target"))
-    drafter, _ = load_hf_folder(write_folder(build_hf("llama", seed=7, vocab_size=4000), tmp_path / "drafter"))
+    short = build_hf("llama", seed=7, vocab_size=4000)
+    drafter, _ = load_hf_folder(write_folder(short, tmp_path / "drafter"))
     with pytest.raises(ValueError, match="drafter has 4000 embedding rows and the target 4096"):
         SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter))
+
+
+def test_verifier_refuses_distributions_over_different_ids() -> None:
+    p, q = torch.full((3, TOKENS + 64), 1.0 / (TOKENS + 64)), torch.full((2, TOKENS), 1.0 / TOKENS)
+    with pytest.raises(ValueError, match="cut both to the shared vocabulary"):
+        rejection_sample(p, torch.tensor([1, 2]), q)
 
 
 def test_qwen2_folder_trains_and_saves_back_as_qwen2(tmp_path: Path) -> None:
@@ -303,10 +313,9 @@ def test_qwen2_folder_trains_and_saves_back_as_qwen2(tmp_path: Path) -> None:
         torch.testing.assert_close(again(x), after, atol=0.0, rtol=0.0)
 
 
-@pytest.mark.skipif(not _ONEDNN_LINEAR, reason="this torch build has no oneDNN prepacked linear")
 def test_qwen2_biases_survive_the_prepacked_onednn_path(tmp_path: Path) -> None:
     """Wide enough that the fused q/k/v and gate/up products of several rows run on oneDNN's
-    prepacked weights, where q/k/v carry a bias and the fused gate/up none."""
+    prepacked weights (where this torch build has them), where q/k/v carry a bias and gate/up none."""
     hf = build_hf("qwen2", seed=10, hidden_size=256, intermediate_size=512, num_hidden_layers=1)
     model, _ = load_hf_folder(write_folder(hf, tmp_path / "wide"))
     x = torch.randint(0, TOKENS, (1, 24), generator=torch.Generator().manual_seed(11))

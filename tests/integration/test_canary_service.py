@@ -105,7 +105,10 @@ def test_promote_then_rollback_restores_the_previous_version_and_its_k(
     }
     assert states == {1: "retired", 2: "active"}
     config = client.get(f"{BASE}/svc/serving-config", headers=viewer).json()
-    assert config["arms"][0]["drafter_version"] == 2 and config["arms"][0]["drafter"]["uri"] == "file:///artifacts/v2"
+    assert (
+        config["arms"][0]["drafter_version"] == 2
+        and config["arms"][0]["drafter"]["uri"] == "file:///artifacts/v2"
+    )
 
     assert client.post(f"{BASE}/svc:rollback", headers=viewer).status_code == 403
     back = client.post(f"{BASE}/svc:rollback", headers=admin, json={"reason": "bad"})

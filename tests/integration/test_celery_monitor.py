@@ -14,12 +14,11 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import Deployment, DriftEvent, SpeculationMode
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.ingest.formats import parse_batch
 from controlplane.ingest.service import store_records
-from tests.conftest import TEST_SECRET, make_tenant, recreate_pg_database
+from tests.conftest import TEST_SECRET, make_tenant, prepare_database, recreate_pg_database
 from tests.integration.test_drift_monitor import request_record
 
 BROKER = "redis://127.0.0.1:6379/14"
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def worker_env() -> Iterator[dict[str, str]]:
     url = recreate_pg_database("controlplane_celery_test")
-    upgrade_to_head(url)
+    prepare_database(url)
     redis.Redis.from_url(BROKER).flushdb()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")},

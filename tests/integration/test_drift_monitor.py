@@ -13,12 +13,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from controlplane.config import Settings
-from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import DriftEvent, DriftMonitorState, Role
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.drift.service import advance_monitor
 from controlplane.errors import ConflictError
-from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, recreate_pg_database
+from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, prepare_database, recreate_pg_database
 
 
 def request_record(i: int, rng: random.Random, p: float, k: int = 4, prefix: str = "r") -> dict[str, Any]:
@@ -176,7 +175,7 @@ def test_policy_changes_are_validated_and_audited(
 def committed_pg() -> Iterator[str]:
     """A PostgreSQL database with real commits (no test transaction), for concurrency."""
     url = recreate_pg_database("controlplane_drift_concurrency")
-    upgrade_to_head(url)
+    prepare_database(url)
     yield url
     get_engine(url).dispose()
 

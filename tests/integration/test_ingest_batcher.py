@@ -17,7 +17,6 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from controlplane.dashboard.service import deployment_view, overview
-from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import (
     AcceptanceRecordRow,
     AcceptanceRollupPendingRow,
@@ -32,7 +31,7 @@ from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import MINUTE
 from controlplane.ingest.service import IngestResult, store_batches
 from controlplane.stats.service import acceptance_series
-from tests.conftest import PG_ADMIN_URL, add_deployment, recreate_pg_database
+from tests.conftest import PG_ADMIN_URL, add_deployment, prepare_database, recreate_pg_database
 
 
 def _record(request_id: str) -> AcceptanceRecord:
@@ -66,7 +65,7 @@ def _terminate_backends(database: str) -> int:
 @pytest.fixture
 def pg_deployment() -> tuple[str, int]:
     url = recreate_pg_database("controlplane_batcher")
-    upgrade_to_head(url)
+    prepare_database(url)
     with get_sessionmaker(url)() as session:
         deployment_id = add_deployment(session, "batcher").id
         session.commit()

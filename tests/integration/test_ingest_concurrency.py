@@ -19,7 +19,6 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import func, select, text
 
-from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import (
     AcceptanceRecordRow,
     AcceptanceRollupRow,
@@ -28,7 +27,7 @@ from controlplane.db.session import get_sessionmaker
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import RESOLUTIONS
 from controlplane.ingest.service import SMALL_BATCH_RECORDS, IngestResult, fold_pending_rollups, store_batches
-from tests.conftest import add_deployment, recreate_pg_database
+from tests.conftest import add_deployment, prepare_database, recreate_pg_database
 
 WRITERS = 4
 ROUNDS = 30
@@ -65,7 +64,7 @@ def test_concurrent_writers_store_each_id_once_and_keep_rollups_exact(
     batch_size: int, deferred: bool
 ) -> None:
     url = recreate_pg_database(f"controlplane_writers_{batch_size}_{int(deferred)}")
-    upgrade_to_head(url)
+    prepare_database(url)
     sessions = get_sessionmaker(url)
     with sessions() as session:
         deployment_id = add_deployment(session, "writers").id

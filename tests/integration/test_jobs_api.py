@@ -3,6 +3,7 @@ progress and cancellation, through the API on both dialects."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -205,6 +206,7 @@ def test_a_worker_process_turns_a_realign_request_into_a_candidate(tmp_path: Pat
     import redis
 
     from controlplane.app import create_app
+    from controlplane.artifacts.store import VerifiedArtifactCache
     from controlplane.config import Settings
     from controlplane.db.migrate import upgrade_to_head
     from controlplane.db.models import DrafterVersion, Trace, TraceSource
@@ -222,12 +224,15 @@ def test_a_worker_process_turns_a_realign_request_into_a_candidate(tmp_path: Pat
     config = ModelConfig(
         vocab_size=4096, dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=64, max_seq_len=256
     )
-    save_hf_folder(build_model(config, seed=1), tokenizer, tmp_path / "target")
-    save_hf_folder(build_model(config, seed=2), tokenizer, tmp_path / "drafter")
+    models = tmp_path / "models"
+    save_hf_folder(build_model(config, seed=1), tokenizer, models / "target")
+    save_hf_folder(build_model(config, seed=2), tokenizer, models / "drafter")
     with get_sessionmaker(url)() as session:
         tenant = make_tenant(session, "acme")
         session.commit()
-    settings = Settings(database_url=url, broker_url=broker, environment="test", secret_key=TEST_SECRET)
+    settings = Settings(
+        database_url=url, broker_url=broker, environment="test", secret_key=TEST_SECRET, model_roots=[models]
+    )
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")},
         "CONTROLPLANE_DATABASE_URL": url,
@@ -236,6 +241,7 @@ def test_a_worker_process_turns_a_realign_request_into_a_candidate(tmp_path: Pat
         "CONTROLPLANE_SECRET_KEY": TEST_SECRET,
         "CONTROLPLANE_ENVIRONMENT": "test",
         "CONTROLPLANE_ARTIFACT_DIR": str(tmp_path / "artifacts"),
+        "CONTROLPLANE_MODEL_ROOTS": json.dumps([str(models)]),
         "OMP_NUM_THREADS": "1",
     }
     log = (tmp_path / "worker.log").open("w")
@@ -249,12 +255,19 @@ def test_a_worker_process_turns_a_realign_request_into_a_candidate(tmp_path: Pat
     try:
         with TestClient(create_app(settings)) as client:
             admin = tenant.headers(Role.admin)
+            for name, folder, drafts_for in (("tiny", "target", []), ("tiny-drafter", "drafter", ["tiny"])):
+                registered = client.post(
+                    "/v1/accounts/acme/models",
+                    json={"name": name, "path": folder, "drafter_for": drafts_for},
+                    headers=admin,
+                )
+                assert registered.status_code == 201, registered.text
             created = client.post(
                 BASE,
                 json={
-                    "target_model": str(tmp_path / "target"),
+                    "target_model": "tiny",
                     "deployment_id": "svc",
-                    "draft_model": str(tmp_path / "drafter"),
+                    "draft_model": "tiny-drafter",
                     "draft_token_count": 4,
                 },
                 headers=admin,
@@ -286,7 +299,12 @@ def test_a_worker_process_turns_a_realign_request_into_a_candidate(tmp_path: Pat
         with get_sessionmaker(url)() as session:
             versions = list(session.scalars(select(DrafterVersion)))
         assert len(versions) == 1 and versions[0].training_job_id == job["id"]
-        load_hf_folder(versions[0].artifact_path, expected_sha256=versions[0].artifact_sha256)
+        # Stored through the default file:// store under the artifact dir, verified by its manifest.
+        assert versions[0].artifact_path.startswith("file://") and versions[0].manifest_sha256
+        local = VerifiedArtifactCache(tmp_path / "cache").local_folder(
+            versions[0].artifact_path, versions[0].manifest_sha256
+        )
+        load_hf_folder(local, expected_sha256=versions[0].artifact_sha256)
     finally:
         worker.terminate()
         worker.wait(timeout=30)

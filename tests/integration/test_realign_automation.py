@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -33,10 +34,14 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from controlplane.config import Settings
+from controlplane.artifacts.store import VerifiedArtifactCache
+from controlplane.canary.phases import CanaryDecision
+from controlplane.canary.service import UnverifiedArtifactError, promote, start_canary
+from controlplane.config import Settings, get_settings
 from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.models import (
     AuditEntry,
+    Canary,
     Deployment,
     DrafterState,
     DrafterVersion,
@@ -59,7 +64,9 @@ from controlplane.jobs.service import (
     realign_on_drift,
     request_realign,
 )
+from controlplane.models.service import ModelSource, register_model
 from controlplane.timestamps import utcnow
+from tests import s3_server
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, recreate_pg_database
 from tests.integration.test_drift_monitor import request_record
 from workers.engine.hf_io import load_hf_folder, save_hf_folder
@@ -149,6 +156,14 @@ class Stack:
     producer: Celery
     tenant: Tenant
     models: Path
+    settings: Settings  # what the worker runs with: the model root and the S3 artifact store
+
+    def local_artifact(self, version: DrafterVersion) -> Path:
+        """The version's artifact fetched from the store into a verified local copy."""
+        cache = VerifiedArtifactCache(
+            self.settings.artifact_cache_dir, s3_endpoint_url=self.settings.s3_endpoint_url
+        )
+        return cache.local_folder(version.artifact_path, version.manifest_sha256)
 
     def deployment(self, name: str, *, traces: int = 160) -> int:
         """A draft-model deployment on the tiny target and drafter, with ``traces`` recent traces."""
@@ -156,9 +171,9 @@ class Stack:
             deployment = Deployment(
                 account_id=self.tenant.account_id,
                 name=name,
-                target_model=str(self.models / "target"),
+                target_model="tiny-target",
                 speculation_mode=SpeculationMode.draft_model,
-                draft_model=str(self.models / "drafter"),
+                draft_model="tiny-drafter",
                 draft_token_count=4,
                 drift_policy={},
                 canary_policy={},
@@ -226,14 +241,25 @@ def _tiny_models(folder: Path) -> Path:
     return folder
 
 
+s3_endpoint = s3_server.s3_endpoint
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("realign-auto")
     url = recreate_pg_database("controlplane_realign_auto")
     upgrade_to_head(url)
     redis.Redis.from_url(BROKER).flushdb()
+    bucket = f"realign-{os.getpid()}"
+    s3_server.s3_client(s3_endpoint).create_bucket(Bucket=bucket)
+    models = _tiny_models(tmp / "models")
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")},
+        **s3_server.TEST_CREDENTIALS,
+        "CONTROLPLANE_MODEL_ROOTS": json.dumps([str(models)]),
+        "CONTROLPLANE_ARTIFACT_STORE_URI": f"s3://{bucket}/artifacts",
+        "CONTROLPLANE_S3_ENDPOINT_URL": s3_endpoint,
+        "CONTROLPLANE_ARTIFACT_CACHE_DIR": str(tmp / "worker-cache"),
         "CONTROLPLANE_DATABASE_URL": url,
         "CONTROLPLANE_BROKER_URL": BROKER,
         "CONTROLPLANE_RESULT_BACKEND_URL": BROKER,
@@ -248,15 +274,41 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "CONTROLPLANE_REALIGN_MAX_WAIT_S": "5",
         "OMP_NUM_THREADS": "1",
     }
+    settings = Settings(
+        database_url=url,
+        environment="test",
+        secret_key=TEST_SECRET,
+        model_roots=[models],
+        artifact_store_uri=f"s3://{bucket}/artifacts",
+        s3_endpoint_url=s3_endpoint,
+        artifact_cache_dir=tmp / "test-cache",
+    )
+    for name, value in s3_server.TEST_CREDENTIALS.items():
+        os.environ.setdefault(name, value)
     sessions = get_sessionmaker(url)
     with sessions() as session:
         tenant = make_tenant(session, "acme")
+        register_model(
+            session=session,
+            account_id=tenant.account_id,
+            name="tiny-target",
+            source=ModelSource(path="target"),
+            settings=settings,
+        )
+        register_model(
+            session=session,
+            account_id=tenant.account_id,
+            name="tiny-drafter",
+            source=ModelSource(path="drafter"),
+            settings=settings,
+            drafter_for=["tiny-target"],
+        )
         session.commit()
     worker = Worker(env, tmp)
     worker.start()
     producer = Celery("test-producer", broker=BROKER, backend=BROKER)
     try:
-        yield Stack(url, sessions, worker, producer, tenant, _tiny_models(tmp / "models"))
+        yield Stack(url, sessions, worker, producer, tenant, models, settings)
     finally:
         worker.stop()
         producer.close()
@@ -295,10 +347,12 @@ def test_a_drift_event_becomes_a_job_and_the_job_a_candidate(stack: Stack) -> No
     assert done.attempts == 1 and done.result["drafter_version"] == 1
     [version] = stack.versions(job.id)
     # auto_realign: the candidate went straight to its canary (the shadow replay was queued).
-    assert version.state == DrafterState.canary and version.target_model == str(stack.models / "target")
+    assert version.state == DrafterState.canary and version.target_model == "tiny-target"
+    assert version.artifact_path.startswith("s3://") and version.manifest_sha256 is not None
     assert version.training_metrics["time_budget_s"] == 4.0  # the settings' budget for param-less jobs
-    load_hf_folder(version.artifact_path, expected_sha256=version.artifact_sha256)
-    assert verify_artifact(version.artifact_path)
+    local = stack.local_artifact(version)  # verified: the manifest's digest, then every file
+    load_hf_folder(local, expected_sha256=version.artifact_sha256)
+    assert verify_artifact(local, version.manifest_sha256)
     with stack.sessions() as session:
         handed = session.scalar(
             select(func.count()).where(
@@ -333,7 +387,7 @@ def test_a_worker_killed_mid_job_leaves_exactly_one_candidate(stack: Stack) -> N
     assert done.attempts == 2  # the killed run, then the restart
     versions = stack.versions(job_id)
     assert len(versions) == 1 and versions[0].state == DrafterState.canary  # handed to its canary
-    load_hf_folder(versions[0].artifact_path, expected_sha256=versions[0].artifact_sha256)
+    load_hf_folder(stack.local_artifact(versions[0]), expected_sha256=versions[0].artifact_sha256)
     with stack.sessions() as session:
         total = session.scalar(
             select(func.count())
@@ -423,6 +477,61 @@ def test_a_lost_message_is_resent_by_the_sweeper_and_a_cancel_stops_training(sta
     assert stack.versions(job_id) == []
 
 
+def test_a_tampered_artifact_fails_its_canary_and_is_never_promoted(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployment_id = stack.deployment("tampered", traces=240)
+    with stack.sessions() as session:
+        deployment = session.get_one(Deployment, deployment_id)
+        deployment.auto_realign = False  # the candidate waits: the test tampers before its canary
+        job_id = request_realign(session=session, deployment=deployment, params={"time_budget_s": 4}).job.id
+        session.commit()
+    stack.producer.send_task("realign.run", args=[job_id], queue="gpu")
+    done = stack.wait_for("the job to finish", lambda: (j := stack.job(job_id)).finished_at and j, 90)
+    assert done.state == JobState.succeeded, (done.error, stack.worker.log_tail())
+    [version] = stack.versions(job_id)
+    assert version.state == DrafterState.candidate and version.artifact_path.startswith("s3://")
+    # One byte of one file changes in the bucket after the version was registered.
+    bucket, _, prefix = version.artifact_path.removeprefix("s3://").partition("/")
+    client = s3_server.s3_client(stack.settings.s3_endpoint_url or "")
+    original = client.get_object(Bucket=bucket, Key=f"{prefix}/config.json")["Body"].read()
+    client.put_object(Bucket=bucket, Key=f"{prefix}/config.json", Body=original.replace(b"{", b"[", 1))
+
+    # A person cannot promote it: promotion verifies the artifact first.
+    monkeypatch.setenv("CONTROLPLANE_S3_ENDPOINT_URL", stack.settings.s3_endpoint_url or "")
+    monkeypatch.setenv("CONTROLPLANE_ARTIFACT_CACHE_DIR", str(stack.settings.artifact_cache_dir))
+    get_settings.cache_clear()
+    try:
+        with stack.sessions() as session, pytest.raises(UnverifiedArtifactError, match="config.json"):
+            promote(
+                session=session, deployment_id=deployment_id, version_number=1, actor="test", reason="try"
+            )
+    finally:
+        get_settings.cache_clear()
+
+    # Its canary's shadow replay refuses it and rejects the candidate, saying why.
+    with stack.sessions() as session:
+        canary, canary_job = start_canary(
+            session=session, version=session.get_one(DrafterVersion, version.id)
+        )
+        session.commit()
+        canary_id, canary_job_id = canary.id, canary_job.id
+    stack.producer.send_task("canary.shadow_replay", args=[canary_job_id], queue="gpu")
+
+    def decided() -> Canary | None:
+        with stack.sessions() as session:
+            row = session.get_one(Canary, canary_id)
+            return row if row.decided_at is not None else None
+
+    canary = stack.wait_for("the canary to be decided", decided, 60)
+    assert canary.decision == CanaryDecision.reject, canary.reason
+    assert "candidate artifact refused" in (canary.reason or "") and "config.json" in (canary.reason or "")
+    assert stack.job(canary_job_id).state == JobState.failed
+    with stack.sessions() as session:
+        assert session.get_one(DrafterVersion, version.id).state == DrafterState.rejected
+        assert session.get_one(Deployment, deployment_id).draft_model == "tiny-drafter"  # unchanged
+
+
 # ----------------------------------------------------------------------- in process, both dialects
 
 
@@ -492,7 +601,17 @@ def test_a_new_target_flags_the_drafter_stale(
 ) -> None:
     acme, _ = tenants
     admin = acme.headers(Role.admin)
-    _svc(client, acme)
+    for name, path, drafts_for in (
+        ("target-v2", "reference/target", []),
+        ("shared-drafter", "reference/generic-drafter", ["reference-target", "target-v2"]),
+    ):
+        registered = client.post(
+            "/v1/accounts/acme/models",
+            json={"name": name, "path": path, "drafter_for": drafts_for},
+            headers=admin,
+        )
+        assert registered.status_code == 201, registered.text
+    _svc(client, acme, draft_model="shared-drafter")
     session = db.new_session()
     deployment_id = int(session.scalar(select(Deployment.id).where(Deployment.name == "svc")) or 0)
     for n, state in ((1, DrafterState.active), (2, DrafterState.candidate), (3, DrafterState.retired)):
@@ -511,11 +630,13 @@ def test_a_new_target_flags_the_drafter_stale(
     base = "/v1/accounts/acme/deployments/svc"
     before = client.get(base, headers=admin).json()
     assert before["drafter_stale"] is False and before["drafter_stale_reason"] is None
-    changed = client.patch(base, json={"target_model": "m-v2"}, headers=admin)
+    changed = client.patch(base, json={"target_model": "target-v2"}, headers=admin)
     assert changed.status_code == 200, changed.text
     body = changed.json()
-    assert body["target_model"] == "m-v2" and body["drafter_stale"] is True
-    assert "'m'" in body["drafter_stale_reason"] and "'m-v2'" in body["drafter_stale_reason"]
+    assert body["target_model"] == "target-v2" and body["drafter_stale"] is True
+    assert (
+        "'reference-target'" in body["drafter_stale_reason"] and "'target-v2'" in body["drafter_stale_reason"]
+    )
     assert client.get(base, headers=acme.headers(Role.viewer)).json()["drafter_stale"] is True
     audit = client.get("/v1/accounts/acme/audit?deployment=svc", headers=admin).json()["entries"]
     stale = [e for e in audit if e["action"] == "drafter.stale"]

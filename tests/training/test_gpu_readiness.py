@@ -1,6 +1,7 @@
 """What running workers on a GPU rests on, checked on a CPU: the device setting, the precision
 rule, the per-process model cache, the teacher's top-K in memory-bounded chunks, padded
-vocabularies shared between target and drafter, and a realignment that never changes its target."""
+vocabularies shared between target and drafter, a realignment that never changes its target, and
+replay KV caches sized to the requests."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from typing import Any
 import pytest
 import torch
 
+import workers.canary.replay as replay_module
 import workers.training.realign as realign_module
+from workers.canary.replay import shadow_replay
 from workers.devices import autocast_for, resolve_device, weights_dtype
+from workers.engine.decoder import SpeculativeDecoder
 from workers.engine.model import ModelConfig, Transformer, build_model
 from workers.engine.tokenizer import Tokenizer
 from workers.model_cache import TARGETS, LoadedModelCache
+from workers.training.distill import _kl_loss
 from workers.training.realign import (
     SCORING_BYTES_PER_LOGIT,
     TOPK_BYTES_PER_ENTRY,
@@ -344,3 +349,36 @@ def test_the_teacher_budget_is_part_of_the_config(tokenizer: Tokenizer) -> None:
     m = realign(target, drafter, tokenizer, _traces(24), (), cfg).metrics
     assert m["config"]["teacher_memory_mb"] == 0.5 and RealignConfig().teacher_memory_mb == 1024
     assert m["teacher_tokens"] > 0 and m["teacher_tokens_per_s"] > 0
+
+
+def test_distillation_compares_only_the_shared_rows() -> None:
+    g = torch.Generator().manual_seed(0)
+    teacher, student = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+    padded_teacher = torch.cat([teacher, torch.full((6, 8), 50.0)], dim=-1)  # padding that would win
+    torch.testing.assert_close(_kl_loss(padded_teacher, student), _kl_loss(teacher, student))
+    # A drafter's own padding rows: mass there is its loss (nothing it drafts there is accepted).
+    padded_student = torch.cat([student, torch.full((6, 8), 50.0)], dim=-1)
+    assert float(_kl_loss(teacher, padded_student)) > float(_kl_loss(teacher, student)) + 1.0
+
+
+# ------------------------------------------------------------------------------------- shadow replay
+
+
+def test_replay_caches_are_sized_to_the_longest_request(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes: list[int | None] = []
+
+    class Recording(SpeculativeDecoder):
+        def __init__(self, *args: Any, max_len: int | None = None, **kwargs: Any) -> None:
+            sizes.append(max_len)
+            super().__init__(*args, max_len=max_len, **kwargs)
+
+    monkeypatch.setattr(replay_module, "SpeculativeDecoder", Recording)
+    target = _model(VOCAB, seed=3, scale=20.0).eval()
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    r = shadow_replay(
+        target, tokenizer, {"baseline": None, "candidate": target}, prompts, 2, [6, 9], measure_cost=False
+    )
+    assert r.broken_arms == []
+    assert sizes == [3 + 9 + 2 + 1] * 2  # the longest request (prompt + new tokens) + a round of k drafts

@@ -29,8 +29,9 @@ task around it).
   during the replay are reported beside them.
 - Device: everything runs where the target is. On a GPU the forward passes run under bf16 autocast
   and the GPU is torch's default device for the replay, so the token tensors the engine builds
-  land beside the weights; on a CPU nothing changes. The models are only read (forward passes in
-  inference mode), so a target a worker keeps loaded between jobs may be replayed.
+  land beside the weights; on a CPU nothing changes. The target is only read (forward passes in
+  inference mode; no mode, flag or device change), so a target a worker keeps loaded between jobs
+  may be replayed. Every KV cache is sized to the longest request, not to the model's context.
 """
 
 from __future__ import annotations
@@ -327,18 +328,22 @@ def measure_costs(
 # ------------------------------------------------------------------------------------------- replay
 
 
-def _default_decoder(target: Transformer, tokenizer: Tokenizer) -> DecoderFactory:
+def _default_decoder(target: Transformer, tokenizer: Tokenizer, max_len: int) -> DecoderFactory:
+    # The KV cache is sized to the longest request, not the model's context: at Llama-3.1-8B's
+    # 131,072 positions one decoder's cache would be 17 GB, and every arm has its own.
+    length = min(max_len, target.config.max_seq_len)
+
     def make(name: str, proposer: Proposer | None, k: int) -> SpeculativeDecoder:
-        return SpeculativeDecoder(target, tokenizer, proposer, k=k)
+        return SpeculativeDecoder(target, tokenizer, proposer, k=k, max_len=length)
 
     return make
 
 
-def _proposer(name: str, spec: ArmSpec) -> Proposer | None:
+def _proposer(name: str, spec: ArmSpec, max_len: int) -> Proposer | None:
     if spec is None:
         return None
     if isinstance(spec, Transformer):
-        return DraftModelProposer(spec.eval(), name=name)
+        return DraftModelProposer(spec.eval(), min(max_len, spec.config.max_seq_len), name=name)
     if isinstance(spec, Proposer):
         return spec
     raise TypeError(f"arm {name!r}: expected a Transformer, a Proposer or None, got {type(spec).__name__}")
@@ -400,10 +405,11 @@ def shadow_replay(
     exact = target.dtype == torch.float32 and target.device.type == "cpu"
     tol = tie_tol if tie_tol is not None else (1e-4 if exact else 2e-2)
     eos = tokenizer.eos_id if stop_at_eos else None
-    make = decoder_factory or _default_decoder(target, tokenizer)
-    decoders = {name: make(name, _proposer(name, arms[name]), k) for name in names}
+    # The longest request plus a round of drafts: all any KV cache of this replay needs.
+    max_len = max(len(p) + n for p, n in zip(prompts, lengths, strict=True)) + k + 1
+    make = decoder_factory or _default_decoder(target, tokenizer, max_len)
+    decoders = {name: make(name, _proposer(name, arms[name], max_len), k) for name in names}
     report = progress or (lambda _f, _m: True)
-    target.eval()
 
     drafters = {n: s for n, s in arms.items() if isinstance(s, Transformer)}
     costs = None

@@ -131,9 +131,9 @@ class SpeculativeDecoder:
         target_rows = target.config.vocab_size
         # The ids every logit comparison reads; past them lie padding rows that are no token.
         self.vocab_size = shared_vocab_size(tokenizer.vocab_size, target_rows)
-        for drafter in _draft_models(proposer):
-            shared_vocab_size(tokenizer.vocab_size, target_rows, drafter.drafter.config.vocab_size)
-            drafter.vocab_limit = self.vocab_size
+        for draft_proposer in _draft_models(proposer):
+            shared_vocab_size(tokenizer.vocab_size, target_rows, draft_proposer.drafter.config.vocab_size)
+            draft_proposer.vocab_limit = self.vocab_size
         # Only a padded target needs its logits cut (a view, but kept off the common path).
         self._vocab_cut = self.vocab_size if self.vocab_size < target_rows else None
         self.target = target
