@@ -281,7 +281,7 @@ def set_default_drafter(
 def deployments_using(*, session: Session, model: RegisteredModel) -> list[str]:
     """Names of live deployments that would lose this model: they name it, or rely on it as a
     default drafter."""
-    scope = Deployment.deleted_at.is_(None)
+    scope: Any = Deployment.deleted_at.is_(None)
     if model.account_id is not None:
         scope = scope & (Deployment.account_id == model.account_id)
     named = or_(Deployment.target_model == model.name, Deployment.draft_model == model.name)
