@@ -129,6 +129,9 @@ def expect(response: Any, status: int) -> dict[str, Any]:
 
 
 def families_figures() -> dict[str, Any]:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one bar per saved variant otherwise
     report = parity_report()
     per_family = {
         name: {

@@ -14,6 +14,7 @@ import pytest
 import torch
 from sqlalchemy import func, select
 
+from controlplane.artifacts.store import VerifiedArtifactCache
 from controlplane.config import Settings
 from controlplane.db.models import (
     Deployment,
@@ -27,6 +28,7 @@ from controlplane.db.models import (
 )
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.jobs.service import cancel_job, request_realign
+from controlplane.models.service import ModelSource, register_model
 from tests.conftest import TEST_SECRET, make_tenant
 from workers.engine.hf_io import load_hf_folder, save_hf_folder
 from workers.engine.model import ModelConfig, Transformer, build_model
@@ -204,9 +206,11 @@ def test_artifact_loads_with_its_checksum(
     assert loaded.config.dim == drafter.config.dim
     assert verify_artifact(artifact.path)
     spec = json.loads((artifact.path / SPEC_CONFIG_NAME).read_text())
-    assert spec["num_speculative_tokens"] == 4 and spec["model"] == str(artifact.path.resolve())
+    # The serving side points "model" at its own verified copy: the config names the folder only.
+    assert spec["num_speculative_tokens"] == 4 and spec["model"] == artifact.path.name
     manifest = json.loads((artifact.path / MANIFEST_NAME).read_text())
     assert {"config.json", "model.safetensors", "tokenizer.json", SPEC_CONFIG_NAME} <= set(manifest["files"])
+    assert verify_artifact(artifact.path, artifact.manifest_sha256)
     (artifact.path / "config.json").write_text("{}")
     assert not verify_artifact(artifact.path)
 
@@ -228,21 +232,36 @@ def task_db(
     shutil.copy(sqlite_template, path)
     url = f"sqlite:///{path}"
     settings = Settings(
-        database_url=url, environment="test", secret_key=TEST_SECRET, artifact_dir=tmp_path / "art"
+        database_url=url,
+        environment="test",
+        secret_key=TEST_SECRET,
+        artifact_dir=tmp_path / "art",
+        artifact_cache_dir=tmp_path / "cache",
+        var_dir=tmp_path / "var",
+        model_roots=[tmp_path / "models"],
     )
     monkeypatch.setattr(workers.tasks, "get_settings", lambda: settings)
     monkeypatch.setattr(workers.tasks, "DEFAULT_TIME_BUDGET_S", 8.0)
     target, drafter = models
-    save_hf_folder(target, tokenizer, tmp_path / "target")
-    save_hf_folder(drafter, tokenizer, tmp_path / "drafter")
+    save_hf_folder(target, tokenizer, tmp_path / "models" / "target")
+    save_hf_folder(drafter, tokenizer, tmp_path / "models" / "drafter")
     with get_sessionmaker(url)() as session:
         tenant = make_tenant(session, "acme")
+        for name, folder, drafts_for in (("tiny", "target", []), ("tiny-drafter", "drafter", ["tiny"])):
+            register_model(
+                session=session,
+                account_id=tenant.account_id,
+                name=name,
+                source=ModelSource(path=folder),
+                settings=settings,
+                drafter_for=drafts_for,
+            )
         deployment = Deployment(
             account_id=tenant.account_id,
             name="svc",
-            target_model=str(tmp_path / "target"),
+            target_model="tiny",
             speculation_mode=SpeculationMode.draft_model,
-            draft_model=str(tmp_path / "drafter"),
+            draft_model="tiny-drafter",
             drift_policy={},
             canary_policy={},
         )
@@ -281,8 +300,12 @@ def test_task_registers_one_candidate_even_when_redelivered(task_db: tuple[str, 
         v.state == DrafterState.canary and v.training_job_id == job_id and v.parent_version_id is None
     )  # auto_realign: handed to its canary
     assert v.traffic_window_start is not None and v.training_metrics["steps_run"] >= 1
-    loaded, _ = load_hf_folder(v.artifact_path, expected_sha256=v.artifact_sha256)
-    assert verify_artifact(v.artifact_path)
+    assert v.artifact_path.startswith("file://") and v.manifest_sha256 is not None
+    local = VerifiedArtifactCache(Path(url.removeprefix("sqlite:///")).parent / "c").local_folder(
+        v.artifact_path, v.manifest_sha256
+    )
+    loaded, _ = load_hf_folder(local, expected_sha256=v.artifact_sha256)
+    assert verify_artifact(local, v.manifest_sha256)
     assert job.result["drafter_version"] == 1 and job.progress == 1.0
 
 
