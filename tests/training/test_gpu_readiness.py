@@ -22,7 +22,7 @@ from workers.engine.decoder import SpeculativeDecoder
 from workers.engine.model import ModelConfig, Transformer, build_model
 from workers.engine.tokenizer import Tokenizer
 from workers.model_cache import TARGETS, LoadedModelCache
-from workers.training.distill import _kl_loss
+from workers.training.distill import kl_loss
 from workers.training.realign import (
     SCORING_BYTES_PER_LOGIT,
     TOPK_BYTES_PER_ENTRY,
@@ -355,10 +355,10 @@ def test_distillation_compares_only_the_shared_rows() -> None:
     g = torch.Generator().manual_seed(0)
     teacher, student = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
     padded_teacher = torch.cat([teacher, torch.full((6, 8), 50.0)], dim=-1)  # padding that would win
-    torch.testing.assert_close(_kl_loss(padded_teacher, student), _kl_loss(teacher, student))
+    torch.testing.assert_close(kl_loss(padded_teacher, student), kl_loss(teacher, student))
     # A drafter's own padding rows: mass there is its loss (nothing it drafts there is accepted).
     padded_student = torch.cat([student, torch.full((6, 8), 50.0)], dim=-1)
-    assert float(_kl_loss(teacher, padded_student)) > float(_kl_loss(teacher, student)) + 1.0
+    assert float(kl_loss(teacher, padded_student)) > float(kl_loss(teacher, student)) + 1.0
 
 
 # ------------------------------------------------------------------------------------- shadow replay

@@ -163,7 +163,7 @@ def make_traces(
 # ---------------------------------------------------------------------------------------------- distil
 
 
-def _kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """Forward KL(p_target || q_drafter), mean over positions: mass-covering, the divergence whose
     minimiser maximises expected greedy agreement when the drafter cannot match the target exactly.
 
@@ -280,7 +280,7 @@ def distill_drafter(
             if cfg.loss == "kl":
                 with torch.no_grad():
                     teacher = target(rows[:, :-1])[:, start:]
-                loss = _kl_loss(teacher, student)
+                loss = kl_loss(teacher, student)
             else:
                 # The trace tokens are the target's own choices (its argmax on greedy rows), so
                 # cross-entropy on them teaches greedy agreement without a target forward per step.
