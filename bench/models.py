@@ -16,7 +16,9 @@
    replayed against forgetting, as ``bench/realign.py`` does), ``:realign`` requested through the API
    and the Celery task run in this process against the S3-compatible store. The candidate is read
    back through the verified cache and its hit rate measured at k=4 on held-out structured requests
-   exactly as ``bench/realign.py`` measures it, beside the generic drafter's.
+   exactly as ``bench/realign.py`` measures it, beside the generic drafter's. The API scrubs
+   personal data from the traces it stores (an e-mail address becomes ``<EMAIL>``); the entities
+   it replaced are reported.
 
 Trace generation stands in for the serving side and is not timed (its results are cached under
 bench/results/trace-cache, shared with bench/realign.py). Writes bench/results/models.json.
@@ -235,7 +237,11 @@ def tamper_figures(tmp: Path, endpoint: str) -> dict[str, Any]:
 # --------------------------------------------------------------- 4. a registered pair, realigned
 
 
-def post_traces(client: TestClient, headers: dict[str, str], traces: list[Any], category: str) -> int:
+def post_traces(
+    client: TestClient, headers: dict[str, str], traces: list[Any], category: str, scrubbed: dict[str, int]
+) -> int:
+    """Post ``traces`` in batches; returns how many were stored and adds the entities the API
+    scrubbed from them (an e-mail address becomes a placeholder) to ``scrubbed``."""
     stored = 0
     for lo in range(0, len(traces), TRACE_BATCH):
         body = {
@@ -247,7 +253,9 @@ def post_traces(client: TestClient, headers: dict[str, str], traces: list[Any], 
         reply = expect(
             client.post(f"/v1/accounts/{ACCOUNT}/deployments/bench/traces", json=body, headers=headers), 200
         )
-        stored += int(reply.get("stored", len(body["traces"])))
+        stored += int(reply["stored"])
+        for entity, count in reply["scrubbed"].items():
+            scrubbed[entity] = scrubbed.get(entity, 0) + int(count)
     return stored
 
 
@@ -330,10 +338,11 @@ def registered_pair_figures(tmp: Path, endpoint: str, args: argparse.Namespace) 
         shifted = make_traces(target, tokenizer, DOMAIN, args.shifted_traces, args.trace_tokens, args.seed)
         trace_s = time.perf_counter() - t0
         say(f"traces: {len(shifted)} {DOMAIN}, {len(prose)} prose ({trace_s:.0f}s, not timed)")
-        stored_prose = post_traces(client, headers, prose, "prose")
+        scrubbed: dict[str, int] = {}
+        stored_prose = post_traces(client, headers, prose, "prose", scrubbed)
         since = utcnow()  # the structured traffic starts here; the prose before it is replayed
         time.sleep(0.01)
-        stored_shifted = post_traces(client, headers, shifted, DOMAIN)
+        stored_shifted = post_traces(client, headers, shifted, DOMAIN, scrubbed)
         say(f"posted {stored_shifted} {DOMAIN} traces after {stored_prose} prose traces")
 
         job = expect(
@@ -395,6 +404,7 @@ def registered_pair_figures(tmp: Path, endpoint: str, args: argparse.Namespace) 
             "artifact_uri": uri,
             "manifest_sha256": version["manifest_sha256"],
             "traces_posted": {DOMAIN: stored_shifted, "prose": stored_prose},
+            "entities_scrubbed_from_traces": {k: v for k, v in scrubbed.items() if v},
             "task_wall_s": round(task_wall_s, 1),
             "realign_wall_s": m.get("wall_s"),
             "time_budget_s": m.get("time_budget_s"),
