@@ -31,6 +31,9 @@ Decided near misses, kept verbatim (the unit-test table pins each one):
   with context (``api_key=...``, ``Bearer ...``);
 * version numbers, dates, times, decimal numbers, order ids and other bare digit runs; four-part
   versions written after ``version``/``v``/``release``/``build``/``section``;
+* e-mail addresses at domains reserved for documentation and testing (``@example.com``,
+  ``.org`` and ``.net``, and the ``.example``, ``.test``, ``.invalid`` and ``.localhost`` names):
+  nobody's mailbox, and what code and examples are full of;
 * loopback, unspecified, broadcast addresses and netmasks (``127.0.0.1``, ``0.0.0.0``, ``::1``,
   ``255.255.255.0``): not personal and very common in code; MAC addresses (not in scope);
 * card-length numbers that fail Luhn (and Luhn-valid ones starting with 0, 1, 7, 8, 9);
@@ -165,6 +168,11 @@ _PLAIN_WORD = re.compile(r"[A-Za-z_]+", _A)
 # that starts with the local part would try every letter of the text.
 _EMAIL_DOMAIN = re.compile(
     r"@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}(?![A-Za-z0-9-])", _A
+)
+# Domains reserved for documentation and testing (RFC 2606, RFC 6761): no mailbox there belongs to
+# a person, and code and examples use them constantly.
+_RESERVED_EMAIL_DOMAIN = re.compile(
+    r"[@.](?:example\.(?:com|net|org)|[A-Za-z0-9-]+\.(?:example|test|invalid|localhost))$", _A | re.I
 )
 # Local parts may be non-ASCII (müller@example.de): a partial match would leak the first letters.
 _EMAIL_LOCAL_BEFORE = re.compile(r"(?<![\w.%+-])\w[\w.%+-]{0,63}$")
@@ -351,6 +359,8 @@ def _email(match: re.Match[str]) -> _Span | None:
     local = _EMAIL_LOCAL_BEFORE.search(match.string, max(0, at - 64), at)
     if local is None:
         return None
+    if _RESERVED_EMAIL_DOMAIN.search(match.group()):
+        return None  # a documentation or test address cannot be anyone's: keep its shape for training
     return local.start(), match.end(), Entity.email.placeholder
 
 

@@ -56,7 +56,7 @@ def test_batch_is_stored_scrubbed(client: TestClient, tenants: tuple[Tenant, Ten
     base = _deployment(client, acme)
     traces = [
         {
-            "prompt": "My email is jane.doe@example.com and my card 4111 1111 1111 1111.",
+            "prompt": "My email is jane.doe@mailbox.org and my card 4111 1111 1111 1111.",
             "completion": "Thanks Jane, I will call +1 415 555 2671.",
             "category": "support",
         },
@@ -86,7 +86,7 @@ def test_batch_is_stored_scrubbed(client: TestClient, tenants: tuple[Tenant, Ten
     page = client.get(f"{base}/traces", headers=acme.headers(Role.viewer)).json()
     assert [t["prompt"] for t in page["traces"]] == [r.prompt for r in rows]
     assert page["next_after_id"] is None
-    assert "jane.doe@example.com" not in orjson.dumps(page).decode()
+    assert "jane.doe@mailbox.org" not in orjson.dumps(page).decode()
 
 
 def test_a_bad_trace_rejects_the_whole_batch(
@@ -158,7 +158,7 @@ def test_dataset_upload_in_every_line_shape(
     chat = {
         "messages": [
             {"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Mail bob@example.org the report."},
+            {"role": "user", "content": "Mail bob@mailbox.org the report."},
             {"role": "assistant", "content": "Which report?"},
             {"role": "user", "content": [{"type": "text", "text": "The Q3 one."}]},
             {

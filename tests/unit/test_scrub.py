@@ -27,6 +27,8 @@ SCRUBBED: list[tuple[str, str]] = [
     ("cc: a@b.io, c.d@e.org", f"cc: {E}, {E}"),
     ("git clone git@github.com:org/repo.git", f"git clone {E}:org/repo.git"),
     ("Grüße an müller@example.de.", f"Grüße an {E}."),
+    # Only the reserved names themselves are kept: look-alikes are somebody's domain.
+    ("bob@example.community and eve@example.com.evil.io", f"{E} and {E}"),
     # phone numbers, international
     ("Call me on +1 415 555 2671 tomorrow", f"Call me on {P} tomorrow"),
     ("UK office: +44 20 7946 0958.", f"UK office: {P}."),
@@ -153,6 +155,9 @@ NEAR_MISSES: list[str] = [
     "Bearer tokens are described in RFC 6750; a bearer instrument; Basic authentication",
     # emails that are not
     "@property, x@y, pkg@1.2.3, image@sha256:abc, @types/node",
+    # addresses at documentation and test domains (RFC 2606, RFC 6761): nobody's mailbox
+    "INSERT INTO customers (email) VALUES ('ana.lopez@example.com'); cc ops@mail.example.org",
+    "git config user.email ci@build.test; root@host.localhost; x@y.invalid; a@docs.example",
 ]
 
 
