@@ -55,6 +55,7 @@ from controlplane.db.models import (
     TraceSource,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.drafters.serving import serving_config
 from controlplane.drift.service import advance_monitor
 from controlplane.ingest.formats import parse_batch
 from controlplane.ingest.service import store_records
@@ -361,6 +362,36 @@ def test_a_drift_event_becomes_a_job_and_the_job_a_candidate(stack: Stack) -> No
             )
         )
     assert handed == 1  # the handoff hook ran once, in the registering transaction
+
+
+def test_a_verified_candidate_in_the_s3_store_is_promoted_and_served_by_reference(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployment_id = stack.deployment("promoted", traces=240)
+    with stack.sessions() as session:
+        deployment = session.get_one(Deployment, deployment_id)
+        deployment.auto_realign = False
+        job_id = request_realign(session=session, deployment=deployment, params={"time_budget_s": 4}).job.id
+        session.commit()
+    stack.producer.send_task("realign.run", args=[job_id], queue="gpu")
+    done = stack.wait_for("the job to finish", lambda: (j := stack.job(job_id)).finished_at and j, 90)
+    assert done.state == JobState.succeeded, (done.error, stack.worker.log_tail())
+    monkeypatch.setenv("CONTROLPLANE_S3_ENDPOINT_URL", stack.settings.s3_endpoint_url or "")
+    monkeypatch.setenv("CONTROLPLANE_ARTIFACT_CACHE_DIR", str(stack.settings.artifact_cache_dir))
+    get_settings.cache_clear()
+    try:
+        with stack.sessions() as session:
+            promote(session=session, deployment_id=deployment_id, version_number=1, actor="test", reason="ok")
+            session.commit()
+            config = serving_config(session=session, deployment=session.get_one(Deployment, deployment_id))
+    finally:
+        get_settings.cache_clear()
+    live = config["arms"][0]
+    # The fleet is told the registered target by folder and digests, and the drafter by its S3 URI
+    # and manifest digest: what a server verifies before it loads either.
+    assert config["target"]["name"] == "tiny-target" and config["target"]["files"]
+    assert live["drafter_version"] == 1 and live["drafter"]["uri"].startswith("s3://")
+    assert live["drafter"]["manifest_sha256"] == stack.versions(job_id)[0].manifest_sha256
 
 
 def test_a_worker_killed_mid_job_leaves_exactly_one_candidate(stack: Stack) -> None:
