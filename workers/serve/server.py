@@ -2,7 +2,10 @@
 
 Owns `create_app(config)`: POST /v1/completions (prompt, max_tokens, temperature, top_p, seed,
 stop, stream, Fireworks' `prediction` and `perf_metrics_in_response`, and a non-standard `category`, the
-traffic label copied into the acceptance record and trace), GET /v1/models and GET /healthz, with
+traffic label copied into the acceptance record and trace), POST /v1/chat/completions (the same
+parameters around `messages`, plus `max_completion_tokens` and `stream_options.include_usage`; the
+messages are rendered into one prompt by workers.serve.chat with the target folder's chat template,
+and from there both routes share one generation path), GET /v1/models and GET /healthz, with
 OpenAI-shaped 4xx errors. Which target, drafters and k serve a model name is read per request from a
 pluggable serving-config source (a static dict, or any callable such as `http_serving_config`,
 which reads the control plane's `GET .../serving-config` and caches it for a second), so a
@@ -64,6 +67,7 @@ from workers.engine.model import Transformer
 from workers.engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from workers.engine.stop_strings import parse_stop
 from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer
+from workers.serve.chat import InvalidMessages, TemplateError, chat_messages, render_chat
 
 ServingConfigSource = Callable[[str], Mapping[str, Any] | None]
 RecordSink = Callable[[str, dict[str, Any]], None]
@@ -128,7 +132,8 @@ class CompletionRequest(BaseModel):
 
     model: str
     prompt: str | list[str]
-    max_tokens: int = Field(default=16, ge=1)
+    # None: as many as the context leaves after the prompt (the chat route's default).
+    max_tokens: int | None = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
@@ -140,6 +145,52 @@ class CompletionRequest(BaseModel):
     perf_metrics_in_response: bool = False
     # Not OpenAI: the traffic label (e.g. a workload domain) the acceptance record and trace carry.
     category: str | None = Field(default=None, max_length=100)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    # Checked by workers.serve.chat, so that a bad message gets a 400 naming it rather than a schema dump.
+    messages: list[Any]
+    max_tokens: int | None = Field(default=None, ge=1)
+    # OpenAI's newer name for max_tokens; it wins when both are given.
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    prediction: Prediction | None = None
+    perf_metrics_in_response: bool = False
+    category: str | None = Field(default=None, max_length=100)
+
+    def as_completion(self) -> CompletionRequest:
+        """The completion request the shared generation path serves (its prompt is rendered later,
+        with the template of the target the request's arm picks)."""
+        return CompletionRequest(
+            model=self.model,
+            prompt="",
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            n=self.n,
+            seed=self.seed,
+            stream=self.stream,
+            prediction=self.prediction,
+            stop=self.stop,
+            perf_metrics_in_response=self.perf_metrics_in_response,
+            category=self.category,
+        )
 
 
 @dataclass(frozen=True)
@@ -358,12 +409,15 @@ class Engine:
             prompt_ids = dec.tokenizer.encode(prompt)
             if not prompt_ids:
                 raise APIError(400, "prompt must not be empty", param="prompt")
-            if len(prompt_ids) + req.max_tokens > dec.max_len:
+            max_tokens = (
+                req.max_tokens if req.max_tokens is not None else max(1, dec.max_len - len(prompt_ids))
+            )
+            if len(prompt_ids) + max_tokens > dec.max_len:
                 raise APIError(
                     400,
                     f"This model's maximum context length is {dec.max_len} tokens. However, you requested "
-                    f"{len(prompt_ids) + req.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                    f"{req.max_tokens} for the completion).",
+                    f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                    f"{max_tokens} for the completion).",
                     param="max_tokens",
                     code="context_length_exceeded",
                 )
@@ -372,7 +426,7 @@ class Engine:
                 gen = torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "little") >> 1)
             return dec.generate(
                 prompt_ids,
-                req.max_tokens,
+                max_tokens,
                 temperature=req.temperature,
                 top_p=req.top_p,
                 generator=gen,
@@ -386,13 +440,17 @@ def stop_strings(req: CompletionRequest) -> tuple[str, ...]:
     return parse_stop(None if req.stop == [] else req.stop)  # an empty list, like null, asks for none
 
 
-def _validate(req: CompletionRequest) -> str:
+def _validate_sampling(req: CompletionRequest) -> None:
     if req.n != 1:
         raise APIError(400, "only n = 1 is supported", param="n")
     try:
         stop_strings(req)
     except ValueError as exc:
         raise APIError(400, str(exc), param="stop") from exc
+
+
+def _validate(req: CompletionRequest) -> str:
+    _validate_sampling(req)
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
             raise APIError(400, "exactly one prompt per request is supported", param="prompt")
@@ -442,6 +500,52 @@ def _response_extras(
         out["perf_metrics"] = m.to_fireworks()
         out["speculation_record"] = m.to_native(request_id, dep.arm, dep.drafter_version)
     return out
+
+
+@dataclass(frozen=True)
+class _ReplyShape:
+    """How a route words the replies of the shared generation path: text completions, or chat
+    completions (a message, and streamed deltas that open with the assistant role)."""
+
+    chat: bool
+    # Chat streams send usage only when asked, in a chunk of its own after the last choice.
+    include_stream_usage: bool = False
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl-" if self.chat else "cmpl-"
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+
+    def delta(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self.choice(text, finish_reason)
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        if self.chat:
+            return [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        return []
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -509,21 +613,27 @@ def create_app(config: ServerConfig) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-        prompt = _validate(req)
-        # Off the event loop: an HTTP source may have to ask the control plane.
+    async def serve(
+        req: CompletionRequest,
+        request: Request,
+        shape: _ReplyShape,
+        prompt_for: Callable[[Deployment], str],
+    ) -> JSONResponse | StreamingResponse:
+        """Both routes' generation: pick the arm, build its prompt, run it (streamed or not), emit
+        the acceptance record and sampled trace, and word the reply as `shape` says."""
+        # Off the event loop: an HTTP source may have to ask the control plane, a template a disk.
         plan = await run_in_threadpool(engine.resolve, req.model)
-        request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        request_id = request.headers.get("x-request-id") or f"{shape.id_prefix}{uuid.uuid4().hex}"
         dep = plan.assign(request_id).deployment
+        prompt = await run_in_threadpool(prompt_for, dep)
         rate = plan.trace_sample_rate if plan.trace_sample_rate is not None else config.trace_sample_rate
         created = int(time.time())
-        base = {"id": request_id, "object": "text_completion", "created": created, "model": req.model}
+        base = {"id": request_id, "object": shape.object, "created": created, "model": req.model}
 
         if not req.stream:
             res = await run_in_threadpool(engine.run, dep, req, prompt, None)
             emit(req, prompt, res, dep, request_id, rate)
-            choice = {"text": res.text, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}
+            choice = shape.choice(res.text, res.finish_reason)
             return JSONResponse({**base, "choices": [choice], **_response_extras(req, res, dep, request_id)})
 
         loop = asyncio.get_running_loop()
@@ -539,30 +649,64 @@ def create_app(config: ServerConfig) -> FastAPI:
         if first is None:
             task.result()  # raises the APIError, turned into an error reply by the handler
 
+        chunk_base = {**base, "object": shape.chunk_object}
+
+        def event(body: dict[str, Any]) -> str:
+            return f"data: {json.dumps(body)}\n\n"
+
         async def events() -> AsyncIterator[str]:
+            for opening in shape.opening_choices():
+                yield event({**chunk_base, "choices": [opening]})
             stream = _TextStream(engine.models.get(dep.target_path, dep.target_sha256)[1], stop_strings(req))
             chunk: list[int] | None = first
             while chunk is not None:
                 delta = stream.push(chunk)
                 if delta:
-                    body = {
-                        **base,
-                        "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": None}],
-                    }
-                    yield f"data: {json.dumps(body)}\n\n"
+                    yield event({**chunk_base, "choices": [shape.delta(delta)]})
                 chunk = await queue.get()
             res = await task
             emit(req, prompt, res, dep, request_id, rate)
             tail = res.text[stream.sent :]  # whatever was held back as an incomplete character
-            final = {
-                **base,
-                "choices": [{"text": tail, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}],
-                **_response_extras(req, res, dep, request_id),
-            }
-            yield f"data: {json.dumps(final)}\n\n"
+            extras = _response_extras(req, res, dep, request_id)
+            if shape.chat:
+                usage = extras.pop("usage")
+                yield event({**chunk_base, "choices": [shape.delta(tail, res.finish_reason)], **extras})
+                if shape.include_stream_usage:
+                    yield event({**chunk_base, "choices": [], "usage": usage})
+            else:
+                yield event({**chunk_base, "choices": [shape.delta(tail, res.finish_reason)], **extras})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        prompt = _validate(req)
+        return await serve(req, request, _ReplyShape(chat=False), lambda _: prompt)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        chat: ChatCompletionRequest, request: Request
+    ) -> JSONResponse | StreamingResponse:
+        req = chat.as_completion()
+        _validate_sampling(req)
+        try:
+            messages = chat_messages(chat.messages)
+        except InvalidMessages as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+
+        def prompt_for(dep: Deployment) -> str:
+            try:
+                return render_chat(dep.target_path, messages)
+            except InvalidMessages as exc:  # the template itself refused the conversation
+                raise APIError(400, str(exc), param=exc.param) from exc
+            except (TemplateError, OSError, ValueError) as exc:
+                raise APIError(500, f"cannot render the chat prompt: {exc}", "server_error") from exc
+
+        include_usage = chat.stream_options is not None and chat.stream_options.include_usage
+        return await serve(
+            req, request, _ReplyShape(chat=True, include_stream_usage=include_usage), prompt_for
+        )
 
     return app
 
