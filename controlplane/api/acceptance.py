@@ -26,6 +26,7 @@ from controlplane.deployments.lookup import resolve_deployment_id
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
 from controlplane.ingest.batcher import IngestBatcher
 from controlplane.ingest.formats import BatchTooLargeError, BatchValidationError, parse_batch
+from controlplane.ingest.prometheus import is_openmetrics_media_type, require_openmetrics_eof
 from controlplane.ingest.prometheus_push import store_prometheus_push
 from controlplane.ingest.service import IngestResult
 from controlplane.stats.service import acceptance_series
@@ -107,12 +108,21 @@ async def ingest_prometheus(
     session: SessionDep,
     settings: SettingsDep,
 ) -> schemas.PrometheusPushResult:
-    """Take a vLLM Prometheus text exposition; counter deltas since the last push become records."""
+    """Take a vLLM exposition (Prometheus text or OpenMetrics, told by ``Content-Type`` or by the
+    body's ``# EOF``); counter deltas since the last push become records."""
     body = await read_body_limited(request, settings.max_body_bytes)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValidationProblem("body must be UTF-8 Prometheus text exposition") from exc
+        raise ValidationProblem("body must be UTF-8 Prometheus text or OpenMetrics exposition") from exc
+    if is_openmetrics_media_type(request.headers.get("content-type")):
+        # Without its terminator the body would pass for Prometheus text: a truncated push.
+        try:
+            require_openmetrics_eof(text)
+        except BatchValidationError as exc:
+            raise ValidationProblem(
+                f"not a complete OpenMetrics exposition: {exc}; nothing was stored", details=exc.as_dicts()
+            ) from exc
     scrape_id = request.query_params.get("scrape_id") or hashlib.sha256(body).hexdigest()[:16]
 
     def work() -> schemas.PrometheusPushResult:

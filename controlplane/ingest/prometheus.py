@@ -1,9 +1,18 @@
 """vLLM's Prometheus spec-decode counters, turned into acceptance records by counter deltas.
 
-This module owns parsing the text exposition (only the four ``vllm:spec_decode_*`` counters;
-everything else is ignored), ``CounterSnapshot`` (one set of counters per label set, JSON-able so
-the service can keep the last one per deployment), and the pure delta logic
-``records_from_scrapes``. No I/O and no database: the caller stores snapshots and records.
+This module owns parsing the exposition, in the Prometheus text format or in OpenMetrics (only the
+four ``vllm:spec_decode_*`` counters; everything else is ignored), ``CounterSnapshot`` (one set of
+counters per label set, JSON-able so the service can keep the last one per deployment), and the
+pure delta logic ``records_from_scrapes``. No I/O and no database: the caller stores snapshots and
+records.
+
+OpenMetrics (https://prometheus.io/docs/specs/om/open_metrics_spec/) is told apart by its
+``# EOF`` terminator, which it requires as the last line; prometheus_client's OpenMetrics parser
+reads it, so exemplars, sample timestamps and ``# UNIT`` lines are handled as that spec says and
+then ignored. Counter families may be declared without ``_total`` (the OpenMetrics way) or with it
+(the Prometheus way). Names are accepted with ``vllm:`` or ``vllm_``: exporters that only allow
+``[a-zA-Z0-9_]`` (prometheus_client's own OpenMetrics exposition among them) write the colon as an
+underscore.
 
 Counters used (vLLM ``vllm/v1/spec_decode/metrics.py``, labels ``model_name`` and ``engine``):
 
@@ -26,11 +35,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, TypeGuard
 
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.ingest.formats import BatchValidationError, Problem, record_problems
@@ -48,7 +60,20 @@ _TOTALS: Final = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED_TOKEN
 # new values have already grown past the old ones, so it catches resets that values alone miss.
 _CREATED: Final = "vllm:spec_decode_num_drafts_created"
 # Cheap line filter: the exposition of a busy server is mostly histograms we never read.
-_LINE_MARKER: Final = "vllm:spec_decode_num_"
+_LINE_MARKER: Final = "spec_decode_num_"
+# A line naming one of our metrics (a sample, or its TYPE/HELP/UNIT metadata), in either spelling;
+# groups: the metadata prefix, the name after ``vllm:``/``vllm_``, and the rest of the line.
+_SPEC_DECODE_LINE: Final = re.compile(
+    r"[ \t]*(# (?:TYPE|HELP|UNIT) )?vllm[:_](spec_decode_num_[a-zA-Z0-9_:]*)(.*)"
+)
+_CANONICAL_PREFIX: Final = "vllm:"
+# prometheus_client ships this parser without annotations; its signature matches the text one.
+_openmetrics_string_to_metric_families: Callable[[str], Iterable[Metric]] = (
+    openmetrics_parser.text_string_to_metric_families
+)
+OPENMETRICS_MEDIA_TYPE: Final = "application/openmetrics-text"
+OPENMETRICS_EOF: Final = "# EOF"
+_EOF_LINE: Final = re.compile(r"^# EOF$", re.MULTILINE)
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -141,24 +166,90 @@ def _describe(key: LabelKey) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in key) + "}"
 
 
-def parse_exposition(text: str) -> CounterSnapshot:
-    """The spec-decode counters in a Prometheus text exposition (other metrics are ignored).
+def is_openmetrics_media_type(content_type: str | None) -> bool:
+    """Whether a ``Content-Type`` header names OpenMetrics text (any version or parameters)."""
+    if not content_type:
+        return False
+    return content_type.split(";", 1)[0].strip().lower() == OPENMETRICS_MEDIA_TYPE
 
-    Raises ``BatchValidationError`` (a ``ValueError``) listing every problem: malformed lines,
-    counter values that are negative, fractional or not finite, a label set missing one of the
-    three total counters, positions that are not 0..k-1, or no spec-decode counters at all.
+
+def _eof_problem(text: str, *, required: bool) -> Problem | None:
+    """What is wrong with the ``# EOF`` terminator: missing (when required) or not the last line."""
+    match = _EOF_LINE.search(text)
+    if match is None:
+        if required:
+            return Problem(
+                None, "body", f"an OpenMetrics exposition must end with a {OPENMETRICS_EOF!r} line"
+            )
+        return None
+    if text[match.end() :] not in ("", "\n"):
+        return Problem(
+            None, "body", f"nothing may follow the {OPENMETRICS_EOF!r} line of an OpenMetrics exposition"
+        )
+    return None
+
+
+def require_openmetrics_eof(text: str) -> None:
+    """Refuse an OpenMetrics exposition without its ``# EOF`` line, or with text after it.
+
+    For callers that know the body is OpenMetrics (from its content type): ``parse_exposition``
+    alone cannot tell a truncated OpenMetrics body from Prometheus text, which has no terminator.
     """
-    lines = [line for line in text.splitlines() if _LINE_MARKER in line]
+    problem = _eof_problem(text, required=True)
+    if problem is not None:
+        raise BatchValidationError([problem])
+
+
+def _canonical_lines(text: str, *, openmetrics: bool) -> list[str]:
+    """Our metrics' lines, named ``vllm:...``; in OpenMetrics, metadata names lose a ``_total``.
+
+    OpenMetrics names a counter family without ``_total`` and its samples with it; a family
+    declared with the suffix would make the parser see the samples as a second family of that
+    name, so the Prometheus-style declaration is rewritten rather than refused.
+    """
+    lines: list[str] = []
+    for line in text.splitlines():
+        if _LINE_MARKER not in line:
+            continue
+        match = _SPEC_DECODE_LINE.match(line)
+        if match is None:
+            continue  # the marker inside another metric's labels or help text
+        metadata, name, rest = match.group(1) or "", match.group(2), match.group(3)
+        if openmetrics and metadata and name.endswith("_total"):
+            name = name.removesuffix("_total")
+        lines.append(f"{metadata}{_CANONICAL_PREFIX}{name}{rest}")
+    return lines
+
+
+def parse_exposition(text: str, *, openmetrics: bool | None = None) -> CounterSnapshot:
+    """The spec-decode counters in a Prometheus text or OpenMetrics exposition (other metrics are
+    ignored). ``openmetrics=None`` tells the format by the ``# EOF`` line; ``True`` requires it.
+
+    Raises ``BatchValidationError`` (a ``ValueError``) listing every problem: malformed lines, a
+    missing or misplaced ``# EOF`` in OpenMetrics, counter values that are negative, fractional or
+    not finite, a label set missing one of the three total counters, positions that are not
+    0..k-1, or no spec-decode counters at all.
+    """
+    if openmetrics is None:
+        openmetrics = _EOF_LINE.search(text) is not None
+    if openmetrics:
+        require_openmetrics_eof(text)
+    lines = _canonical_lines(text, openmetrics=openmetrics)
     problems: list[Problem] = []
     totals: dict[LabelKey, dict[str, int]] = {}
     positions: dict[LabelKey, dict[int, int]] = {}
     created: dict[LabelKey, float] = {}
     try:
-        samples = [
-            s for family in text_string_to_metric_families("\n".join(lines) + "\n") for s in family.samples
-        ]
+        if openmetrics:
+            # The other metrics were filtered out with the terminator; the parser requires it back.
+            kept = "\n".join([*lines, OPENMETRICS_EOF]) + "\n"
+            families = list(_openmetrics_string_to_metric_families(kept))
+        else:
+            families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
+        samples = [s for family in families for s in family.samples]
     except ValueError as exc:
-        raise BatchValidationError([Problem(None, "body", f"malformed exposition: {exc}")]) from exc
+        kind = "OpenMetrics" if openmetrics else "Prometheus text"
+        raise BatchValidationError([Problem(None, "body", f"malformed {kind} exposition: {exc}")]) from exc
     for sample in samples:
         name, labels, value = sample.name, sample.labels, sample.value
         if name not in _TOTALS and name != ACCEPTED_PER_POS:

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from types import SimpleNamespace
+from unittest import mock
 
+import prometheus_client.metrics
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.openmetrics.exposition import generate_latest
 
 from controlplane.ingest.formats import BatchValidationError
 from controlplane.ingest.prometheus import (
     CounterSnapshot,
     SeriesCounters,
+    is_openmetrics_media_type,
     parse_exposition,
     records_from_scrapes,
+    require_openmetrics_eof,
     scrape_request_id,
 )
 
@@ -257,3 +264,210 @@ def test_torn_scrape_is_refused() -> None:
         records_from_scrapes(before, torn, "t")
     fields = {p.field for p in info.value.problems}
     assert any(f.endswith(".accepted_tokens") for f in fields), fields
+
+
+# --- OpenMetrics -------------------------------------------------------------------------------
+
+STARTED_AT = 1746100000.0
+RESTARTED_AT = 1746200000.0
+
+
+class FakeVllmServer:
+    """vLLM's spec-decode counters in a real prometheus_client registry, exposed as OpenMetrics.
+
+    The counters are created (and their ``_created`` time fixed) at start-up, as vLLM does for
+    every position 0..k-1; a restart is a new instance with a later ``started_at``.
+    """
+
+    def __init__(self, k: int = 3, *, started_at: float = STARTED_AT, engine: str = "0") -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        clock = SimpleNamespace(time=lambda: started_at)
+        with mock.patch.object(prometheus_client.metrics, "time", clock):
+            self.drafts = Counter(
+                "vllm:spec_decode_num_drafts",
+                "Number of spec decoding drafts.",
+                labels,
+                registry=self.registry,
+            ).labels(MODEL, engine)
+            self.draft_tokens = Counter(
+                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels, registry=self.registry
+            ).labels(MODEL, engine)
+            self.accepted = Counter(
+                "vllm:spec_decode_num_accepted_tokens",
+                "Number of accepted tokens.",
+                labels,
+                registry=self.registry,
+            ).labels(MODEL, engine)
+            per_pos = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                [*labels, "position"],
+                registry=self.registry,
+            )
+            self.per_pos = [per_pos.labels(MODEL, engine, str(i)) for i in range(k)]
+        # Metrics the parser must skip: a gauge and a histogram with a unit.
+        Gauge("vllm:num_requests_running", "Requests running.", labels, registry=self.registry).labels(
+            MODEL, engine
+        ).set(3)
+        Histogram(
+            "vllm:time_to_first_token_seconds", "TTFT.", labels, unit="seconds", registry=self.registry
+        ).labels(MODEL, engine).observe(0.2)
+
+    def serve(self, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> None:
+        """Count one window of verify steps; the drafts counter carries a trace exemplar."""
+        self.drafts.inc(drafts, exemplar={"trace_id": "0af7651916cd43dd8448eb211c80319c"})
+        self.draft_tokens.inc(draft_tokens)
+        self.accepted.inc(accepted)
+        for child, value in zip(self.per_pos, per_pos, strict=True):
+            child.inc(value)
+
+    def scrape(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def openmetrics(
+    drafts: int,
+    draft_tokens: int,
+    accepted: int,
+    per_pos: list[int],
+    *,
+    created: float = STARTED_AT,
+    prefix: str = "vllm:",
+    typed_with_total: bool = False,
+    timestamp: str = "",
+) -> str:
+    """An OpenMetrics page written by hand, for the cases prometheus_client never renders."""
+    labels = f'engine="0",model_name="{MODEL}"'
+    stamp = f" {timestamp}" if timestamp else ""
+    lines = [
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        "# UNIT vllm:time_to_first_token_seconds seconds",
+        f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",{labels}}} 12.0',
+        f"vllm:time_to_first_token_seconds_count{{{labels}}} 12.0",
+        f"vllm:time_to_first_token_seconds_sum{{{labels}}} 0.84",
+    ]
+    families = [
+        ("num_drafts", [("", drafts)]),
+        ("num_draft_tokens", [("", draft_tokens)]),
+        ("num_accepted_tokens", [("", accepted)]),
+        ("num_accepted_tokens_per_pos", [(f',position="{i}"', v) for i, v in enumerate(per_pos)]),
+    ]
+    for short, samples in families:
+        family = f"{prefix}spec_decode_{short}"
+        declared = f"{family}_total" if typed_with_total else family
+        lines += [
+            f"# TYPE {declared} counter",
+            f"# UNIT {declared} ",
+            f"# HELP {declared} Spec decode {short}.",
+        ]
+        for extra, value in samples:
+            exemplar = ' # {trace_id="abc"} 1.0 1746100001.5' if short == "num_drafts" else ""
+            lines.append(f"{family}_total{{{labels}{extra}}} {value}{stamp}{exemplar}")
+            lines.append(f"{family}_created{{{labels}{extra}}} {created}{stamp}")
+    return "\n".join([*lines, "# EOF"]) + "\n"
+
+
+def test_prometheus_client_openmetrics_scrape_parses() -> None:
+    server = FakeVllmServer()
+    server.serve(100, 300, 170, [80, 55, 35])
+    text = server.scrape()
+    assert text.endswith("# EOF\n") and "vllm_spec_decode_num_drafts_total" in text  # the real format
+    expected = {KEY0: SeriesCounters(100, 300, 170, (80, 55, 35), STARTED_AT)}
+    assert parse_exposition(text).series == expected  # told by the # EOF line
+    assert parse_exposition(text, openmetrics=True).series == expected
+
+
+def test_prometheus_client_openmetrics_scrapes_become_deltas() -> None:
+    server = FakeVllmServer()
+    server.serve(100, 300, 170, [80, 55, 35])
+    before = parse_exposition(server.scrape())
+    server.serve(50, 150, 80, [38, 25, 17])
+    (record,) = records_from_scrapes(before, parse_exposition(server.scrape()), "om-2")
+    assert (record.verify_steps, record.drafted_tokens, record.accepted_tokens) == (50, 150, 80)
+    assert record.accepted_per_position == [38, 25, 17] and record.k == 3
+
+
+def test_prometheus_client_restart_with_larger_values_is_a_reset() -> None:
+    server = FakeVllmServer()
+    server.serve(100, 300, 170, [80, 55, 35])
+    before = parse_exposition(server.scrape())
+    restarted = FakeVllmServer(started_at=RESTARTED_AT)
+    restarted.serve(120, 360, 200, [90, 65, 45])  # already past the old values
+    (record,) = records_from_scrapes(before, parse_exposition(restarted.scrape()), "om-restart")
+    assert (record.verify_steps, record.accepted_tokens, record.accepted_per_position) == (
+        120,
+        200,
+        [90, 65, 45],
+    )
+
+
+def test_openmetrics_created_samples_are_not_counters_but_mark_restarts() -> None:
+    before = parse_exposition(openmetrics(100, 300, 170, [80, 55, 35]))
+    assert before.series == {KEY0: SeriesCounters(100, 300, 170, (80, 55, 35), STARTED_AT)}
+    same_start = parse_exposition(openmetrics(120, 360, 200, [90, 65, 45]))
+    (record,) = records_from_scrapes(before, same_start, "a")
+    assert (record.verify_steps, record.accepted_tokens) == (20, 30)
+    restarted = parse_exposition(openmetrics(120, 360, 200, [90, 65, 45], created=RESTARTED_AT))
+    (record,) = records_from_scrapes(before, restarted, "b")
+    assert (record.verify_steps, record.accepted_tokens) == (120, 200)  # neither 20 nor 100 + 120
+
+
+@pytest.mark.parametrize("prefix", ["vllm:", "vllm_"])
+@pytest.mark.parametrize("typed_with_total", [False, True])
+def test_openmetrics_spellings_and_family_declarations(prefix: str, typed_with_total: bool) -> None:
+    text = openmetrics(10, 30, 6, [4, 2], prefix=prefix, typed_with_total=typed_with_total)
+    assert parse_exposition(text).series == {KEY0: SeriesCounters(10, 30, 6, (4, 2), STARTED_AT)}
+
+
+def test_prometheus_text_accepts_the_underscore_spelling() -> None:
+    text = exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]).replace("vllm:", "vllm_")
+    assert parse_exposition(text).series == {KEY0: SeriesCounters(100, 300, 170, (80, 55, 35), STARTED_AT)}
+    both = exposition(1.0, 3.0, 1.0, [1.0]) + exposition(1.0, 3.0, 1.0, [1.0]).replace("vllm:", "vllm_")
+    with pytest.raises(BatchValidationError, match="repeated"):
+        parse_exposition(both)  # one series written in both spellings is still one series
+
+
+def test_openmetrics_timestamps_and_exemplars_are_ignored() -> None:
+    text = openmetrics(10, 30, 6, [4, 2], timestamp="1746100100.25")
+    assert '# {trace_id="abc"}' in text
+    assert parse_exposition(text).series == {KEY0: SeriesCounters(10, 30, 6, (4, 2), STARTED_AT)}
+
+
+@pytest.mark.parametrize(
+    ("text", "openmetrics_flag", "fragment"),
+    [
+        (openmetrics(1, 3, 1, [1]).removesuffix("# EOF\n"), True, "must end with"),
+        (openmetrics(1, 3, 1, [1]) + "vllm:spec_decode_num_drafts_total 1\n", None, "nothing may follow"),
+        (openmetrics(1, 3, 1, [1]) + "\n", None, "nothing may follow"),
+        (openmetrics(1, 3, 1, [1]) + "# EOF\n", None, "nothing may follow"),
+        (openmetrics(1, 3, 1, [1]).replace("} 3", "} -3"), None, "malformed OpenMetrics"),
+    ],
+)
+def test_openmetrics_problems(text: str, openmetrics_flag: bool | None, fragment: str) -> None:
+    with pytest.raises(BatchValidationError) as info:
+        parse_exposition(text, openmetrics=openmetrics_flag)
+    assert any(fragment in p.message for p in info.value.problems), info.value.problems
+
+
+def test_eof_terminator_check() -> None:
+    require_openmetrics_eof(openmetrics(1, 3, 1, [1]))
+    require_openmetrics_eof(openmetrics(1, 3, 1, [1]).removesuffix("\n"))  # the final newline is optional
+    with pytest.raises(BatchValidationError, match="must end with"):
+        require_openmetrics_eof(exposition(1.0, 3.0, 1.0, [1.0]))
+    # Without a terminator and without a content type saying otherwise, it is Prometheus text.
+    assert KEY0 in parse_exposition(exposition(1.0, 3.0, 1.0, [1.0])).series
+
+
+@pytest.mark.parametrize(
+    ("content_type", "expected"),
+    [
+        ("application/openmetrics-text; version=1.0.0; charset=utf-8", True),
+        ("Application/OpenMetrics-Text", True),
+        ("text/plain; version=0.0.4; charset=utf-8", False),
+        ("", False),
+        (None, False),
+    ],
+)
+def test_openmetrics_media_type(content_type: str | None, expected: bool) -> None:
+    assert is_openmetrics_media_type(content_type) is expected
