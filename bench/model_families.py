@@ -16,7 +16,6 @@ Usage: .venv/bin/python bench/model_families.py
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -29,100 +28,24 @@ sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
 
+from tests.engine.family_models import (  # noqa: E402
+    NEW_TOKENS,
+    PROMPT,
+    SEQ,
+    TOKENS,
+    VARIANTS,
+    build_hf,
+    hf_greedy,
+    noisy_copy,
+    write_folder,
+)
 from workers.engine.decoder import SpeculativeDecoder, greedy_reference  # noqa: E402
 from workers.engine.hf_io import load_hf_folder  # noqa: E402
 from workers.engine.model import Transformer  # noqa: E402
 from workers.engine.proposers import DraftModelProposer  # noqa: E402
 from workers.engine.tokenizer import Tokenizer  # noqa: E402
 
-REFERENCE_TOKENIZER = ROOT / "workers" / "models" / "reference" / "target"
 RESULTS = ROOT / "bench" / "results" / "model_families.json"
-TOKENS = 4096  # the reference tokenizer's size
-PROMPT = "def add(a, b):\n    return a + b\n\nSELECT name FROM"
-NEW_TOKENS = 20
-SEQ = 40  # inside the 48-token windows below
-
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
-# name -> (model_type, config overrides); each family's plain variant carries the family's name.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("llama", {}),
-    "llama-tied": ("llama", {"tie_word_embeddings": True}),
-    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True}),
-    "qwen2": ("qwen2", {}),
-    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}),
-    "qwen3": ("qwen3", {"head_dim": 32}),
-    "mistral": ("mistral", {"sliding_window": 48}),
-}
-HF_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-}
-
-
-def build_hf(model_type: str, seed: int, vocab_size: int = TOKENS, **overrides: Any) -> Any:
-    """A random-weight transformers model of the family: hidden 64, 2 layers, 4 heads, 2 kv heads,
-    biases and norm weights away from transformers' zeros and ones (so a missed one shows)."""
-    kwargs: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        "rope_theta": 500.0,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "tie_word_embeddings": False,
-        **overrides,
-    }
-    config_cls, model_cls = HF_CLASSES[model_type]
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(0.1 * noise)
-    return model
-
-
-def noisy_copy(hf: Any, seed: int, noise: float = 0.1) -> Any:
-    copy = type(hf)(hf.config).eval()
-    copy.load_state_dict(hf.state_dict())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in copy.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
-    return copy
-
-
-def write_folder(hf: Any, folder: Path) -> Path:
-    hf.save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REFERENCE_TOKENIZER / name, folder / name)
-    return folder
-
-
-def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def _cached_logits(model: Transformer, x: torch.Tensor, numpy_rows: int) -> torch.Tensor:
@@ -159,7 +82,7 @@ def _compare(
         "numpy": float((_cached_logits(target, x, 5) - want).abs().max()),
     }
     prompt = tokenizer.encode(PROMPT)
-    reference = _hf_greedy(hf, prompt, NEW_TOKENS)
+    reference = hf_greedy(hf, prompt, NEW_TOKENS)
     plain = greedy_reference(target, prompt, NEW_TOKENS)
     decoder = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=4)
     speculative = decoder.generate(prompt, NEW_TOKENS, stop_at_eos=False)
