@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.engine.live_server import live_server
 from workers.engine.hf_io import save_hf_folder
 from workers.engine.metrics import NATIVE_KEYS
 from workers.engine.model import Transformer
@@ -19,7 +17,7 @@ from workers.engine.tokenizer import Tokenizer, train_bpe
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from workers.serve.server import ServerConfig, create_app  # noqa: E402
+from workers.serve.server import ServerConfig  # noqa: E402
 
 PROMPT = "def add(a, b):\n    return"
 
@@ -62,22 +60,9 @@ def live(folders: dict[str, str]) -> Iterator[dict[str, Any]]:
     config = ServerConfig(
         serving_config=source, model_names=sorted(entries), on_record=lambda m, r: records.append((m, r))
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    yield {"client": client, "entries": entries, "records": records}
-    server.should_exit = True
-    thread.join(timeout=10)
+    with live_server(config) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        yield {"client": client, "entries": entries, "records": records}
 
 
 def _extra(obj: Any) -> dict[str, Any]:

@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-import uvicorn
 
+from tests.engine.live_server import live_server
 from workers.engine.hf_io import save_hf_folder
 from workers.engine.model import Transformer
 from workers.engine.tokenizer import Tokenizer
 from workers.serve.chat import InvalidMessages, chat_messages, render_chat
-from workers.serve.server import ServerConfig, ServingPlan, create_app
+from workers.serve.server import ServerConfig, ServingPlan
 
 MESSAGES = [
     {"role": "system", "content": "You write Python."},
@@ -85,22 +82,9 @@ def live(folders: dict[str, str]) -> Iterator[dict[str, Any]]:
         on_record=lambda m, r: records.append((m, r)),
         on_trace=lambda m, p, c, cat: traces.append((m, p, c, cat)),
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-    yield {"client": client, "entries": entries, "records": records, "traces": traces}
-    server.should_exit = True
-    thread.join(timeout=10)
+    with live_server(config) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+        yield {"client": client, "entries": entries, "records": records, "traces": traces}
 
 
 def _extra(obj: Any) -> dict[str, Any]:
