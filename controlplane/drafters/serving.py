@@ -37,10 +37,13 @@ def target_location(*, session: Session, deployment: Deployment) -> ModelLocatio
     return location_of(target)
 
 
-def incumbent_location(*, session: Session, deployment: Deployment) -> ModelLocation | None:
-    """The drafter serving now: the active trained version, else the registered drafter the
-    deployment names or inherits from its target; None when it speculates with no drafter."""
-    active = active_drafter(session=session, deployment_id=deployment.id)
+def incumbent_location(
+    *, session: Session, deployment: Deployment, active: DrafterVersion | None = None
+) -> ModelLocation | None:
+    """The drafter serving now: the active trained version (``active`` when the caller has read
+    it), else the registered drafter the deployment names or inherits from its target; None when
+    it speculates with no drafter."""
+    active = active or active_drafter(session=session, deployment_id=deployment.id)
     if active is not None:
         return location_of_version(active)
     choice = drafter_choice(session=session, deployment=deployment)
@@ -51,7 +54,7 @@ def serving_config(*, session: Session, deployment: Deployment) -> dict[str, Any
     """What the serving fleet should run now: one ``live`` arm, plus the canary's arms while live."""
     config = speculation_of(deployment)
     active = active_drafter(session=session, deployment_id=deployment.id)
-    drafter = incumbent_location(session=session, deployment=deployment)
+    drafter = incumbent_location(session=session, deployment=deployment, active=active)
     k = config.effective_draft_token_count
     mode = config.mode.value
     if mode == SpeculationMode.default.value:
