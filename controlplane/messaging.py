@@ -36,6 +36,9 @@ DRIFT_MONITOR_ALL = "drift.monitor_all"
 DRIFT_MONITOR_DEPLOYMENT = "drift.monitor_deployment"
 JOBS_RESEND_STALE_QUEUED = "jobs.resend_stale_queued"
 TRACES_APPLY_RETENTION = "traces.apply_retention"
+METRICS_SCRAPE_ALL = "metrics.scrape_all"
+ACTUATOR_DELIVER = "actuator.deliver"
+ACTUATOR_RESEND_DUE = "actuator.resend_due"
 
 # What each task needs decides its queue; nothing else does.
 NEEDS_GPU: dict[str, bool] = {
@@ -46,6 +49,9 @@ NEEDS_GPU: dict[str, bool] = {
     DRIFT_MONITOR_DEPLOYMENT: False,
     JOBS_RESEND_STALE_QUEUED: False,
     TRACES_APPLY_RETENTION: False,
+    METRICS_SCRAPE_ALL: False,
+    ACTUATOR_DELIVER: False,
+    ACTUATOR_RESEND_DUE: False,
 }
 TASKS = frozenset(NEEDS_GPU)
 

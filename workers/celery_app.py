@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 # Live canaries are judged on every tick: the decision rule is valid however often it looks.
 CANARY_EVALUATE_INTERVAL_S = 5.0
+# Backends' /metrics are pulled this often (each scrape becomes one delta record per engine).
+SCRAPE_INTERVAL_S = 15.0
+# Actuator deliveries whose retry time has come are sent again this often.
+ACTUATOR_RESEND_INTERVAL_S = 5.0
 # The default of Settings.celery_visibility_timeout_s: longer than the longest job (realignment
 # is budgeted at minutes; canary replay likewise), so Redis never re-delivers a task that is
 # still running. It is also how long a task whose worker was killed waits to be re-delivered.
@@ -60,7 +64,7 @@ def make_celery() -> Celery:
         "controlplane",
         broker=settings.broker_url,
         backend=settings.result_backend_url,
-        include=["workers.tasks", "workers.canary_tasks"],
+        include=["workers.tasks", "workers.canary_tasks", "workers.scrape_tasks", "workers.actuator_tasks"],
     )
     app.conf.update(
         task_default_queue=messaging.QUEUE_DEFAULT,
@@ -86,6 +90,8 @@ def make_celery() -> Celery:
                 "task": messaging.CANARY_EVALUATE_ALL,
                 "schedule": CANARY_EVALUATE_INTERVAL_S,
             },
+            "metrics-scrape": {"task": messaging.METRICS_SCRAPE_ALL, "schedule": SCRAPE_INTERVAL_S},
+            "actuator-resend": {"task": messaging.ACTUATOR_RESEND_DUE, "schedule": ACTUATOR_RESEND_INTERVAL_S},
         },
         timezone="UTC",
     )

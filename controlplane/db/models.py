@@ -174,6 +174,10 @@ class Deployment(Base):
     canary_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     trace_sample_rate: Mapped[float] = mapped_column(Float, default=0.1)
     trace_retention_days: Mapped[int] = mapped_column(Integer, default=30)
+    # How a promotion, a rollback or a canary's start reaches the serving fleet: `reference`
+    # (the servers follow serving-config), `webhook` or `command` (controlplane.fleet.actuators).
+    actuator: Mapped[str] = mapped_column(String(20), default="reference", server_default="reference")
+    actuator_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -528,3 +532,66 @@ class DriftMonitorState(Base):
     last_alarm_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     version: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class ServingBackend(Base):
+    """One engine endpoint of a deployment's serving fleet: the pool it belongs to (incumbent,
+    candidate or baseline), its base URL, the drafter version it serves (None: no drafter) and
+    where it says it is ready. The router sends each arm's traffic to its pool."""
+
+    __tablename__ = "serving_backends"
+    __table_args__ = (UniqueConstraint("deployment_id", "name", name="uq_serving_backends_deployment_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    pool: Mapped[str] = mapped_column(String(20))
+    url: Mapped[str] = mapped_column(String(500))
+    drafter_version: Mapped[int | None] = mapped_column(Integer)
+    readiness_url: Mapped[str | None] = mapped_column(String(500))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ScrapeTarget(Base):
+    """A backend's Prometheus ``/metrics`` the control plane pulls: one or more URLs of the same
+    engine (several API servers in front of one engine count once), the arm and drafter version
+    its records are filed under, and the last counters seen (to turn counters into deltas)."""
+
+    __tablename__ = "scrape_targets"
+    __table_args__ = (UniqueConstraint("deployment_id", "name", name="uq_scrape_targets_deployment_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    urls: Mapped[list[str]] = mapped_column(JSON)
+    arm: Mapped[str] = mapped_column(String(40), default="live")
+    drafter_version: Mapped[int | None] = mapped_column(Integer)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    snapshot: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    scrapes: Mapped[int] = mapped_column(Integer, default=0)
+    records_stored: Mapped[int] = mapped_column(BigInteger, default=0)
+    last_scraped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ActuatorDelivery(Base):
+    """One event (canary start, promotion, rollback) handed to a deployment's actuator, with
+    every attempt's outcome, so an operator can see what the fleet was told and when."""
+
+    __tablename__ = "actuator_deliveries"
+    __table_args__ = (Index("ix_actuator_deliveries_deployment_time", "deployment_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"))
+    canary_id: Mapped[int | None] = mapped_column(ForeignKey("canaries.id", ondelete="SET NULL"))
+    event: Mapped[str] = mapped_column(String(40))
+    actuator: Mapped[str] = mapped_column(String(20))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(20), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_status: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

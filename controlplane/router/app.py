@@ -1,0 +1,537 @@
+"""The router's ASGI app: ``POST /v1/completions`` and ``POST /v1/chat/completions`` proxied to the
+backend pools of the arm each request is assigned, streamed or whole; ``GET /v1/models``,
+``GET /healthz`` (backends and their breakers) and ``GET /metrics`` (Prometheus).
+
+Per request: read the body once; the deployment is its ``model``; the arm comes from the followed
+serving config and the client's key (``controlplane.router.arms``); the backends to try, in order,
+from ``controlplane.router.pools``. A streamed reply is passed through chunk by chunk as the backend
+sends it (``SseScanner`` reads the metrics on the way); a whole reply is returned as the backend
+sent it. The acceptance record and the sampled trace are built after the reply has left (a
+background task), so the client never waits on them; they go to the ``ControlPlaneReporter``.
+
+The router adds ``x-request-id`` and ``x-speculation-arm`` (the arm that served) to replies, tells a
+``follower`` backend which arm to serve with the same header, and strips the non-standard
+``category`` field before forwarding (some engines refuse unknown fields). Client errors (4xx)
+from a backend are the client's to see and are never retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX
+from controlplane.router.acceptance import (
+    SseScanner,
+    UnreadableReply,
+    acceptance_record,
+    completion_text,
+    prompt_text,
+)
+from controlplane.router.arms import client_key, pick_arm, unit_hash
+from controlplane.router.config import DeploymentRoutes, RouterConfig
+from controlplane.router.follower import DEFAULT, ArmSpec, FollowedConfig, ServingConfigFollower
+from controlplane.router.pools import Attempt, BackendState, CircuitBreakers, Pools
+from controlplane.router.reporter import ControlPlaneReporter
+from controlplane.router.spool import DiskSpool
+
+log = logging.getLogger(__name__)
+
+ARM_HEADER = "x-speculation-arm"
+VERSION_HEADER = "x-drafter-version"
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
+)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "router_requests",
+            "Requests answered, by deployment, arm served and outcome",
+            ["deployment", "arm", "outcome"],
+            registry=self.registry,
+        )
+        self.failovers = Counter(
+            "router_failovers",
+            "Backend attempts that failed before the first byte",
+            ["deployment", "backend"],
+            registry=self.registry,
+        )
+        self.unreadable = Counter(
+            "router_unreadable_replies",
+            "Replies whose acceptance metrics the adapters refused",
+            ["deployment"],
+            registry=self.registry,
+        )
+        self.spool_bytes = Gauge("router_spool_bytes", "Bytes waiting in the spool", registry=self.registry)
+        self.spool_dropped = Gauge(
+            "router_spool_dropped_items", "Items dropped because the spool was full", registry=self.registry
+        )
+        self.posted = Gauge(
+            "router_reported_items", "Items the control plane took", ["kind"], registry=self.registry
+        )
+
+
+@dataclass
+class DeploymentState:
+    routes: DeploymentRoutes
+    pools: Pools = field(default_factory=Pools)
+    followed: FollowedConfig = DEFAULT
+
+    def apply(self, followed: FollowedConfig) -> None:
+        """A new serving config: its arms, and the backends it declares merged with the file's."""
+        self.followed = followed
+        declared: dict[str, tuple[str, str, str, int | None]] = {
+            b.name: (b.name, b.pool, b.url, b.drafter_version) for b in self.routes.backends
+        }
+        for backend in followed.backends:
+            declared.setdefault(backend[0], backend)
+        self.pools.update(declared.values())
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        settings = config.router
+        self.deployments = {d.name: DeploymentState(d) for d in config.deployments}
+        for state in self.deployments.values():
+            state.apply(DEFAULT)
+        self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_cooldown_s)
+        self.metrics = RouterMetrics()
+        link = config.control_plane
+        api_key = link.api_key()
+        self.reporter = ControlPlaneReporter(
+            base_url=link.url,
+            account=link.account,
+            api_key=api_key,
+            spool=DiskSpool(settings.spool_dir, int(settings.spool_max_mb * 1024 * 1024)),
+            interval_s=settings.report_interval_s,
+            batch=settings.report_batch,
+            timeout_s=link.timeout_s,
+        )
+        self.follower = ServingConfigFollower(
+            base_url=link.url,
+            account=link.account,
+            api_key=api_key,
+            deployments=list(self.deployments),
+            interval_s=link.poll_interval_s,
+            timeout_s=link.timeout_s,
+            on_change=lambda name, followed: self.deployments[name].apply(followed),
+        )
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=self._timeout, auto_decompress=False
+        )
+        await self.reporter.start()
+        await self.follower.start()
+
+    async def close(self) -> None:
+        await self.follower.close()
+        await self.reporter.close()
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------------------------- the proxy
+    async def proxy(self, request: Request) -> Response:
+        path = request.url.path
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"request body is not JSON: {exc}", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        model = body.get("model")
+        state = self.deployments.get(model) if isinstance(model, str) else None
+        if state is None:
+            known = ", ".join(sorted(self.deployments))
+            return _error(
+                404,
+                f"model {model!r} is not served here (served: {known})",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        request_id = request.headers.get("x-request-id") or f"rt-{uuid.uuid4().hex}"
+        followed = state.followed
+        arm = pick_arm(
+            followed.arms, client_key(body, request.headers, self.config.router.client_key_header, request_id)
+        )
+        category = (
+            body.get("category")
+            if isinstance(body.get("category"), str)
+            else request.headers.get("x-traffic-category")
+        )
+        payload = _forwarded_body(raw, body, state.routes.backend_model)
+        now = time.monotonic()
+        attempts = state.pools.attempts(
+            arm.name, arm.drafter_version, [(a.name, a.drafter_version) for a in followed.arms], now
+        )
+        if not attempts:
+            return _error(503, f"deployment {model!r} has no backends declared", "service_unavailable")
+        headers = _forwarded_headers(request.headers, request_id)
+        sampled = (
+            followed.trace_sample_rate > 0.0 and unit_hash(f"trace:{request_id}") < followed.trace_sample_rate
+        )
+        call = _Call(state.routes.name, request_id, category, body if sampled else None, time.perf_counter())
+        if body.get("stream") is True:
+            return await self._streamed(path, payload, headers, attempts, followed, call)
+        return await self._whole(path, payload, headers, attempts, followed, call)
+
+    async def _whole(
+        self,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+        attempts: list[Attempt],
+        followed: FollowedConfig,
+        call: _Call,
+    ) -> Response:
+        assert self._session is not None
+        last: Response | None = None
+        for attempt in attempts:
+            backend = attempt.backend
+            self.breakers.started(backend, time.monotonic())
+            try:
+                async with self._session.post(
+                    backend.url + path, data=payload, headers=_to(backend, attempt, headers)
+                ) as resp:
+                    data = await resp.read()
+                    status, reply_headers = resp.status, resp.headers
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                self._failed(call.deployment, backend, exc)
+                continue
+            except asyncio.CancelledError:
+                self.breakers.released(backend)
+                raise
+            if status >= 500:
+                self._failed(call.deployment, backend, f"HTTP {status}")
+                last = Response(data, status, media_type=reply_headers.get("Content-Type"))
+                continue
+            self.breakers.succeeded(backend)
+            total_ms = (time.perf_counter() - call.started) * 1000.0
+            arm, version = _served(attempt, reply_headers, followed)
+            self.metrics.requests.labels(call.deployment, arm, str(status)).inc()
+            out_headers = {"x-request-id": call.request_id, ARM_HEADER: arm}
+            task = (
+                BackgroundTask(self._report_whole, call, data, status, arm, version, total_ms)
+                if status < 400
+                else None
+            )
+            return Response(
+                data,
+                status,
+                headers=out_headers,
+                media_type=reply_headers.get("Content-Type"),
+                background=task,
+            )
+        self.metrics.requests.labels(call.deployment, "none", "failed").inc()
+        return last or _error(502, "no backend could serve this request", "service_unavailable")
+
+    async def _streamed(
+        self,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+        attempts: list[Attempt],
+        followed: FollowedConfig,
+        call: _Call,
+    ) -> Response:
+        assert self._session is not None
+        last: Response | None = None
+        for attempt in attempts:
+            backend = attempt.backend
+            self.breakers.started(backend, time.monotonic())
+            try:
+                resp = await self._session.post(
+                    backend.url + path, data=payload, headers=_to(backend, attempt, headers)
+                )
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                self._failed(call.deployment, backend, exc)
+                continue
+            except asyncio.CancelledError:
+                self.breakers.released(backend)
+                raise
+            if resp.status >= 500:
+                data = await resp.read()
+                resp.release()
+                self._failed(call.deployment, backend, f"HTTP {resp.status}")
+                last = Response(data, resp.status, media_type=resp.headers.get("Content-Type"))
+                continue
+            arm, version = _served(attempt, resp.headers, followed)
+            out_headers = {"x-request-id": call.request_id, ARM_HEADER: arm, "Cache-Control": "no-cache"}
+            self.metrics.requests.labels(call.deployment, arm, str(resp.status)).inc()
+            media_type = resp.headers.get("Content-Type", "text/event-stream")
+            if resp.status >= 400:
+                data = await resp.read()
+                resp.release()
+                self.breakers.succeeded(backend)
+                return Response(data, resp.status, headers=out_headers, media_type=media_type)
+            return StreamingResponse(
+                self._relay(resp, backend, call, arm, version),
+                resp.status,
+                headers=out_headers,
+                media_type=media_type,
+            )
+        self.metrics.requests.labels(call.deployment, "none", "failed").inc()
+        return last or _error(502, "no backend could serve this request", "service_unavailable")
+
+    async def _relay(
+        self, resp: aiohttp.ClientResponse, backend: BackendState, call: _Call, arm: str, version: int | None
+    ) -> AsyncIterator[bytes]:
+        scanner = SseScanner(keep_text=call.body is not None)
+        first: float | None = None
+        outcome = "released"
+        try:
+            async for chunk in resp.content.iter_any():
+                if first is None:
+                    first = time.perf_counter()
+                scanner.feed(chunk)
+                yield chunk
+            scanner.close()
+            outcome = "done"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            outcome = "failed"
+            self._failed(call.deployment, backend, exc, counted=False)
+        finally:
+            resp.release()
+            if outcome == "done":
+                self.breakers.succeeded(backend)
+            elif outcome == "released":
+                self.breakers.released(backend)
+        if outcome == "done":
+            total_ms = (time.perf_counter() - call.started) * 1000.0
+            ttft_ms = (first - call.started) * 1000.0 if first is not None else None
+            self._report(
+                call,
+                scanner.reply,
+                arm,
+                version,
+                ttft_ms,
+                total_ms,
+                scanner.content_events,
+                "".join(scanner.text),
+            )
+
+    def _failed(self, deployment: str, backend: BackendState, why: object, *, counted: bool = True) -> None:
+        self.breakers.failed(backend, time.monotonic())
+        if counted:
+            self.metrics.failovers.labels(deployment, backend.name).inc()
+        log.warning("backend %s of %s failed: %s", backend.name, deployment, why)
+
+    # ------------------------------------------------------------------------------- reporting
+    def _report_whole(
+        self, call: _Call, data: bytes, status: int, arm: str, version: int | None, total_ms: float
+    ) -> None:
+        try:
+            reply = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.metrics.unreadable.labels(call.deployment).inc()
+            return
+        if isinstance(reply, dict):
+            self._report(call, reply, arm, version, None, total_ms, 0, completion_text(reply))
+
+    def _report(
+        self,
+        call: _Call,
+        reply: Mapping[str, Any],
+        arm: str,
+        version: int | None,
+        ttft_ms: float | None,
+        total_ms: float,
+        content_events: int,
+        text: str,
+    ) -> None:
+        try:
+            record = acceptance_record(
+                reply,
+                request_id=call.request_id,
+                arm=arm,
+                drafter_version=version,
+                category=call.category,
+                ttft_ms=ttft_ms,
+                total_ms=total_ms,
+                content_events=content_events,
+            )
+        except UnreadableReply as exc:
+            self.metrics.unreadable.labels(call.deployment).inc()
+            log.warning("reply %s of %s: acceptance unreadable: %s", call.request_id, call.deployment, exc)
+            return
+        self.reporter.record(call.deployment, record)
+        if call.body is not None:
+            prompt = prompt_text(call.body)
+            if prompt is not None and text:
+                self.reporter.trace(call.deployment, prompt, text, call.category)
+
+    # ------------------------------------------------------------------------------- the rest
+    async def models(self, _: Request) -> Response:
+        created = int(time.time())
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "specctl"}
+            for name in sorted(self.deployments)
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, _: Request) -> Response:
+        now = time.monotonic()
+        deployments = {
+            name: {
+                "config_version": state.followed.version,
+                "arms": [
+                    {"arm": a.name, "weight": a.weight, "drafter_version": a.drafter_version}
+                    for a in state.followed.arms
+                ],
+                "backends": [
+                    {
+                        "name": b.name,
+                        "pool": b.pool,
+                        "url": b.url,
+                        "drafter_version": b.drafter_version,
+                        "open": not b.available(now),
+                        "in_flight": b.in_flight,
+                        "served": b.served,
+                        "failed": b.failed,
+                    }
+                    for b in state.pools.backends
+                ],
+            }
+            for name, state in self.deployments.items()
+        }
+        stats = self.reporter.stats
+        return JSONResponse(
+            {
+                "status": "ok",
+                "deployments": deployments,
+                "reporter": {
+                    "buffered": self.reporter.buffered,
+                    "posted": stats.posted,
+                    "spooled": stats.spooled,
+                    "rejected": stats.rejected,
+                    "spool_bytes": self.reporter.spool.bytes,
+                    "spool_dropped_items": self.reporter.spool.dropped_items,
+                    "last_error": stats.last_error,
+                },
+                "serving_config": {
+                    "polls": self.follower.polls,
+                    "changes": self.follower.changes,
+                    "last_error": self.follower.last_error,
+                },
+            }
+        )
+
+    async def prometheus(self, _: Request) -> Response:
+        self.metrics.spool_bytes.set(self.reporter.spool.bytes)
+        self.metrics.spool_dropped.set(self.reporter.spool.dropped_items)
+        for kind, count in self.reporter.stats.posted.items():
+            self.metrics.posted.labels(kind).set(count)
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    deployment: str
+    request_id: str
+    category: str | None
+    body: dict[str, Any] | None  # kept only when the trace is sampled
+    started: float
+
+
+def _forwarded_body(raw: bytes, body: dict[str, Any], backend_model: str | None) -> bytes:
+    """The body as the backend gets it: the engine's own model name, no ``category``."""
+    if "category" not in body and (backend_model is None or backend_model == body.get("model")):
+        return raw
+    out = {k: v for k, v in body.items() if k != "category"}
+    if backend_model is not None:
+        out["model"] = backend_model
+    return orjson.dumps(out)
+
+
+def _forwarded_headers(headers: Mapping[str, str], request_id: str) -> dict[str, str]:
+    out = {"Content-Type": "application/json", "x-request-id": request_id}
+    auth = headers.get("authorization")
+    if auth:
+        out["Authorization"] = auth
+    return out
+
+
+def _to(backend: BackendState, attempt: Attempt, headers: dict[str, str]) -> dict[str, str]:
+    if backend.pool == "follower":
+        return {**headers, ARM_HEADER: attempt.arm}
+    return headers
+
+
+def _served(attempt: Attempt, headers: Mapping[str, str], followed: FollowedConfig) -> tuple[str, int | None]:
+    """The arm and drafter version a reply is filed under: what a follower says it served, else the
+    arm of the pool that served and the version its backend is labelled with."""
+    arm = attempt.arm
+    stated = headers.get(ARM_HEADER)
+    if attempt.backend.pool == "follower" and stated:
+        arm = stated
+        version_text = headers.get(VERSION_HEADER)
+        if version_text and version_text.isdigit():
+            return arm, int(version_text)
+    if arm.startswith(ARM_CANARY_PREFIX):
+        return arm, int(arm.removeprefix(ARM_CANARY_PREFIX))
+    if arm == ARM_BASELINE:
+        return arm, None
+    if attempt.backend.drafter_version is not None:
+        return arm, attempt.backend.drafter_version
+    spec = next((a for a in followed.arms if a.name == arm), None)
+    return arm, spec.drafter_version if spec is not None and attempt.backend.pool == "follower" else None
+
+
+def _error(
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> Response:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
+
+
+def create_app(config: RouterConfig) -> Starlette:
+    router = Router(config)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", router.proxy, methods=["POST"]),
+            Route("/v1/chat/completions", router.proxy, methods=["POST"]),
+            Route("/v1/models", router.models, methods=["GET"]),
+            Route("/healthz", router.health, methods=["GET"]),
+            Route("/metrics", router.prometheus, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    return app
+
+
+__all__ = ["ArmSpec", "Router", "create_app"]

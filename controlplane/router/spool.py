@@ -1,0 +1,95 @@
+"""A bounded on-disk spool of report batches the control plane has not taken yet.
+
+Each batch is one file, written whole (temporary file, fsync, rename), so a crash leaves either
+the batch or nothing, never half of one. Files are named ``<sequence>-<kind>-<items>-<deployment>.json``
+and taken oldest first. The spool never holds more than ``max_bytes``: a batch that would cross it
+evicts the oldest batches, and the items dropped are counted (an operator sees them in the router's
+``/metrics``), because a router that fills its disk would stop serving, which is worse.
+
+Blocking file I/O: the reporter calls it from a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_FILE = re.compile(r"^(\d{12})-(acceptance|traces)-(\d+)-([a-z0-9][a-z0-9-]*)\.json$")
+
+
+@dataclass(frozen=True, slots=True)
+class SpooledBatch:
+    path: Path
+    kind: str
+    deployment: str
+    items: int
+    size: int
+
+
+class DiskSpool:
+    def __init__(self, directory: str | Path, max_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.dropped_items = 0
+        for stale in self.directory.glob("*.tmp"):
+            stale.unlink(missing_ok=True)  # a write a crash interrupted: never renamed, never taken
+        batches = self.batches()
+        self._sequence = max((int(b.path.name[:12]) for b in batches), default=0)
+        self._bytes = sum(b.size for b in batches)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def batches(self) -> list[SpooledBatch]:
+        """Every complete batch, oldest first."""
+        out = []
+        for path in sorted(self.directory.iterdir()):
+            match = _FILE.match(path.name)
+            if match is None:
+                continue
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            out.append(SpooledBatch(path, match.group(2), match.group(4), int(match.group(3)), size))
+        return out
+
+    def put(self, deployment: str, kind: str, items: list[dict[str, Any]]) -> None:
+        data = json.dumps(
+            {"deployment": deployment, "kind": kind, "items": items}, separators=(",", ":")
+        ).encode()
+        while self._bytes + len(data) > self.max_bytes:
+            oldest = self.batches()
+            if not oldest:
+                self.dropped_items += len(items)  # one batch larger than the whole spool
+                return
+            self.remove(oldest[0], dropped=True)
+        self._sequence += 1
+        final = self.directory / f"{self._sequence:012d}-{kind}-{len(items)}-{deployment}.json"
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+        self._bytes += len(data)
+
+    def read(self, batch: SpooledBatch) -> list[dict[str, Any]]:
+        body = json.loads(batch.path.read_bytes())
+        items = body.get("items")
+        return items if isinstance(items, list) else []
+
+    def remove(self, batch: SpooledBatch, *, dropped: bool = False) -> None:
+        try:
+            batch.path.unlink()
+        except FileNotFoundError:
+            return
+        self._bytes -= batch.size
+        if dropped:
+            self.dropped_items += batch.items
