@@ -126,13 +126,20 @@ class Pools:
             if fallback != arm:
                 order.append((fallback, versions.get(fallback)))
         seen: set[str] = set()
-        out: list[Attempt] = []
+        ready: list[Attempt] = []
+        resting: list[Attempt] = []
         for name, version in order:
-            for backend in self._ranked(self._serving(name, version), now):
-                if backend.name not in seen:
-                    seen.add(backend.name)
-                    out.append(Attempt(backend, name))
-        return out
+            for backend in self._serving(name, version):
+                if backend.name in seen:
+                    continue
+                seen.add(backend.name)
+                (ready if backend.available(now) else resting).append(Attempt(backend, name))
+        # Within a group, fewest in flight first, then fewest served (so equals take turns); the
+        # backends whose breaker is open come after every available one, soonest to reopen first.
+        group = {name: i for i, (name, _) in enumerate(order)}
+        ready.sort(key=lambda a: (group[a.arm], a.backend.in_flight, a.backend.served))
+        resting.sort(key=lambda a: a.backend.open_until)
+        return ready + resting
 
     def _serving(self, arm: str, version: int | None) -> list[BackendState]:
         pool = pool_of_arm(arm)
@@ -148,11 +155,3 @@ class Pools:
         pooled = [b for b in self._backends.values() if b.pool == pool]
         followers = [b for b in self._backends.values() if b.pool == "follower"]
         return labelled or pooled or followers
-
-    def _ranked(self, candidates: list[BackendState], now: float) -> list[BackendState]:
-        """Available backends by fewest in flight, then fewest served (so equals take turns), then
-        the open ones by when they reopen."""
-        ready = [b for b in candidates if b.available(now)]
-        ready.sort(key=lambda b: (b.in_flight, b.served))
-        resting = sorted((b for b in candidates if not b.available(now)), key=lambda b: b.open_until)
-        return ready + resting

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
+import orjson
 
 from controlplane.router.spool import DiskSpool
 
@@ -30,6 +31,7 @@ BODY_KEY: Final = {"acceptance": "records", "traces": "traces"}
 MAX_BATCH: Final = {"acceptance": 2_000, "traces": 200}
 # Statuses worth sending again later: the control plane is away, busy, or does not know the key yet.
 _RETRYABLE: Final = frozenset({401, 403, 408, 425, 429})
+_JSON: Final = {"Content-Type": "application/json"}
 
 
 @dataclass
@@ -162,7 +164,8 @@ class ControlPlaneReporter:
         assert self._session is not None
         url = f"{self._base}/{deployment}/{kind}"
         try:
-            async with self._session.post(url, json={BODY_KEY[kind]: items}) as resp:
+            body = orjson.dumps({BODY_KEY[kind]: items})
+            async with self._session.post(url, data=body, headers=_JSON) as resp:
                 if resp.status < 400:
                     self.stats.posted[kind] += len(items)
                     return True

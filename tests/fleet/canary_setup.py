@@ -1,0 +1,67 @@
+"""Put a deployment into a live canary without a GPU: a candidate drafter version recorded in the
+database and a shadow replay that passes, so serving-config splits traffic three ways. For router
+tests and benchmarks that need the control plane's real split, not a trained drafter."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from sqlalchemy import select
+
+from controlplane.canary.evaluate import record_shadow_result
+from controlplane.canary.service import start_canary
+from controlplane.config import Settings
+from controlplane.db.models import Deployment, DrafterState, DrafterVersion
+from controlplane.db.session import get_sessionmaker
+
+
+def passing_shadow(n: int = 30) -> dict[str, Any]:
+    """Per-prompt figures for the three arms in which the candidate neither breaks nor harms."""
+    rng = random.Random(1)
+
+    def arm(tps: float, ms: float) -> dict[str, list[float]]:
+        return {
+            "tokens_per_step": [tps * rng.uniform(0.9, 1.1) for _ in range(n)],
+            "ms_per_token": [ms * rng.uniform(0.9, 1.1) for _ in range(n)],
+        }
+
+    return {
+        "arms": {"baseline": {}, "incumbent": {}, "candidate": {}},
+        "per_prompt": {"baseline": arm(1.0, 5.0), "incumbent": arm(2.0, 3.2), "candidate": arm(2.6, 2.5)},
+        "costs": {"cost_ratio": 0.07},
+    }
+
+
+def open_live_canary(database_url: str, deployment_name: str, version_number: int = 1) -> int:
+    """A candidate ``version_number`` of ``deployment_name`` in a live canary; returns its id."""
+    sessions = get_sessionmaker(database_url)
+    with sessions() as session:
+        deployment = session.scalars(
+            select(Deployment).where(Deployment.name == deployment_name, Deployment.deleted_at.is_(None))
+        ).one()
+        version = DrafterVersion(
+            deployment_id=deployment.id,
+            version=version_number,
+            artifact_path=f"file:///artifacts/{deployment_name}/v{version_number}",
+            artifact_sha256=f"{version_number:064d}",
+            state=DrafterState.candidate,
+            training_metrics={},
+            eval_metrics={},
+        )
+        session.add(version)
+        session.flush()
+        canary, _job = start_canary(session=session, version=version)
+        session.commit()
+        canary_id = canary.id
+    with sessions() as session:
+        phase = record_shadow_result(
+            session=session,
+            canary_id=canary_id,
+            result=passing_shadow(),
+            settings=Settings(database_url=database_url),
+        )
+        session.commit()
+    if phase != "live":
+        raise AssertionError(f"the canary went {phase}, not live")
+    return canary_id
