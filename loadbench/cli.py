@@ -6,7 +6,14 @@ candidate drafter, n-gram settings, speculation disabled...). Reports per config
 TTFT, inter-token latency and request latency (p50/p95), output tokens/s, the acceptance by
 position the responses report, and, with ``--latency-bound-ms``, the maximum sustainable request
 rate; a table in the terminal, ``benchmark.json``, ``benchmark.csv`` and AIPerf-shaped per-request
-records in ``profile_export.jsonl`` under ``--out-dir``.
+records in ``profile_export.jsonl`` under ``--out-dir``, plus AIPerf's own layout per configuration
+and load (``aiperf/<config>/<load type>-<load>/`` with ``profile_export.jsonl`` and the summary
+``profile_export_aiperf.json``; with a single configuration and load the summary also sits next to
+the top-level JSONL), so AIPerf's tooling reads the runs.
+
+``--engine`` (or ``engine=`` per configuration) says whether to send Fireworks'
+``perf_metrics_in_response``: ``auto`` sends it and drops it for a configuration whose server
+refuses it (see ``loadbench.runner.Configuration``).
 
 Configurations: ``--config NAME=URL[,model=MODEL][,api_key_file=PATH][,extra=JSON]`` (repeatable;
 ``extra`` comes last since its JSON may hold commas; the model defaults to NAME), or a TOML file
@@ -29,9 +36,9 @@ from typing import Annotated, Any
 import typer
 
 from loadbench.prompts import DOMAINS, DatasetError, PromptItem, builtin_prompts, load_dataset
-from loadbench.runner import ARRIVALS, BenchmarkPlan, Configuration, Sampling, run_benchmark
+from loadbench.runner import ARRIVALS, ENGINES, BenchmarkPlan, Configuration, Sampling, run_benchmark
 
-_CONFIG_KEYS = frozenset({"name", "url", "model", "extra", "api_key_file"})
+_CONFIG_KEYS = frozenset({"name", "url", "model", "extra", "api_key_file", "engine"})
 
 
 class ConfigError(ValueError):
@@ -60,8 +67,16 @@ def _extra(raw: object, where: str) -> dict[str, Any]:
     return dict(raw)
 
 
-def parse_config_option(text: str, default_api_key: str | None = None) -> Configuration:
-    """``NAME=URL[,model=M][,api_key_file=P][,extra=JSON]`` into a configuration."""
+def _engine(value: str, where: str) -> str:
+    if value not in ENGINES:
+        raise ConfigError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {value!r}")
+    return value
+
+
+def parse_config_option(
+    text: str, default_api_key: str | None = None, default_engine: str = "auto"
+) -> Configuration:
+    """``NAME=URL[,model=M][,api_key_file=P][,engine=E][,extra=JSON]`` into a configuration."""
     name, sep, rest = text.partition("=")
     name = name.strip()
     if not sep or not name or not rest:
@@ -75,8 +90,10 @@ def parse_config_option(text: str, default_api_key: str | None = None) -> Config
     for pair in pairs:
         key, eq, value = pair.partition("=")
         key = key.strip()
-        if not eq or key not in {"model", "api_key_file"}:
-            raise ConfigError(f"--config {name}: unknown part {pair!r} (model=, api_key_file=, extra=)")
+        if not eq or key not in {"model", "api_key_file", "engine"}:
+            raise ConfigError(
+                f"--config {name}: unknown part {pair!r} (model=, api_key_file=, engine=, extra=)"
+            )
         fields[key] = value.strip()
     if not url.strip().startswith(("http://", "https://")):
         raise ConfigError(f"--config {name}: URL must start with http:// or https://, got {url!r}")
@@ -86,10 +103,13 @@ def parse_config_option(text: str, default_api_key: str | None = None) -> Config
         model=fields.get("model") or name,
         extra=_extra(extra_raw, f"--config {name}"),
         api_key=_api_key(fields.get("api_key_file"), default_api_key),
+        engine=_engine(fields.get("engine") or default_engine, f"--config {name}"),
     )
 
 
-def load_configs_file(path: Path, default_api_key: str | None = None) -> list[Configuration]:
+def load_configs_file(
+    path: Path, default_api_key: str | None = None, default_engine: str = "auto"
+) -> list[Configuration]:
     """Configurations from TOML: ``[[config]]`` tables, or ``[config.NAME]`` tables."""
     try:
         doc = tomllib.loads(path.read_text())
@@ -118,6 +138,7 @@ def load_configs_file(path: Path, default_api_key: str | None = None) -> list[Co
                 model=str(entry.get("model") or entry["name"]),
                 extra=_extra(entry.get("extra"), where),
                 api_key=_api_key(entry.get("api_key_file"), default_api_key),
+                engine=_engine(str(entry.get("engine") or default_engine), where),
             )
         )
     return out
@@ -146,7 +167,7 @@ def benchmark(
         typer.Option(
             "--config",
             "-c",
-            help="NAME=URL[,model=MODEL][,api_key_file=PATH][,extra=JSON]; repeatable",
+            help="NAME=URL[,model=MODEL][,api_key_file=PATH][,engine=ENGINE][,extra=JSON]; repeatable",
         ),
     ] = None,
     configs: Annotated[
@@ -198,8 +219,22 @@ def benchmark(
     api_key_file: Annotated[
         Path | None, typer.Option(help="bearer key for every configuration without its own")
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="the servers' engine, for configurations that do not name their own: auto (send "
+            "Fireworks' perf_metrics_in_response; if a server refuses it with a 4xx naming the field "
+            "or saying extra fields are not permitted, as TensorRT-LLM's does, retry without it and "
+            "leave it out for that configuration for the rest of the run), fireworks or reference "
+            "(always send it), vllm, sglang or trtllm (never send it)"
+        ),
+    ] = "auto",
     out_dir: Annotated[
-        Path, typer.Option(help="where benchmark.json, .csv and profile_export.jsonl go")
+        Path,
+        typer.Option(
+            help="where benchmark.json, .csv, profile_export.jsonl and AIPerf's per-run folders "
+            "(aiperf/<config>/<load>/profile_export.jsonl + profile_export_aiperf.json) go"
+        ),
     ] = Path("var/benchmark"),
 ) -> None:
     """Benchmark configurations of OpenAI-compatible /v1/completions endpoints on the same prompts."""
@@ -215,9 +250,10 @@ def benchmark(
         raise typer.BadParameter(f"must be one of {', '.join(ARRIVALS)}", param_hint="--arrival")
     try:
         default_key = _api_key(str(api_key_file), None) if api_key_file is not None else None
-        chosen: list[Configuration] = [parse_config_option(c, default_key) for c in config or []]
+        _engine(engine, "--engine")
+        chosen: list[Configuration] = [parse_config_option(c, default_key, engine) for c in config or []]
         if configs is not None:
-            chosen.extend(load_configs_file(configs, default_key))
+            chosen.extend(load_configs_file(configs, default_key, engine))
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if not chosen:

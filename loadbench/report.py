@@ -52,6 +52,28 @@ from controlplane.ingest.record import AcceptanceRecord
 
 PERCENTILES: Final = (50, 90, 95, 99)
 JSONL_NAME: Final = "profile_export.jsonl"
+# AIPerf's run summary (``JsonExportData``), one per configuration and load, next to that run's
+# own ``profile_export.jsonl``, under AIPERF_DIR/<config>/<load type>-<load>/.
+AIPERF_JSON_NAME: Final = "profile_export_aiperf.json"
+AIPERF_DIR: Final = "aiperf"
+AIPERF_SCHEMA_VERSION: Final = "1.0"
+# JsonMetricResult's stat keys (ai-dynamo/aiperf src/aiperf/common/models/export_models.py).
+AIPERF_STATS: Final = (
+    "unit",
+    "avg",
+    "p1",
+    "p5",
+    "p10",
+    "p25",
+    "p50",
+    "p75",
+    "p90",
+    "p95",
+    "p99",
+    "min",
+    "max",
+    "std",
+)
 JSON_NAME: Final = "benchmark.json"
 CSV_NAME: Final = "benchmark.csv"
 SCHEMA_VERSION: Final = "1"
@@ -250,6 +272,9 @@ def to_aiperf_record(rec: RequestRecord) -> dict[str, Any]:
         "request_start_ns": rec.request_start_ns,
         "request_ack_ns": rec.request_ack_ns,
         "request_end_ns": rec.request_end_ns,
+        # Required by AIPerf's MetricRecordMetadata: which worker / record processor handled it.
+        "worker_id": f"loadbench-{rec.config}",
+        "record_processor_id": "loadbench",
         "benchmark_phase": "profiling",
         "was_cancelled": False,
         "cancellation_time_ns": None,
@@ -481,6 +506,71 @@ def report_document(
     }
 
 
+def aiperf_summary(
+    result: LoadResult, started_ns: int | None = None, ended_ns: int | None = None
+) -> dict[str, Any]:
+    """One configuration and load as AIPerf's ``profile_export_aiperf.json`` (``JsonExportData``,
+    ai-dynamo/aiperf ``src/aiperf/common/models/export_models.py``): ``schema_version``,
+    ``benchmark_id``, one ``{"unit", "avg", "p50", ...}`` object per metric tag (AIPerf's own tags,
+    and our ``spec_decode_*`` ones, which its model keeps as extra fields), ``was_cancelled``,
+    ``error_summary`` (``[{"error_details": {code, type, message}, "count"}]``), ``start_time`` and
+    ``end_time`` (ISO 8601). Metrics without a value are left out, as AIPerf's exporter drops Nones."""
+    from datetime import UTC, datetime
+
+    out: dict[str, Any] = {
+        "schema_version": AIPERF_SCHEMA_VERSION,
+        "benchmark_id": f"{result.config}/{result.phase}-{result.load:g}",
+    }
+    for tag, block in result.summary.items():
+        if not isinstance(block, dict) or "unit" not in block:
+            continue
+        stats_ = {k: block[k] for k in AIPERF_STATS if block.get(k) is not None}
+        if len(stats_) > 1:  # more than the unit
+            out[tag] = stats_
+    errors: dict[tuple[int | None, str, str], int] = {}
+    for rec in result.records:
+        if rec.error is not None:
+            key = (rec.error.code, rec.error.type, rec.error.message)
+            errors[key] = errors.get(key, 0) + 1
+    out["was_cancelled"] = False
+    out["error_summary"] = [
+        {"error_details": {"code": c, "type": t, "message": m}, "count": n} for (c, t, m), n in errors.items()
+    ]
+    starts = [r.request_start_ns for r in result.records]
+    ends = [r.request_end_ns for r in result.records]
+    first = started_ns if started_ns is not None else min(starts, default=None)
+    last = ended_ns if ended_ns is not None else max(ends, default=None)
+    if first is not None and last is not None:
+        out["start_time"] = datetime.fromtimestamp(first / 1e9, tz=UTC).isoformat()
+        out["end_time"] = datetime.fromtimestamp(last / 1e9, tz=UTC).isoformat()
+    return out
+
+
+def _run_dir_name(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text) or "_"
+
+
+def write_aiperf_runs(out_dir: Path, results: Sequence[LoadResult]) -> list[Path]:
+    """Per configuration and load, AIPerf's artifact layout: a folder holding that run's
+    ``profile_export.jsonl`` and ``profile_export_aiperf.json``; returns the folders."""
+    folders: list[Path] = []
+    for result in results:
+        folder = (
+            out_dir
+            / AIPERF_DIR
+            / _run_dir_name(result.config)
+            / _run_dir_name(f"{result.phase}-{result.load:g}")
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder / JSONL_NAME).open("w") as fh:
+            for rec in result.records:
+                fh.write(json.dumps(to_aiperf_record(rec), allow_nan=False) + "\n")
+        summary = aiperf_summary(result)
+        (folder / AIPERF_JSON_NAME).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        folders.append(folder)
+    return folders
+
+
 def write_reports(
     out_dir: Path,
     document: Mapping[str, Any],
@@ -488,7 +578,9 @@ def write_reports(
     searches: Sequence[SearchResult] = (),
     extra_records: Iterable[RequestRecord] = (),
 ) -> dict[str, Path]:
-    """Write ``benchmark.json``, ``benchmark.csv`` and ``profile_export.jsonl`` under ``out_dir``.
+    """Write ``benchmark.json``, ``benchmark.csv`` and ``profile_export.jsonl`` under ``out_dir``,
+    and AIPerf's own layout per configuration and load (``write_aiperf_runs``); with one
+    configuration at one load, ``profile_export_aiperf.json`` sits next to the top-level JSONL too.
 
     ``extra_records`` (e.g. the throughput search's requests) join the per-request JSONL only.
     """
@@ -511,6 +603,11 @@ def write_reports(
                 fh.write(json.dumps(to_aiperf_record(rec), allow_nan=False) + "\n")
         for rec in extra_records:
             fh.write(json.dumps(to_aiperf_record(rec), allow_nan=False) + "\n")
+    runs = write_aiperf_runs(out_dir, results)
+    paths["aiperf"] = out_dir / AIPERF_DIR
+    if len(results) == 1:  # a single run: AIPerf's files also at the top, as `aiperf profile` writes
+        paths["aiperf_json"] = out_dir / AIPERF_JSON_NAME
+        paths["aiperf_json"].write_text((runs[0] / AIPERF_JSON_NAME).read_text())
     return paths
 
 

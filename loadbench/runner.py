@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -49,15 +50,51 @@ ARRIVALS: Final = ("poisson", "constant")
 _METRIC_KEYS: Final = ("usage", "perf_metrics", "speculation_record", "metrics", "meta_info")
 
 
+# Engines whose servers take Fireworks' `perf_metrics_in_response` (ours answers it like Fireworks).
+PERF_FLAG_ENGINES: Final = ("fireworks", "reference")
+# Engines whose OpenAI servers have no such field (TensorRT-LLM's refuses unknown fields).
+NO_PERF_FLAG_ENGINES: Final = ("vllm", "sglang", "trtllm")
+ENGINES: Final = ("auto", *PERF_FLAG_ENGINES, *NO_PERF_FLAG_ENGINES)
+_EXTRA_REFUSED = re.compile(r"extra[ _](fields|inputs)[^.]*not permitted|extra_forbidden", re.IGNORECASE)
+PERF_FLAG: Final = "perf_metrics_in_response"
+
+
+def refuses_perf_flag(status: int, message: str) -> bool:
+    """Whether a 4xx reply refused the request for carrying `perf_metrics_in_response`: it names
+    the field, or says extra fields are not permitted (pydantic's wording, as TensorRT-LLM's
+    OpenAI server answers unknown fields with 400/422)."""
+    return 400 <= status < 500 and (PERF_FLAG in message or _EXTRA_REFUSED.search(message) is not None)
+
+
+@dataclass
+class PerfFlagSupport:
+    """Whether a configuration's server takes `perf_metrics_in_response`; None: not known yet."""
+
+    accepted: bool | None = None
+
+
 @dataclass(frozen=True)
 class Configuration:
-    """A named endpoint + model + extra request fields (merged last into every request body)."""
+    """A named endpoint + model + extra request fields (merged last into every request body).
+
+    ``engine``: "auto" sends Fireworks' ``perf_metrics_in_response`` until a server refuses it
+    (``refuses_perf_flag``), then retries that request without it and leaves it out for the rest
+    of the run; "fireworks" / "reference" always send it; "vllm" / "sglang" / "trtllm" never do.
+    """
 
     name: str
     url: str
     model: str
     extra: Mapping[str, Any] = field(default_factory=dict)
     api_key: str | None = None
+    engine: str = "auto"
+    perf_flag: PerfFlagSupport = field(default_factory=PerfFlagSupport, compare=False, repr=False)
+
+    @property
+    def sends_perf_flag(self) -> bool:
+        if self.engine in NO_PERF_FLAG_ENGINES:
+            return False
+        return self.engine in PERF_FLAG_ENGINES or self.perf_flag.accepted is not False
 
     @property
     def completions_url(self) -> str:
@@ -77,6 +114,8 @@ class Configuration:
             "model": self.model,
             "extra": dict(self.extra),
             "authenticated": self.api_key is not None,
+            "engine": self.engine,
+            "perf_metrics_in_response": self.sends_perf_flag,
         }
 
 
@@ -98,9 +137,9 @@ class Sampling:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "stream": self.stream,
-            # Fireworks' switch (our reference server honours it too); other servers ignore it.
-            "perf_metrics_in_response": True,
         }
+        if config.sends_perf_flag:  # Fireworks' switch (our reference server honours it too)
+            body[PERF_FLAG] = True
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # vLLM sends usage in a last chunk
         if self.seed is not None:
@@ -207,8 +246,23 @@ async def send_request(
         rec.request_end_ns = clock.now()
         rec.error = ErrorDetails(0, type(exc).__name__, str(exc) or repr(exc))
         return rec
+    if rec.error is not None and body.get(PERF_FLAG) and config.engine == "auto":
+        if refuses_perf_flag(rec.error.code, rec.error.message):
+            config.perf_flag.accepted = False  # remembered for the rest of the run
+            return await send_request(
+                client,
+                config,
+                item,
+                sampling,
+                session_num=session_num,
+                prompt_index=prompt_index,
+                phase=phase,
+                load=load,
+            )
     if rec.error is not None or merged is None:
         return rec
+    if body.get(PERF_FLAG):
+        config.perf_flag.accepted = True
     _finish(rec, merged, sampling.stream)
     return rec
 

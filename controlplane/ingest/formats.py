@@ -1380,17 +1380,26 @@ def _from_fireworks(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None
     ``perf_metrics_in_response`` and deployments/speculative-decoding.
 
     Fields used: ``speculation-acceptance`` (by draft position), ``speculation-generated-tokens``
-    (read as the tokens emitted by speculative steps, accepted drafts plus one target token per
-    step: Fireworks documents it only as "tokens generated through speculation"),
+    (G; Fireworks documents it only as "tokens generated through speculation", and this project
+    gives it one meaning everywhere, the reference server and the traffic driver included: the
+    tokens the speculative verify steps emitted, accepted drafts plus one target token per step,
+    i.e. the completion tokens less the one sampled from the prefill; never the drafted tokens),
     ``prompt-tokens``, ``server-time-to-first-token`` and ``server-processing-time`` (seconds).
     ``speculation-prompt-tokens`` / ``speculation-prompt-matched-tokens`` describe Predicted
     Outputs (the caller's prediction, not the drafter) and are deliberately not counted as drafts.
 
     With ``hits/total`` pairs (k = number of positions) everything is exact but drafted:
     verify steps = total at position 0, ``accepted_per_position`` = hits, accepted = their sum.
+    Steps that proposed nothing (an n-gram miss, the last token of the budget) draft no position,
+    so they are not in the totals; with G, verify steps = G − accepted when that is larger (G
+    counts one target token per step), which recovers them. That is exact unless a request both
+    had such steps and ended on an accepted end-of-text draft (that last step emits no target
+    token: then steps is one low).
     Drafted = the sum of the totals when they count proposals per position (exact); when the
     totals are conditional (total[i] == hits[i-1], i.e. position i only counted after i-1 was
-    accepted), drafted = steps × k (estimated: assumes every step drafted k tokens).
+    accepted), drafted = steps × k (estimated: assumes every step drafted k tokens). Absolute totals
+    from a drafter whose draft length varies can match that pattern by coincidence; they are then
+    read as conditional too (the format cannot tell them apart; only drafted differs).
 
     With rates only (k = number of rates, each the share of verify steps that accepted that
     position, so non-increasing), counts are estimated from G = ``speculation-generated-tokens``
@@ -1401,7 +1410,7 @@ def _from_fireworks(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None
     d decimals). Non-increasing rates stay non-increasing after rounding. Conditional rates
     (which may increase with position) are refused with a message asking for pairs.
 
-    ``generated_tokens`` = ``usage.completion_tokens`` when present (exact), else G, else the
+    ``generated_tokens`` = ``usage.completion_tokens`` when present (exact), else G + 1, else the
     lower bound accepted + steps. ``inter_token_ms`` = (processing − TTFT) ÷ (generated − 1),
     the usual mean inter-token latency. A record without ``speculation-acceptance`` (serverless,
     or speculation off) is a problem unless its arm is ``baseline``.
@@ -1436,7 +1445,11 @@ def _from_fireworks(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None
     acc_field, acc_raw = get("speculation-acceptance")
     if acc_raw is _MISSING or acc_raw is None or acc_raw == "":
         if env is not None and env.arm == ARM_BASELINE:
-            generated = completion if completion is not None else spec_generated
+            generated = (
+                completion
+                if completion is not None
+                else (spec_generated + 1 if spec_generated is not None else None)
+            )
             return _baseline(
                 env,
                 errs,
@@ -1456,6 +1469,10 @@ def _from_fireworks(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None
         steps = acceptance.totals[0]
         positions = acceptance.hits
         accepted = sum(positions)
+        if spec_generated is not None and spec_generated - accepted > steps:
+            # Steps without a proposal emit one target token each and show in G only.
+            if completion is None or spec_generated < completion:
+                steps = spec_generated - accepted
         conditional = all(acceptance.totals[i] == acceptance.hits[i - 1] for i in range(1, k))
         drafted = acceptance.totals[0] * k if conditional else sum(acceptance.totals)
     else:
@@ -1483,8 +1500,11 @@ def _from_fireworks(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None
         positions = [_round_half_up(rate * steps) for rate in acceptance]
         accepted = sum(positions)
         drafted = steps * k
-    generated = completion if completion is not None else spec_generated
-    if generated is None:
+    if completion is not None:
+        generated = completion
+    elif spec_generated is not None:
+        generated = spec_generated + 1  # G leaves out the token sampled from the prefill
+    else:
         generated = accepted + steps
     return _build(
         env,

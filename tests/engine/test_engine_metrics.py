@@ -119,8 +119,10 @@ def test_native_and_fireworks_shapes() -> None:
     assert native["arm"] == "canary:3" and native["drafter_version"] == 3
 
     fw = m.to_fireworks()
-    assert fw["speculation-generated-tokens"] == 8
-    assert fw["speculation-acceptance"] == pytest.approx([2 / 3, 1 / 3, 1 / 2])
+    # Fireworks' spelling: "position:hits/total" pairs in one string (fw-ai/benchmark parses it so);
+    # G = tokens emitted by verify steps = generated - 1 (4 accepted + 4 target tokens).
+    assert fw["speculation-acceptance"] == "0:2/3,1:1/3,2:1/2"
+    assert fw["speculation-generated-tokens"] == 8 == m.generated_tokens - 1
     assert fw["server-time-to-first-token"] == pytest.approx(0.012)
     assert fw["server-processing-time"] == pytest.approx(0.036)
     assert fw["prompt-tokens"] == 10 and "speculation-prompt-tokens" not in fw
@@ -140,6 +142,54 @@ def test_prediction_metrics_in_fireworks_shape() -> None:
     fw = m.to_fireworks()
     assert fw["speculation-prompt-tokens"] == 20
     assert fw["speculation-prompt-matched-tokens"] == 6
+
+
+def test_fireworks_shape_without_speculation_has_no_speculation_fields() -> None:
+    m = RequestMetrics(k=0, prompt_tokens=4, generated_tokens=1)
+    m.record_step(drafted=0, accepted=0, emitted=1)
+    fw = m.to_fireworks()
+    assert "speculation-acceptance" not in fw and "speculation-generated-tokens" not in fw
+
+
+@pytest.mark.parametrize("eos_ending", [False, True])
+def test_fireworks_round_trip_through_the_ingest_adapter(eos_ending: bool) -> None:
+    """Server metrics -> Fireworks perf_metrics -> ingest adapter: the engine's own counts."""
+    from controlplane.ingest.formats import parse_batch
+
+    m = RequestMetrics(k=4, prompt_tokens=7, generated_tokens=1)
+    m.record_step(drafted=4, accepted=2, emitted=3)
+    m.record_step(drafted=0, accepted=0, emitted=1)  # nothing proposed: only G shows this step
+    m.record_step(drafted=4, accepted=3, emitted=4)
+    m.record_step(drafted=1, accepted=0, emitted=1)
+    if eos_ending:  # an accepted end-of-text draft ends the request: the step emits no own token
+        m = RequestMetrics(k=4, prompt_tokens=7, generated_tokens=1)
+        m.record_step(drafted=4, accepted=4, emitted=5)
+        m.record_step(drafted=4, accepted=1, emitted=2)
+        m.record_step(drafted=4, accepted=2, emitted=2)
+    m.ttft_ms, m.total_ms = 5.0, 25.0
+    usage = {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.generated_tokens}
+    for body in (
+        {"request_id": "rt-1", "perf_metrics": m.to_fireworks(), "usage": usage},
+        {"request_id": "rt-1", "perf_metrics": m.to_fireworks()},  # G alone gives the total
+    ):
+        (record,) = parse_batch({"format": "fireworks", "records": [body]})
+        assert (
+            record.drafted_tokens,
+            record.accepted_tokens,
+            record.verify_steps,
+            record.generated_tokens,
+            record.accepted_per_position,
+            record.k,
+            record.prompt_tokens,
+        ) == (
+            m.drafted_tokens,
+            m.accepted_tokens,
+            m.verify_steps,
+            m.generated_tokens,
+            m.accepted_per_position,
+            m.k,
+            m.prompt_tokens,
+        )
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])

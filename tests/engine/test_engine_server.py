@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from controlplane.ingest.formats import parse_batch
 from tests.engine.live_server import live_server
 from workers.engine.hf_io import save_hf_folder
 from workers.engine.metrics import NATIVE_KEYS
@@ -91,14 +94,29 @@ def test_perf_metrics_in_response(live: dict[str, Any]) -> None:
         extra_body={"perf_metrics_in_response": True},
     )
     perf = _extra(resp)["perf_metrics"]
-    assert perf["speculation-generated-tokens"] > 0
-    assert len(perf["speculation-acceptance"]) == 3
+    # Exactly Fireworks' spelling: one "position:hits/total" string; G = tokens the verify steps
+    # emitted = completion tokens less the prefill's one.
+    assert isinstance(perf["speculation-acceptance"], str)
+    assert [p.split(":")[0] for p in perf["speculation-acceptance"].split(",")] == ["0", "1", "2"]
+    assert resp.usage is not None
+    assert perf["speculation-generated-tokens"] == resp.usage.completion_tokens - 1
     assert 0 < perf["server-time-to-first-token"] <= perf["server-processing-time"]
     record = _extra(resp)["speculation_record"]
     assert tuple(record) == NATIVE_KEYS
     assert record["k"] == 3 and record["drafter_version"] == 2 and record["arm"] == "live"
-    assert record["drafted_tokens"] == perf["speculation-generated-tokens"]
     assert record["request_id"] == resp.id
+    # Round trip: the Fireworks body through the ingest adapter gives the engine's own counts.
+    (parsed,) = parse_batch({"format": "fireworks", "records": [resp.model_dump()]})
+    counts = (
+        "drafted_tokens",
+        "accepted_tokens",
+        "verify_steps",
+        "generated_tokens",
+        "accepted_per_position",
+        "k",
+    )
+    assert {c: getattr(parsed, c) for c in counts} == {c: record[c] for c in counts}
+    assert parsed.accepted_per_position == record["accepted_per_position"]
 
 
 def test_streaming_matches_and_ends_with_perf_metrics(live: dict[str, Any]) -> None:
@@ -236,3 +254,92 @@ def test_generator_default_is_unseeded(live: dict[str, Any]) -> None:
         for _ in range(4)
     }
     assert len(outs) > 1
+
+
+@pytest.fixture(scope="module")
+def vllm_style(folders: dict[str, str]) -> Iterator[str]:
+    """The server as a vLLM-style backend: a canary split, and a fixed one-arm candidate backend."""
+    draft = {"speculation": "draft_model", "drafter_path": folders["drafter"], "k": 3}
+    entries: dict[str, dict[str, Any]] = {
+        "split": {
+            "target_path": folders["target"],
+            "arms": [
+                {"arm": "live", "weight": 0.5, **draft, "drafter_version": 2},
+                {"arm": "baseline", "weight": 0.5, "speculation": "disabled"},
+            ],
+        },
+        "candidate": {
+            "target_path": folders["target"],
+            "arms": [{"arm": "canary:5", "weight": 1.0, **draft, "drafter_version": 5}],
+        },
+    }
+    config = ServerConfig(serving_config=entries, metrics_style="vllm")
+    with live_server(config) as base_url:
+        yield base_url
+
+
+def _post(base_url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    return httpx.post(f"{base_url}{path}", json=body, headers=headers or {}, timeout=30)
+
+
+def test_vllm_style_replies_carry_only_vllm_metrics(vllm_style: str) -> None:
+    # docs.vllm.ai features/speculative_decoding/acceptance_metrics: a top-level `metrics` object
+    # whose `speculative_decoding` (summary level) has exactly these keys.
+    summary_keys = {
+        "num_spec_steps",
+        "num_draft_tokens",
+        "num_accepted_draft_tokens",
+        "draft_acceptance_rate",
+        "mean_acceptance_length",
+        "acceptance_histogram",
+    }
+    body = {"model": "candidate", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    for path, extra in (
+        ("/v1/completions", {"perf_metrics_in_response": True}),  # asked for, still not sent
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        req = {**body, **extra}
+        if "messages" in req:
+            del req["prompt"]
+        resp = _post(vllm_style, path, req)
+        assert resp.status_code == 200, resp.text
+        data = resp.json()
+        assert "perf_metrics" not in data and "speculation_record" not in data
+        sd = data["metrics"]["speculative_decoding"]
+        assert set(sd) == summary_keys
+        assert sum(sd["acceptance_histogram"]) == sd["num_spec_steps"] > 0
+        (parsed,) = parse_batch({"format": "vllm", "records": [data]})
+        assert parsed.accepted_tokens == sd["num_accepted_draft_tokens"]
+        assert parsed.generated_tokens == data["usage"]["completion_tokens"]
+        assert resp.headers["x-speculation-arm"] == "canary:5"
+        assert resp.headers["x-drafter-version"] == "5"
+
+
+def test_vllm_style_streaming_puts_metrics_in_the_final_chunk(vllm_style: str) -> None:
+    body = {"model": "candidate", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{vllm_style}/v1/completions", json=body, timeout=30) as resp:
+        assert resp.headers["x-speculation-arm"] == "canary:5"
+        assert resp.headers["x-drafter-version"] == "5"
+        lines = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(ln) for ln in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None
+    assert chunks[-1]["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+    assert all("metrics" not in c and "perf_metrics" not in c for c in chunks[:-1])
+
+
+def test_arm_header_pins_an_existing_arm_and_replies_name_what_served(vllm_style: str) -> None:
+    body = {"model": "split", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    for i in range(4):
+        rid = {"x-request-id": f"pin-{i}"}
+        base = _post(vllm_style, "/v1/completions", body, {**rid, "x-speculation-arm": "baseline"})
+        assert base.headers["x-speculation-arm"] == "baseline"
+        assert "x-drafter-version" not in base.headers
+        assert base.json()["metrics"]["speculative_decoding"] is None  # the arm does not speculate
+        live = _post(vllm_style, "/v1/completions", body, {**rid, "x-speculation-arm": "live"})
+        assert live.headers["x-speculation-arm"] == "live" and live.headers["x-drafter-version"] == "2"
+    # An arm the config does not list: the usual hash, the same arm as without the header.
+    rid = {"x-request-id": "pin-unknown"}
+    plain = _post(vllm_style, "/v1/completions", body, rid)
+    unknown = _post(vllm_style, "/v1/completions", body, {**rid, "x-speculation-arm": "canary:9"})
+    assert unknown.headers["x-speculation-arm"] == plain.headers["x-speculation-arm"]

@@ -18,6 +18,7 @@ from workers.serve.traffic import (
     RequestResult,
     Scenario,
     TrafficDriver,
+    fireworks_counts,
     plan_requests,
 )
 
@@ -120,7 +121,12 @@ def _fake_server(requests: list[dict[str, Any]]) -> httpx.MockTransport:
                 "id": rid,
                 "choices": [{"text": "x", "index": 0, "finish_reason": "length"}],
                 "usage": {"completion_tokens": 8, "prompt_tokens": 5},
-                "perf_metrics": {"speculation-generated-tokens": 10, "server-time-to-first-token": 0.01},
+                # Fireworks' shape: G = completion tokens - 1, acceptance as "position:hits/total".
+                "perf_metrics": {
+                    "speculation-generated-tokens": 7,
+                    "speculation-acceptance": "0:1/1",
+                    "server-time-to-first-token": 0.01,
+                },
                 "speculation_record": record,
             },
         )
@@ -187,6 +193,27 @@ def test_errors_are_counted_not_raised() -> None:
     driver = TrafficDriver("http://s", "m", transport=httpx.MockTransport(failing))
     (report,) = driver.run([Phase(name="x", mix={"prose": 1.0}, requests=3)])
     assert report.errors == 3 and report.hit_rate is None and report.latency_p50_s is None
+
+
+def test_fireworks_only_responses_count_from_the_acceptance_pairs() -> None:
+    """A Fireworks deployment sends no speculation_record: counts come from the "position:hits/total"
+    pairs, and speculation-generated-tokens (tokens the verify steps emitted) is not read as drafts."""
+
+    def fireworks(request: httpx.Request) -> httpx.Response:
+        perf = {"speculation-generated-tokens": 11, "speculation-acceptance": "0:5/6,1:2/5"}
+        return httpx.Response(
+            200,
+            json={
+                "choices": [{"text": "x", "index": 0, "finish_reason": "length"}],
+                "usage": {"completion_tokens": 12, "prompt_tokens": 5},
+                "perf_metrics": perf,
+            },
+        )
+
+    driver = TrafficDriver("http://s", "m", transport=httpx.MockTransport(fireworks))
+    (report,) = driver.run([Phase(name="x", mix={"prose": 1.0}, requests=2)])
+    assert (report.drafted_tokens, report.accepted_tokens) == (22, 14)
+    assert fireworks_counts("0:5/6,1:2/5") == (7, 11) and fireworks_counts([0.5]) == (0, 0)
 
 
 def test_tiny_scenario_against_the_reference_server() -> None:

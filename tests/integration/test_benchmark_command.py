@@ -270,3 +270,139 @@ def test_benchmark_built_in_prompts_need_no_dataset(server_url: str, tmp_path: P
     assert {r["metadata"]["category"] for r in records} == {"structured"}
     # Three requests over two prompts: the prompts are cycled, in order.
     assert [r["metadata"]["conversation_id"] for r in records] == ["prompt-0", "prompt-1", "prompt-0"]
+
+
+# AIPerf's reader models (ai-dynamo/aiperf): MetricRecordInfo / MetricRecordMetadata in
+# src/aiperf/common/models/record_models.py (required: metadata.session_num, request_start_ns,
+# request_end_ns, worker_id, record_processor_id, benchmark_phase; metrics as {"value", "unit"};
+# error), and JsonExportData / JsonMetricResult in src/aiperf/common/models/export_models.py (the
+# summary: schema_version, per-metric {"unit", "avg", "p50", ...}, was_cancelled, error_summary,
+# start_time, end_time). File names: docs/tutorials/working-with-profile-exports.md.
+AIPERF_METADATA_REQUIRED = {
+    "session_num",
+    "request_start_ns",
+    "request_end_ns",
+    "worker_id",
+    "record_processor_id",
+    "benchmark_phase",
+}
+AIPERF_METRIC_STATS = {
+    "unit",
+    "avg",
+    "p1",
+    "p5",
+    "p10",
+    "p25",
+    "p50",
+    "p75",
+    "p90",
+    "p95",
+    "p99",
+    "min",
+    "max",
+    "std",
+}
+AIPERF_SUMMARY_TOP = {
+    "schema_version",
+    "benchmark_id",
+    "was_cancelled",
+    "error_summary",
+    "start_time",
+    "end_time",
+}
+
+
+@pytest.fixture
+def strict_server() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """An OpenAI server that refuses unknown request fields the way TensorRT-LLM's does (400 with
+    pydantic's "Extra inputs are not permitted" for the field)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    known = {"model", "prompt", "max_tokens", "temperature", "top_p", "stream", "seed"}
+    seen: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            seen.append(body)
+            extra = sorted(set(body) - known)
+            if extra:
+                status, reply = (
+                    400,
+                    {
+                        "object": "error",
+                        "message": f"[{{'type': 'extra_forbidden', 'loc': ('body', '{extra[0]}'), "
+                        "'msg': 'Extra inputs are not permitted'}]",
+                        "type": "BadRequestError",
+                        "code": 400,
+                    },
+                )
+            else:
+                status, reply = (
+                    200,
+                    {
+                        "id": "cmpl-1",
+                        "object": "text_completion",
+                        "choices": [{"index": 0, "text": " ok ok", "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+                    },
+                )
+            data = json.dumps(reply).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+
+
+def _run(url: str, out: Path, *extra: str) -> None:
+    args = ["benchmark", "-c", f"strict={url},model=m", "--domain", "prose", "--prompts", "2"]
+    args += ["--requests", "4", "--no-stream", "--warmup", "0", "--concurrency", "1", "--out-dir", str(out)]
+    result = CliRunner().invoke(app, [*args, *extra])
+    assert result.exit_code == 0, result.output
+
+
+def test_perf_flag_dropped_after_a_refusal_and_aiperf_files(
+    strict_server: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    url, seen = strict_server
+    out = tmp_path / "auto"
+    _run(url, out)
+    # Probed once with the flag, refused, retried without it, and never sent again.
+    flagged = [b for b in seen if "perf_metrics_in_response" in b]
+    assert len(flagged) == 1 and seen[0] is flagged[0] and len(seen) == 5
+    doc = json.loads((out / "benchmark.json").read_text())
+    assert doc["configurations"][0]["perf_metrics_in_response"] is False
+
+    records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["error"] is None for r in records)
+    for r in records:
+        assert AIPERF_METADATA_REQUIRED <= set(r["metadata"])
+        assert r["metadata"]["benchmark_phase"] in ("warmup", "profiling")
+        assert all(set(m) == {"value", "unit"} for m in r["metrics"].values())
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert AIPERF_SUMMARY_TOP <= set(summary) and summary["schema_version"] == "1.0"
+    for tag in ("request_latency", "request_count", "request_throughput", "output_sequence_length"):
+        assert set(summary[tag]) <= AIPERF_METRIC_STATS and "unit" in summary[tag], tag
+    assert summary["request_count"]["avg"] == 4 and summary["error_summary"] == []
+    (run,) = (out / "aiperf" / "strict").iterdir()
+    assert json.loads((run / "profile_export_aiperf.json").read_text()) == summary
+    assert len((run / "profile_export.jsonl").read_text().splitlines()) == 4
+
+    # Naming the engine sends nothing to probe.
+    seen.clear()
+    _run(url, tmp_path / "trt", "--engine", "trtllm")
+    assert len(seen) == 4 and not any("perf_metrics_in_response" in b for b in seen)

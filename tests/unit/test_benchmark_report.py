@@ -22,6 +22,7 @@ from loadbench.report import (
     LoadResult,
     RequestRecord,
     acceptance_histogram,
+    aiperf_summary,
     csv_rows,
     inter_token_latency_ms,
     percentile,
@@ -30,7 +31,14 @@ from loadbench.report import (
     summarize,
     to_aiperf_record,
 )
-from loadbench.runner import Configuration, Sampling, arrival_offsets, read_acceptance, send_request
+from loadbench.runner import (
+    Configuration,
+    Sampling,
+    arrival_offsets,
+    read_acceptance,
+    refuses_perf_flag,
+    send_request,
+)
 
 
 def _brute_percentile(values: list[float], p: float) -> float:
@@ -460,3 +468,57 @@ def test_builtin_prompts_alias_and_unknown_domain() -> None:
     assert builtin_prompts("tool") == builtin_prompts("structured")
     with pytest.raises(DatasetError, match="unknown domain"):
         builtin_prompts("poetry")
+
+
+def test_perf_flag_refusals_are_recognised() -> None:
+    trt = "[{'type': 'extra_forbidden', 'loc': ('body', 'x'), 'msg': 'Extra inputs are not permitted'}]"
+    assert refuses_perf_flag(400, trt) and refuses_perf_flag(422, "unknown field perf_metrics_in_response")
+    assert refuses_perf_flag(400, "extra fields not permitted")
+    assert not refuses_perf_flag(400, "max_tokens must be positive")
+    assert not refuses_perf_flag(500, "perf_metrics_in_response")
+
+
+def test_engine_decides_the_perf_flag() -> None:
+    item = PromptItem("p")
+    assert "perf_metrics_in_response" in Sampling().body(Configuration("a", "http://x", "m"), item, 0)
+    for engine in ("vllm", "sglang", "trtllm"):
+        body = Sampling().body(Configuration("a", "http://x", "m", engine=engine), item, 0)
+        assert "perf_metrics_in_response" not in body
+    refused = Configuration("a", "http://x", "m")
+    refused.perf_flag.accepted = False
+    assert "perf_metrics_in_response" not in Sampling().body(refused, item, 0)
+    fixed = Configuration("a", "http://x", "m", engine="fireworks")
+    fixed.perf_flag.accepted = False
+    assert "perf_metrics_in_response" in Sampling().body(fixed, item, 0)
+
+
+def test_aiperf_summary_fields() -> None:
+    """JsonExportData / JsonMetricResult (ai-dynamo/aiperf src/aiperf/common/models/export_models.py)."""
+    records = [_record(i, 100.0 + i, 8) for i in range(3)]
+    records[2].error = ErrorDetails(400, "HTTPStatusError", "bad")
+    summary = aiperf_summary(LoadResult("c", "concurrency", 1, records, 1.0))
+    stats_keys = {
+        "unit",
+        "avg",
+        "p1",
+        "p5",
+        "p10",
+        "p25",
+        "p50",
+        "p75",
+        "p90",
+        "p95",
+        "p99",
+        "min",
+        "max",
+        "std",
+    }
+    assert summary["schema_version"] == "1.0" and summary["was_cancelled"] is False
+    assert summary["error_summary"] == [
+        {"error_details": {"code": 400, "type": "HTTPStatusError", "message": "bad"}, "count": 1}
+    ]
+    assert summary["start_time"] < summary["end_time"]
+    blocks = {k: v for k, v in summary.items() if isinstance(v, dict)}
+    assert {"request_latency", "request_count", "error_request_count"} <= set(blocks)
+    assert all(set(b) <= stats_keys and "unit" in b for b in blocks.values())
+    assert summary["request_count"] == {"unit": "requests", "avg": 2}

@@ -681,7 +681,8 @@ FIREWORKS_RESPONSE: dict[str, Any] = {
     "created": 1746100800,
     "model": "accounts/acme/deployedModels/llama-v3p1-8b-instruct-abc",
     "choices": [{"index": 0, "text": "...", "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 12, "completion_tokens": 101, "total_tokens": 113},
+    # speculation-generated-tokens = the completion tokens less the one sampled from the prefill.
+    "usage": {"prompt_tokens": 12, "completion_tokens": 141, "total_tokens": 153},
     "perf_metrics": {
         "prompt-tokens": 12,
         "cached-prompt-tokens": 0,
@@ -712,17 +713,32 @@ def test_fireworks_exact_pairs() -> None:
     assert (record.drafted_tokens, record.k, record.generated_tokens, record.prompt_tokens) == (
         150,
         3,
-        101,
+        141,
         12,
     )
     assert (record.ttft_ms, record.total_ms) == (50.0, 1050.0)
-    assert record.inter_token_ms == pytest.approx((1050.0 - 50.0) / 100)
+    assert record.inter_token_ms == pytest.approx((1050.0 - 50.0) / 140)
 
 
 def test_fireworks_unconditional_totals_sum_to_drafted() -> None:
     # Variable draft length: 50 steps drafted position 0, 40 drafted position 1, 20 position 2.
-    (record,) = parse_batch({"records": [fireworks(**{"speculation-acceptance": "0:45/50,1:30/40,2:10/20"})]})
+    response = fireworks(**{"speculation-acceptance": "0:45/50,1:30/40,2:10/20"})
+    response["perf_metrics"]["speculation-generated-tokens"] = 135  # 85 accepted + 50 target tokens
+    response["usage"]["completion_tokens"] = 136
+    (record,) = parse_batch({"records": [response]})
     assert (record.drafted_tokens, record.accepted_tokens, record.verify_steps) == (110, 85, 50)
+
+
+def test_fireworks_steps_without_a_proposal_come_from_generated_tokens() -> None:
+    # 50 steps drafted, 3 more proposed nothing (e.g. n-gram misses): G = 90 accepted + 53 steps.
+    response = fireworks(**{"speculation-generated-tokens": 143})
+    response["usage"]["completion_tokens"] = 144
+    (record,) = parse_batch({"records": [response]})
+    assert (record.verify_steps, record.accepted_tokens, record.generated_tokens) == (53, 90, 144)
+    # A G that does not fit the completion (not tokens emitted by verify steps) is not trusted.
+    odd = fireworks(**{"speculation-generated-tokens": 500})
+    (kept,) = parse_batch({"records": [odd]})
+    assert kept.verify_steps == 50
 
 
 @pytest.mark.parametrize(
@@ -775,7 +791,7 @@ def test_fireworks_header_style_keys_and_string_values() -> None:
         "h-1",
         12,
         50.0,
-        140,
+        141,  # G + the token sampled from the prefill
     )
     assert record.accepted_per_position == [45, 30, 15]
 
@@ -812,7 +828,7 @@ def test_fireworks_without_speculation() -> None:
     (problem,) = problems_of({"format": "fireworks", "records": [serverless]})
     assert problem.field == "perf_metrics.speculation-acceptance"
     (record,) = parse_batch({"format": "fireworks", "records": [{**serverless, "arm": "baseline"}]})
-    assert (record.drafted_tokens, record.generated_tokens, record.ttft_ms) == (0, 101, 50.0)
+    assert (record.drafted_tokens, record.generated_tokens, record.ttft_ms) == (0, 141, 50.0)
 
 
 def test_fireworks_predicted_outputs_are_not_drafts() -> None:

@@ -18,9 +18,19 @@ Definitions (raw counts; every ratio is derived from them):
   accepted end-of-text draft.
 - accepted_per_position[i] (length k): verify steps in which draft position i was accepted, i.e. at
   least i + 1 drafts were accepted; non-increasing in i and summing to accepted_tokens.
-- drafted_per_position[i]: verify steps that drafted position i; the Fireworks
-  `speculation-acceptance[i]` is accepted_per_position[i] / drafted_per_position[i].
+- drafted_per_position[i]: verify steps that drafted position i (at least i + 1 drafts).
 - hit rate = accepted_tokens / drafted_tokens; mean accepted length = 1 + accepted / verify_steps.
+
+The Fireworks shape, exactly as Fireworks sends it (docs.fireworks.ai, `perf_metrics_in_response`;
+the parser in Fireworks' own benchmark, fw-ai/benchmark `llm_bench/load_test.py`):
+- `speculation-acceptance`: one string, `"0:a0/d0,1:a1/d1,..."`, position i's hits / total, here
+  accepted_per_position[i] / drafted_per_position[i] (exact counts, not rates).
+- `speculation-generated-tokens`: "tokens generated through speculation", read here, in the ingest
+  adapter (controlplane.ingest.formats) and in the traffic driver with one meaning: the tokens the
+  speculative (verify) steps emitted, i.e. accepted drafts plus each step's own target token =
+  generated_tokens - 1 (the token sampled from the prefill is not one of them). Never drafted tokens.
+Both are sent only when the request was decoded with speculation (k >= 1), as Fireworks sends them
+only on deployments with speculation.
 - ttft_ms: from the start of the request to the first generated token (prefill + first sample).
   inter_token_ms: mean gap per token after the first, (t_last - t_first) / (generated - 1).
   total_ms: start of the request to the last token. propose_ms / score_ms: time spent proposing
@@ -138,14 +148,26 @@ class RequestMetrics:
             "drafter_version": drafter_version,
         }
 
+    @property
+    def speculation_generated_tokens(self) -> int:
+        """Tokens emitted by verify steps (Fireworks' `speculation-generated-tokens`): all but the
+        token sampled from the prefill."""
+        return max(self.generated_tokens - 1, 0)
+
+    def fireworks_acceptance(self) -> str:
+        """Fireworks' `speculation-acceptance`: `"position:hits/total"` pairs joined by commas."""
+        pairs = zip(self.accepted_per_position, self.drafted_per_position, strict=True)
+        return ",".join(f"{i}:{a}/{d}" for i, (a, d) in enumerate(pairs))
+
     def to_fireworks(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "prompt-tokens": self.prompt_tokens,
-            "speculation-generated-tokens": self.drafted_tokens,
-            "speculation-acceptance": self.per_position_acceptance(),
             "server-time-to-first-token": (self.ttft_ms or 0.0) / 1000.0,
             "server-processing-time": (self.total_ms or 0.0) / 1000.0,
         }
+        if self.k >= 1:
+            out["speculation-generated-tokens"] = self.speculation_generated_tokens
+            out["speculation-acceptance"] = self.fireworks_acceptance()
         if self.prediction_tokens is not None:
             out["speculation-prompt-tokens"] = self.prediction_tokens
             out["speculation-prompt-matched-tokens"] = self.prediction_matched_tokens or 0

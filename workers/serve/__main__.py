@@ -10,6 +10,13 @@ Serving config comes from one of:
   --serving-config-url T      any URL template with {model} (--report-url T: where to post, the
                               deployment's base URL template, also with {model}).
 The API key is read from --api-key-file (kept out of the process list) or --api-key.
+
+--metrics-style fireworks (default) answers `perf_metrics_in_response` with Fireworks'
+`perf_metrics`; --metrics-style vllm makes every reply carry vLLM's per-request
+`metrics.speculative_decoding` instead (as `vllm serve --per-request-spec-decode-metrics summary`),
+so the server stands in for a vLLM backend. Requests may pin an arm with `x-speculation-arm`;
+replies say what served in `x-speculation-arm` / `x-drafter-version`. A --config FILE whose model
+has one arm makes a fixed backend (incumbent drafter, candidate drafter, or speculation disabled).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from controlplane.config import get_settings
 from workers.engine.proposers import check_confidence_threshold
 from workers.loading import VerifiedModels
 from workers.serve.reporter import ControlPlaneReporter
-from workers.serve.server import ServerConfig, create_app, http_serving_config
+from workers.serve.server import METRICS_STYLES, ServerConfig, create_app, http_serving_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--config-ttl", type=float, default=1.0, help="seconds a fetched serving config is reused"
+    )
+    ap.add_argument(
+        "--metrics-style",
+        choices=METRICS_STYLES,
+        default="fireworks",
+        help="per-request metrics in replies: fireworks (perf_metrics when the request asks, the "
+        "default) or vllm (metrics.speculative_decoding on every reply, as vLLM's "
+        "--per-request-spec-decode-metrics summary)",
     )
     ap.add_argument("--model", action="append", default=[], help="model names to list in /v1/models")
     ap.add_argument("--host", default="127.0.0.1")
@@ -99,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     # model roots, and the artifact store with its verified local cache.
     config.model_locator = VerifiedModels(get_settings()).path_of
     config.trace_sample_rate = args.trace_sample_rate
+    config.metrics_style = args.metrics_style
     config.multi_row_threads = args.multi_row_threads
     try:  # drafters load on the first request: refuse a bad value now, not then
         check_confidence_threshold(args.draft_confidence_threshold)

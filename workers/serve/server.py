@@ -30,7 +30,23 @@ implicit arm (named by its "arm" key, default "live"):
 Arm assignment is deterministic per request id (the `x-request-id` header, else a fresh id): the
 first 8 bytes of sha256(request id) as a number in [0, 1), scaled by the total weight, picked off
 the cumulative weights in the listed order. The same id gets the same arm in every process, and the
-share of ids per arm converges to its weight. The emitted acceptance record carries the arm and the
+share of ids per arm converges to its weight. A request header `x-speculation-arm: <arm name>` pins
+the arm when the current config lists an arm of that name (else the hash decides as usual), so a
+router in front can send a request to a chosen arm. Every completion reply (plain and streamed)
+carries the response headers `x-speculation-arm` (the arm that served it) and, when that arm has
+one, `x-drafter-version`. With a static config of one arm the server is a fixed backend: an
+incumbent drafter, a candidate drafter, or `"speculation": "disabled"`.
+
+Metrics style (`ServerConfig.metrics_style`, `--metrics-style`): "fireworks" (the default) answers
+`perf_metrics_in_response: true` with Fireworks' `perf_metrics` (workers.engine.metrics
+`to_fireworks`: `speculation-acceptance` as "position:hits/total" pairs, and
+`speculation-generated-tokens` = the tokens the verify steps emitted) plus our native
+`speculation_record`, in the body or the final streamed chunk. "vllm" makes the server look like
+vLLM started with `--per-request-spec-decode-metrics summary`: every reply carries a top-level
+`metrics` object whose `speculative_decoding` is vLLM's summary (`to_vllm`; null when the arm
+does not speculate), in the final streamed chunk (the one with `finish_reason`) when streaming, and
+never `perf_metrics` or `speculation_record`, so a router in front of it can rely only on what
+vLLM itself sends. The emitted acceptance record carries the arm and the
 arm's drafter version. Traces (prompt + completion text) are sampled by the same kind of hash of
 "trace:" + request id, at the config's `trace_sample_rate` (else `ServerConfig.trace_sample_rate`).
 Records and traces go to `on_record` / `on_trace` sinks, in production a `ControlPlaneReporter`
@@ -74,6 +90,9 @@ RecordSink = Callable[[str, dict[str, Any]], None]
 # (model name, prompt, completion, category)
 TraceSink = Callable[[str, str, str, str | None], None]
 SPECULATION_MODES = ("draft_model", "ngram", "disabled")
+METRICS_STYLES = ("fireworks", "vllm")
+ARM_HEADER = "x-speculation-arm"
+DRAFTER_VERSION_HEADER = "x-drafter-version"
 
 
 @dataclass
@@ -103,6 +122,8 @@ class ServerConfig:
     # a verified local folder (workers.loading.VerifiedModels.path_of). Without it, only static
     # entries with target_path/drafter_path are served.
     model_locator: Callable[[Mapping[str, Any]], str] | None = None
+    # Which engine's per-request metrics the replies carry: "fireworks" or "vllm" (module doc).
+    metrics_style: str = "fireworks"
 
 
 class APIError(Exception):
@@ -314,6 +335,14 @@ class ServingPlan:
             trace_sample_rate=float(rate) if rate is not None else None,
         )
 
+    def pick(self, request_id: str, pinned: str | None = None) -> Arm:
+        """The arm a request header names, when this plan lists it; else `assign`."""
+        if pinned:
+            for arm in self.arms:
+                if arm.name == pinned:
+                    return arm
+        return self.assign(request_id)
+
     def assign(self, request_id: str) -> Arm:
         """The arm of a request: its hash's place on the cumulative weights (see the module doc)."""
         total = sum(a.weight for a in self.arms)
@@ -486,7 +515,7 @@ class _TextStream:
 
 
 def _response_extras(
-    req: CompletionRequest, res: GenerationResult, dep: Deployment, request_id: str
+    req: CompletionRequest, res: GenerationResult, dep: Deployment, request_id: str, style: str
 ) -> dict[str, Any]:
     m = res.metrics
     out: dict[str, Any] = {
@@ -496,7 +525,9 @@ def _response_extras(
             "total_tokens": m.prompt_tokens + m.generated_tokens,
         }
     }
-    if req.perf_metrics_in_response:
+    if style == "vllm":  # what vLLM's --per-request-spec-decode-metrics summary adds, always
+        out["metrics"] = {"speculative_decoding": m.to_vllm() if m.k >= 1 else None}
+    elif req.perf_metrics_in_response:
         out["perf_metrics"] = m.to_fireworks()
         out["speculation_record"] = m.to_native(request_id, dep.arm, dep.drafter_version)
     return out
@@ -548,7 +579,16 @@ class _ReplyShape:
         return []
 
 
+def _served_headers(dep: Deployment) -> dict[str, str]:
+    headers = {ARM_HEADER: dep.arm}
+    if dep.drafter_version is not None:
+        headers[DRAFTER_VERSION_HEADER] = str(dep.drafter_version)
+    return headers
+
+
 def create_app(config: ServerConfig) -> FastAPI:
+    if config.metrics_style not in METRICS_STYLES:
+        raise ValueError(f"metrics_style must be one of {METRICS_STYLES}, got {config.metrics_style!r}")
     engine = Engine(config)
 
     @asynccontextmanager
@@ -624,7 +664,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         # Off the event loop: an HTTP source may have to ask the control plane, a template a disk.
         plan = await run_in_threadpool(engine.resolve, req.model)
         request_id = request.headers.get("x-request-id") or f"{shape.id_prefix}{uuid.uuid4().hex}"
-        dep = plan.assign(request_id).deployment
+        dep = plan.pick(request_id, request.headers.get(ARM_HEADER)).deployment
+        served = _served_headers(dep)
         prompt = await run_in_threadpool(prompt_for, dep)
         rate = plan.trace_sample_rate if plan.trace_sample_rate is not None else config.trace_sample_rate
         created = int(time.time())
@@ -634,7 +675,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             res = await run_in_threadpool(engine.run, dep, req, prompt, None)
             emit(req, prompt, res, dep, request_id, rate)
             choice = shape.choice(res.text, res.finish_reason)
-            return JSONResponse({**base, "choices": [choice], **_response_extras(req, res, dep, request_id)})
+            extras = _response_extras(req, res, dep, request_id, config.metrics_style)
+            return JSONResponse({**base, "choices": [choice], **extras}, headers=served)
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
@@ -667,7 +709,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             res = await task
             emit(req, prompt, res, dep, request_id, rate)
             tail = res.text[stream.sent :]  # whatever was held back as an incomplete character
-            extras = _response_extras(req, res, dep, request_id)
+            extras = _response_extras(req, res, dep, request_id, config.metrics_style)
             if shape.chat:
                 usage = extras.pop("usage")
                 yield event({**chunk_base, "choices": [shape.delta(tail, res.finish_reason)], **extras})
@@ -677,7 +719,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 yield event({**chunk_base, "choices": [shape.delta(tail, res.finish_reason)], **extras})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=served)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:

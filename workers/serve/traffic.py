@@ -31,7 +31,11 @@ as the control plane keeps one record per request id), the domain as `category`,
 `perf_metrics_in_response`; sampled requests (temperature > 0) get a per-request seed.
 
 Per phase it reports requests, errors, hit rate (accepted / drafted tokens summed over the
-responses' speculation records), throughput in completion tokens/s, latency p50/p95, and the same
+responses' speculation records; a response without one, e.g. from a Fireworks deployment, gives its
+counts through `perf_metrics`' `speculation-acceptance` pairs "position:hits/total": accepted = the
+hits, drafted = the totals; `speculation-generated-tokens` means the tokens the verify steps
+emitted, the completion tokens less the prefill's one, as everywhere in this project, so it is
+never read as drafted tokens), throughput in completion tokens/s, latency p50/p95, and the same
 per arm and per domain. `run_scenario(..., callbacks=...)` calls `on_phase_start`, `on_result`
 (every finished request) and `on_phase_end` so a demo orchestrator can draw progress and read the
 figures; `should_stop` ends the run early.
@@ -462,6 +466,7 @@ class TrafficDriver:
         perf = data.get("perf_metrics") or {}
         usage = data.get("usage") or {}
         ttft = perf.get("server-time-to-first-token")
+        fw_accepted, fw_drafted = fireworks_counts(perf.get("speculation-acceptance"))
         return RequestResult(
             phase=phase.name,
             index=req.index,
@@ -470,13 +475,27 @@ class TrafficDriver:
             ok=True,
             latency_s=latency,
             completion_tokens=int(usage.get("completion_tokens") or record.get("generated_tokens") or 0),
-            drafted_tokens=int(record.get("drafted_tokens") or perf.get("speculation-generated-tokens") or 0),
-            accepted_tokens=int(record.get("accepted_tokens") or 0),
+            drafted_tokens=int(record.get("drafted_tokens") or fw_drafted),
+            accepted_tokens=int(record.get("accepted_tokens") or fw_accepted),
             arm=record.get("arm"),
             drafter_version=record.get("drafter_version"),
             ttft_s=float(ttft) if ttft is not None else None,
             finished_at=time.time(),
         )
+
+
+def fireworks_counts(acceptance: object) -> tuple[int, int]:
+    """(accepted, drafted) from Fireworks' `speculation-acceptance` "0:hits/total,1:..." string
+    (position i's hits and totals, summed); (0, 0) when absent or not in that spelling."""
+    if not isinstance(acceptance, str):
+        return 0, 0
+    accepted = drafted = 0
+    for part in acceptance.split(","):
+        hits, slash, total = part.rpartition(":")[2].strip().partition("/")
+        if not (slash and hits.isdigit() and total.isdigit()):
+            return 0, 0
+        accepted, drafted = accepted + int(hits), drafted + int(total)
+    return accepted, drafted
 
 
 def run_scenario(
