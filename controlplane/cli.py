@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import httpx
@@ -96,6 +97,36 @@ def migrate() -> None:
 
     upgrade_to_head(get_settings().database_url)
     typer.echo("database at head")
+
+
+@app.command()
+def router(
+    config: Annotated[Path, typer.Option("--config", help="the router's TOML file (see README, Router)")],
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8700,
+) -> None:
+    """Run the arm router: an OpenAI-compatible proxy in front of the serving fleet's backends."""
+    import uvicorn
+
+    from controlplane.router.app import create_app as create_router
+    from controlplane.router.config import RouterConfigError, load_config
+
+    try:
+        loaded = load_config(config)
+    except RouterConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"router on http://{host}:{port} for {', '.join(d.name for d in loaded.deployments)}")
+    uvicorn.run(
+        create_router(loaded),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        timeout_graceful_shutdown=10,
+    )
 
 
 @app.command()
@@ -390,10 +421,12 @@ def models_build(ctx: typer.Context) -> None:
 def _register_resource_verbs() -> None:
     from controlplane.cli_canary import register
     from controlplane.cli_models import register as register_models
+    from controlplane.cli_scrape import register as register_scrape
     from loadbench.cli import register as register_benchmark
 
     register(app)
     register_models(app)
+    register_scrape(app)
     register_benchmark(app)
 
 

@@ -45,7 +45,7 @@ from controlplane.router.acceptance import (
     prompt_text,
 )
 from controlplane.router.arms import client_key, pick_arm, unit_hash
-from controlplane.router.config import DeploymentRoutes, RouterConfig
+from controlplane.router.config import DEPLOYMENT_NAME, WILDCARD, DeploymentRoutes, RouterConfig
 from controlplane.router.follower import DEFAULT, ArmSpec, FollowedConfig, ServingConfigFollower
 from controlplane.router.pools import Attempt, BackendState, CircuitBreakers, Pools
 from controlplane.router.reporter import ControlPlaneReporter
@@ -111,7 +111,10 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         settings = config.router
-        self.deployments = {d.name: DeploymentState(d) for d in config.deployments}
+        self.deployments = {d.name: DeploymentState(d) for d in config.deployments if d.name != WILDCARD}
+        self.wildcard = next((d for d in config.deployments if d.name == WILDCARD), None)
+        # Models a wildcard lookup found unknown, and when to ask the control plane again.
+        self._unknown: dict[str, float] = {}
         for state in self.deployments.values():
             state.apply(DEFAULT)
         self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_cooldown_s)
@@ -131,15 +134,39 @@ class Router:
             base_url=link.url,
             account=link.account,
             api_key=api_key,
-            deployments=list(self.deployments),
+            deployments=list(self.deployments),  # wildcard ones join as requests name them
             interval_s=link.poll_interval_s,
             timeout_s=link.timeout_s,
-            on_change=lambda name, followed: self.deployments[name].apply(followed),
+            on_change=self._apply,
         )
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
         )
         self._session: aiohttp.ClientSession | None = None
+
+    def _apply(self, name: str, followed: FollowedConfig) -> None:
+        state = self.deployments.get(name)
+        if state is None and self.wildcard is not None:
+            state = self.deployments[name] = DeploymentState(self.wildcard.model_copy(update={"name": name}))
+        if state is not None:
+            state.apply(followed)
+
+    async def _state(self, model: object) -> DeploymentState | None:
+        """The deployment a request names; under a wildcard, one the control plane confirms."""
+        if not isinstance(model, str):
+            return None
+        state = self.deployments.get(model)
+        if state is not None or self.wildcard is None or not DEPLOYMENT_NAME.match(model):
+            return state
+        if self._unknown.get(model, 0.0) > time.monotonic():
+            return None
+        status = await self.follower.follow(model)
+        if status != 200:
+            self._unknown[model] = time.monotonic() + (5.0 if status == 404 else 1.0)
+            if len(self._unknown) > 10_000:
+                self._unknown.clear()
+            return None
+        return self.deployments.get(model)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -171,7 +198,7 @@ class Router:
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
         model = body.get("model")
-        state = self.deployments.get(model) if isinstance(model, str) else None
+        state = await self._state(model)
         if state is None:
             known = ", ".join(sorted(self.deployments))
             return _error(

@@ -22,8 +22,11 @@ deployment's backend pools.
     url = "http://10.0.0.5:8000"
     drafter_version = 3                # the drafter version it serves (omit: none or the configured one)
 
-Backends may also be declared through the API (``POST .../deployments/{name}/backends``); the
-router reads them from ``serving-config`` and merges them with the file's (a name in the file wins).
+A deployment named ``"*"`` stands for every deployment not listed: a request for any other ``model``
+is served by its backends once the control plane confirms the deployment exists (the router then
+follows its serving-config like the listed ones). Backends may also be declared through the API
+(``POST .../deployments/{name}/backends``); the router reads them from ``serving-config`` and
+merges them with the file's (a name in the file wins).
 A ``follower`` backend follows serving-config itself (the reference server) and serves whichever arm
 the router names in ``x-speculation-arm``; the other pools serve one fixed configuration each.
 """
@@ -76,10 +79,21 @@ class BackendSpec(_Strict):
         return _http_url(value, "url")
 
 
+WILDCARD = "*"
+DEPLOYMENT_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
 class DeploymentRoutes(_Strict):
     name: str
     backend_model: str | None = None
     backends: list[BackendSpec] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if value != WILDCARD and not DEPLOYMENT_NAME.match(value):
+            raise ValueError('must be a deployment id (lowercase letters, digits, "-") or "*" for any other')
+        return value
 
     @model_validator(mode="after")
     def _unique_backends(self) -> DeploymentRoutes:

@@ -114,26 +114,35 @@ class ServingConfigFollower:
     async def poll_all(self) -> None:
         await asyncio.gather(*(self._poll(name) for name in self._deployments))
 
-    async def _poll(self, name: str) -> None:
+    async def follow(self, name: str) -> int | None:
+        """Start following one more deployment (a request named it); its first poll's status
+        (200, 404 for a deployment the control plane does not know, None when unreachable)."""
+        status = await self._poll(name)
+        if status == 200 and name not in self._deployments:
+            self._deployments.append(name)
+        return status
+
+    async def _poll(self, name: str) -> int | None:
         assert self._session is not None
         headers = {"If-None-Match": self._etags[name]} if name in self._etags else {}
         self.polls += 1
         try:
             async with self._session.get(f"{self._base}/{name}/serving-config", headers=headers) as resp:
                 if resp.status == 304:
-                    return
+                    return 304
                 if resp.status != 200:
                     self.last_error = (
                         f"{name}: serving-config answered {resp.status}: {(await resp.text())[:200]}"
                     )
-                    return
+                    return resp.status
                 body = await resp.json()
                 config = parse_serving_config(body, time.monotonic())
                 etag = resp.headers.get("ETag")
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
             self.last_error = f"{name}: {exc!r}"
-            return
+            return None
         if etag:
             self._etags[name] = etag
         self.changes += 1
         self._on_change(name, config)
+        return 200
