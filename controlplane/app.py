@@ -13,7 +13,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
-from controlplane.api import acceptance, canaries, deployments, drift, health, jobs, keys, models, traces
+from controlplane.api import (
+    acceptance,
+    canaries,
+    deployments,
+    drift,
+    fleet,
+    health,
+    jobs,
+    keys,
+    models,
+    scrape,
+    traces,
+)
 from controlplane.api.deps import DeploymentIdCache, PrincipalCache
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
@@ -120,7 +132,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     _document_api_keys(app)
     # Routes match in the order included: the ingest routes, by far the most requested, go first.
-    for module in (acceptance, health, keys, deployments, drift, traces, jobs, canaries, models):
+    routers = (acceptance, health, keys, deployments, drift, traces, jobs, canaries, models, scrape, fleet)
+    for module in routers:
         app.include_router(module.router)
     app.include_router(dashboard.api)
     app.include_router(dashboard.pages)

@@ -109,6 +109,13 @@ class Settings(BaseSettings):
     worker_teacher_memory_mb: int = Field(default=1024, ge=16)
     realign_max_wait_s: float = Field(default=600.0, ge=0)
 
+    # The programs a `command` actuator may run, by name: {"reload": ["/usr/local/bin/reload"]}
+    # (env CONTROLPLANE_ACTUATOR_COMMANDS as JSON). The API only ever picks one of these names:
+    # an API key must never be able to make the control plane's hosts run a program of its choice.
+    actuator_commands: dict[str, list[str]] = Field(default_factory=dict)
+    # How long one command actuator run may take before it is killed (and the attempt failed).
+    actuator_command_timeout_s: float = Field(default=60.0, gt=0)
+
     @model_validator(mode="after")
     def _refuse_unsafe_defaults(self) -> Settings:
         if self.environment == "production" and self.secret_key == DEFAULT_SECRET:

@@ -19,10 +19,12 @@ from controlplane.canary.shadow import ReplayPlan, claim_replay, fail_replay, fi
 from controlplane.config import Settings, get_settings
 from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
 from controlplane.errors import ConflictError, DomainError
+from controlplane.fleet.actuators import take_outbox
 from controlplane.jobs.service import report_progress
 from workers.celery_app import (
     InstrumentedTask,
     TransientError,
+    celery_app,
     project_task,
     torch_threads_for_this_process,
 )
@@ -47,6 +49,10 @@ def evaluate_all() -> dict[str, Any]:
         try:
             with unit_of_work(settings.database_url) as session:
                 outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
+                deliveries = take_outbox(session)
+            # After the commit: an actuator event (canary start, promotion, rollback) goes out now
+            # rather than with the next resend sweep.
+            messaging.send_all(celery_app, deliveries)
             if outcome:
                 outcomes[str(deployment_id)] = outcome
         except ConflictError as exc:  # another evaluator or a person acted first: next tick sees it
@@ -94,9 +100,12 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
                 candidate_refused=False,
             )
     with unit_of_work(url) as session:
-        return finish_replay(
+        finished = finish_replay(
             session=session, job_id=job_id, canary_id=plan.canary_id, result=result, settings=settings
         )
+        deliveries = take_outbox(session)
+    messaging.send_all(celery_app, deliveries)
+    return finished
 
 
 class _Cancelled(Exception):

@@ -91,7 +91,10 @@ def make_celery() -> Celery:
                 "schedule": CANARY_EVALUATE_INTERVAL_S,
             },
             "metrics-scrape": {"task": messaging.METRICS_SCRAPE_ALL, "schedule": SCRAPE_INTERVAL_S},
-            "actuator-resend": {"task": messaging.ACTUATOR_RESEND_DUE, "schedule": ACTUATOR_RESEND_INTERVAL_S},
+            "actuator-resend": {
+                "task": messaging.ACTUATOR_RESEND_DUE,
+                "schedule": ACTUATOR_RESEND_INTERVAL_S,
+            },
         },
         timezone="UTC",
     )

@@ -7,7 +7,8 @@ visible here with the figures behind it (``GET .../canaries/{id}``).
 
 from __future__ import annotations
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, Query, Request, Response, status
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
@@ -21,11 +22,13 @@ from controlplane.api.deps import (
     SettingsDep,
     WorkQueueDep,
 )
+from controlplane.api.fleet import ReadyCallerDep, ready_deployment, send_deliveries
 from controlplane.canary.service import (
     canary_policy,
     canary_summary,
     get_canary,
     list_canaries,
+    pool_ready,
     promote,
     reject,
     rollback,
@@ -59,10 +62,65 @@ def _policy(deployment: Deployment, settings: Settings) -> schemas.CanaryPolicy:
     return schemas.CanaryPolicy.model_validate(canary_policy(deployment, settings).settable())
 
 
-@router.get("/serving-config")
-def serving(account: str, deployment: ServingDeployment, session: SessionDep) -> schemas.ServingConfig:
+@router.get(
+    "/serving-config",
+    response_model=schemas.ServingConfig,
+    responses={304: {"description": "unchanged since the `If-None-Match` ETag"}},
+)
+def serving(account: str, deployment: ServingDeployment, session: SessionDep, request: Request) -> Response:
+    """What the fleet should run now. Followers poll it conditionally: the ETag is the
+    ``config_version``, and ``If-None-Match`` with it answers 304 with no body."""
     config = serving_config(session=session, deployment=deployment)
-    return schemas.ServingConfig.model_validate(config)
+    etag = f'"{config["config_version"]}"'
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if etag in _etags(request.headers.get("if-none-match")):
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
+    body = schemas.ServingConfig.model_validate(config).model_dump(mode="json")
+    return JSONResponse(body, headers=headers)
+
+
+@router.get(
+    "/serving-config/export",
+    response_class=Response,
+    responses={200: {"content": {"application/yaml": {}, "application/json": {}}}},
+)
+def serving_export(
+    account: str,
+    deployment: ReadableDeployment,
+    session: SessionDep,
+    format: str = "litellm",
+    as_: str | None = Query(default=None, alias="as"),
+    gateway: str = "gateway",
+    namespace: str | None = None,
+) -> Response:
+    """The serving config as a gateway's own config: ``format=litellm`` (a LiteLLM router config,
+    the default) or ``format=httproute`` (a Gateway API HTTPRoute; ``gateway`` names its parent
+    Gateway, ``namespace`` its namespace). YAML, or JSON with ``as=json``. 409 when an arm with
+    weight has no backend in its pool. See controlplane.drafters.exports."""
+    import yaml
+
+    from controlplane.drafters.exports import FORMATS, ExportError, export
+    from controlplane.errors import ConflictError, ValidationProblem
+
+    if format not in FORMATS:
+        raise ValidationProblem(f"format: must be one of {', '.join(FORMATS)}, got {format!r}")
+    if as_ not in (None, "yaml", "json"):
+        raise ValidationProblem(f"as: must be yaml or json, got {as_!r}")
+    options = {"gateway": gateway, "namespace": namespace} if format == "httproute" else {}
+    try:
+        doc = export(serving_config(session=session, deployment=deployment), format, **options)
+    except ExportError as exc:  # the fleet as it stands cannot carry the split: say why
+        raise ConflictError(f"cannot export the serving config: {exc}") from exc
+    if as_ == "json":
+        return JSONResponse(doc)
+    return Response(yaml.safe_dump(doc, sort_keys=False), media_type="application/yaml")
+
+
+def _etags(header: str | None) -> set[str]:
+    """The entity tags an ``If-None-Match`` header lists (weak ones compare by their tag)."""
+    if not header:
+        return set()
+    return {tag.strip().removeprefix("W/") for tag in header.split(",") if tag.strip()}
 
 
 @router.get("/drafter-versions")
@@ -88,6 +146,7 @@ def version_promote(
     version: int,
     principal: Admin,
     session: SessionDep,
+    request: Request,
     body: Reason | None = None,
 ) -> schemas.DrafterVersion:
     row = promote(
@@ -98,6 +157,7 @@ def version_promote(
         reason=f"promoted by hand: {(body or Reason()).reason}",
     )
     session.commit()
+    send_deliveries(request, session)
     return schemas.DrafterVersion.model_validate(version_summary(row))
 
 
@@ -127,12 +187,14 @@ def rollback_(
     deployment: AdminDeployment,
     principal: Admin,
     session: SessionDep,
+    request: Request,
     body: Reason | None = None,
 ) -> schemas.RollbackResult:
     restored = rollback(
         session=session, deployment_id=deployment.id, actor=principal.actor, reason=(body or Reason()).reason
     )
     session.commit()
+    send_deliveries(request, session)
     return schemas.RollbackResult(
         active_version=restored.version if restored else None,
         draft_token_count=deployment.draft_token_count,
@@ -162,6 +224,7 @@ def canary_promote(
     canary_id: int,
     principal: Admin,
     session: SessionDep,
+    request: Request,
     body: Reason | None = None,
 ) -> schemas.Canary:
     canary = get_canary(session=session, deployment_id=deployment.id, canary_id=canary_id)
@@ -175,6 +238,7 @@ def canary_promote(
         canary=canary,
     )
     session.commit()
+    send_deliveries(request, session)
     return _canary(session, canary)
 
 
@@ -193,6 +257,34 @@ def canary_reject(
         canary=canary,
         actor=principal.actor,
         reason=f"rejected by hand: {(body or Reason()).reason}",
+    )
+    session.commit()
+    return _canary(session, canary)
+
+
+@router.post("/canaries/{canary_id}/ready")
+def canary_ready(
+    account: str,
+    deployment: str,
+    canary_id: int,
+    caller: ReadyCallerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> schemas.Canary:
+    """The actuator says the candidate pool has loaded the candidate: a canary waiting for its
+    pool goes live now. Authorised by an admin key or by the webhook signature (see
+    ``controlplane.api.fleet.ReadyCaller``); calling it again, or for a canary that is not
+    waiting, changes nothing."""
+    row = ready_deployment(
+        session=session, settings=settings, account=account, deployment=deployment, caller=caller
+    )
+    canary = get_canary(session=session, deployment_id=row.id, canary_id=canary_id)
+    pool_ready(
+        session=session,
+        canary=canary,
+        policy=canary_policy(row, settings),
+        by=caller.actor,
+        evidence={"callback": True},
     )
     session.commit()
     return _canary(session, canary)

@@ -305,11 +305,24 @@ class ServingArm(Reply):
     ngram_length: int
 
 
+class ServingBackend(Reply):
+    """An engine endpoint of one pool; the router sends the pool's arm to it."""
+
+    name: str
+    pool: str = Field(description="incumbent, candidate or baseline")
+    url: str = Field(description="the engine's base URL, e.g. http://10.0.0.5:8000")
+    drafter_version: int | None = Field(
+        description="the version it serves (null: the configured drafter or none)"
+    )
+    readiness_url: str | None = Field(description="answers 2xx once the backend is ready to serve")
+
+
 class ServingConfig(Reply):
     model: str
     target: ModelRef
     trace_sample_rate: float
     arms: list[ServingArm]
+    backends: list[ServingBackend] = Field(description="the fleet's backends, by name")
     config_version: str = Field(description="changes whenever anything else in this reply changes")
 
 
@@ -427,3 +440,39 @@ class RegisteredModel(Reply):
 
 class RegisteredModelList(Reply):
     models: list[RegisteredModel]
+
+
+# --- serving fleet: actuator and deliveries ---------------------------------------------------
+
+
+class ServingBackendList(Reply):
+    backends: list[ServingBackend]
+
+
+class Actuator(Reply):
+    kind: str = Field(description="reference, webhook or command")
+    url: str | None = Field(description="a webhook's URL")
+    command: str | None = Field(description="a command actuator's operator-configured command name")
+    ready_timeout_s: int | None = Field(description="how long a canary waits for its candidate pool")
+    signing_secret: str | None = Field(
+        description="a webhook's signing secret: only in the reply that set it, never again"
+    )
+
+
+class ActuatorDelivery(Reply):
+    id: int
+    event: str = Field(description="canary-start, promotion or rollback")
+    actuator: str
+    canary_id: int | None
+    state: str = Field(description="pending, delivered or failed")
+    attempts: int
+    last_status: int | None = Field(description="HTTP status, or a command's exit code")
+    last_error: str | None
+    payload: dict[str, Any]
+    created_at: str | None
+    next_attempt_at: str | None
+    delivered_at: str | None
+
+
+class ActuatorDeliveryList(Reply):
+    deliveries: list[ActuatorDelivery]

@@ -1,6 +1,7 @@
-"""The canary automation: record a shadow replay, judge a live split from ingested records, watch a
-promotion, and apply the guardrails. Each function runs in the caller's transaction and is safe
-to run again (the beat task calls ``evaluate_deployment`` every few seconds).
+"""The canary automation: record a shadow replay, wait for a candidate pool, judge a live split
+from ingested records, watch a promotion, and apply the guardrails. Each function runs in the
+caller's transaction and is safe to run again (the beat task calls ``evaluate_deployment`` every
+few seconds).
 
 Per-request observations come from acceptance records, labelled by arm: ``live`` (the incumbent),
 ``canary:<version>`` (the candidate) and ``baseline`` (no speculation). The two primary metrics are
@@ -22,15 +23,21 @@ from controlplane.canary import policy as decision_policy
 from controlplane.canary.phases import CanaryDecision, CanaryPhase
 from controlplane.canary.policy import CanaryPolicy
 from controlplane.canary.service import (
+    POOL_READY,
+    POOL_WAITING,
     UnverifiedArtifactError,
     canary_policy,
     close_watch,
     end_inconclusive,
     go_live,
     open_canary,
+    pool_deadline_passed,
+    pool_ready,
+    pool_state,
     promote,
     reject,
     rollback,
+    wait_for_pool,
 )
 from controlplane.canary.statistics import ArmAccumulator
 from controlplane.config import Settings
@@ -44,6 +51,8 @@ from controlplane.db.models import (
 )
 from controlplane.deployments.lookup import lock_deployment, resource_of
 from controlplane.drift.service import latest_record_id
+from controlplane.fleet.actuators import waits_for_pool
+from controlplane.fleet.readiness import Probe, check_candidate_pool
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
 from controlplane.timestamps import parse_utc, utcnow
 from controlplane.tuning.draft_length import plan_draft_length
@@ -165,8 +174,8 @@ def record_shadow_result(
     (or decide now, when the deployment cannot split live traffic). Returns the canary's phase.
     """
     canary = session.get_one(Canary, canary_id)
-    if canary.phase != CanaryPhase.shadow:
-        return canary.phase  # a redelivered replay after the canary moved on
+    if canary.phase != CanaryPhase.shadow or pool_state(canary) is not None:
+        return canary.phase  # a redelivered replay after the canary moved on (or waits for its pool)
     deployment = session.get_one(Deployment, canary.deployment_id)
     policy = canary_policy(deployment, settings)
     canary.arms = {**canary.arms, "shadow": result}
@@ -194,6 +203,16 @@ def record_shadow_result(
         return canary.phase
     if not policy.live_canary:
         _apply_decision(session, canary, outcome, policy, source="shadow replay", arms=None)
+        return canary.phase
+    if waits_for_pool(deployment):
+        # The fleet loads the candidate first: traffic splits once its pool is ready.
+        wait_for_pool(
+            session=session,
+            canary=canary,
+            deployment=deployment,
+            shadow_decision=outcome.decision,
+            settings=settings,
+        )
         return canary.phase
     go_live(session=session, canary=canary, policy=policy, shadow_decision=outcome.decision)
     return canary.phase
@@ -321,14 +340,21 @@ def _apply_decision(
     return outcome.decision
 
 
-def evaluate_deployment(*, session: Session, deployment_id: int, settings: Settings) -> dict[str, Any] | None:
-    """One tick of the automation for a deployment: judge its live canary or watch its promotion,
-    and apply the guardrails. Returns what happened (None: nothing to do)."""
+def evaluate_deployment(
+    *, session: Session, deployment_id: int, settings: Settings, probe: Probe | None = None
+) -> dict[str, Any] | None:
+    """One tick of the automation for a deployment: check a waiting canary's candidate pool
+    (with ``probe``, default a real HTTP GET), judge its live canary or watch its promotion, and
+    apply the guardrails. Returns what happened (None: nothing to do)."""
     canary = open_canary(session=session, deployment_id=deployment_id)
-    if canary is None or canary.phase == CanaryPhase.shadow:
+    if canary is None:
         return None
     deployment = session.get_one(Deployment, deployment_id)
     policy = canary_policy(deployment, settings)
+    if canary.phase == CanaryPhase.shadow:
+        if pool_state(canary) != POOL_WAITING:
+            return None  # the replay is still running
+        return _await_pool(session, canary, policy, probe)
     if canary.phase == CanaryPhase.watching:
         return _watch(session, canary, policy)
     arms = live_observations(session, canary, max_requests=policy.max_requests)
@@ -353,6 +379,38 @@ def evaluate_deployment(*, session: Session, deployment_id: int, settings: Setti
     if acting is not None and decision in (CanaryDecision.reject, CanaryDecision.inconclusive):
         _act_on_guardrail(session, deployment, acting)
     return {"canary_id": canary.id, "decision": decision, "reason": outcome.reason}
+
+
+def _await_pool(
+    session: Session, canary: Canary, policy: CanaryPolicy, probe: Probe | None
+) -> dict[str, Any]:
+    """A passed shadow canary waiting for its candidate pool: live once every candidate backend
+    with a readiness URL answers 2xx; inconclusive once ``ready_timeout_s`` has passed."""
+    check = check_candidate_pool(session=session, deployment_id=canary.deployment_id, probe=probe)
+    if check.ready and pool_ready(
+        session=session,
+        canary=canary,
+        policy=policy,
+        by="readiness check",
+        evidence={"check": check.as_dict()},
+    ):
+        return {"canary_id": canary.id, "pool": POOL_READY, "phase": canary.phase}
+    pool = dict(canary.arms.get("pool") or {})
+    if pool_deadline_passed(canary):
+        timeout = pool.get("ready_timeout_s")
+        end_inconclusive(
+            session=session,
+            canary=canary,
+            reason=f"the candidate pool never became ready within {timeout} s; the incumbent keeps serving",
+            figures={"pool": {**pool, "check": check.as_dict()}},
+        )
+        canary.arms = {**canary.arms, "pool": {**pool, "state": "timed_out", "check": check.as_dict()}}
+        return {"canary_id": canary.id, "decision": CanaryDecision.inconclusive, "reason": canary.reason}
+    canary.arms = {
+        **canary.arms,
+        "pool": {**pool, "check": check.as_dict(), "checked_at": utcnow().isoformat()},
+    }
+    return {"canary_id": canary.id, "pool": POOL_WAITING}
 
 
 def _guardrails(

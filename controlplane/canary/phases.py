@@ -2,13 +2,18 @@
 
 ::
 
-    shadow ──(replay recorded, not broken)──▶ live ──(promote)──▶ watching ──▶ closed
-       │  └──(decided on the replay alone)─────────┤                  │           │
-       │                                           ▼                  └───────────┴──▶ rolled_back
-       └──(broken, harmful, superseded)──▶ decided ◀──(reject, inconclusive, superseded)
+    shadow ──(replay passed [, pool ready])──▶ live ──(promote)──▶ watching ──▶ closed
+       │  └──(decided on the replay alone)───────────────┤                  │           │
+       │                                                 ▼                  └───────────┴──▶ rolled_back
+       └──(broken, harmful, superseded, pool never ready)──▶ decided ◀──(reject, inconclusive, superseded)
 
 ``shadow``: the gpu worker replays held-out prompts through no speculation, the incumbent and the
-candidate. ``live``: the serving config splits traffic and ingested records feed the sequential
+candidate. On a deployment with an actuator (webhook or command), a replay that passes leaves the
+canary in ``shadow`` with ``arms["pool"]["state"] == "waiting"`` and no traffic split: the fleet
+was told to load the candidate, and the canary goes live once the candidate pool is ready (its
+readiness URLs answer 2xx, or the actuator calls back) or ends inconclusive when the pool is not
+ready by the actuator's ``ready_timeout_s``. With the reference actuator it goes live at once.
+``live``: the serving config splits traffic and ingested records feed the sequential
 decision. ``decided``: rejected or inconclusive; the incumbent keeps serving. ``watching``: the
 candidate was promoted and its first requests are checked against the canary's estimate.
 ``closed``: the watch ended without a shortfall. ``rolled_back``: the promotion was undone (by the

@@ -1,7 +1,9 @@
 """Canary rows: open a canary for a candidate drafter, move it through its phases
 (``canary.phases``), decide it (promote, reject, inconclusive), roll a promotion back, and the
 deployment's canary policy. The drafter-version side of each decision is ``drafters.service``'s;
-the drift events a decision answers end here, through ``drift.events``.
+the drift events a decision answers end here, through ``drift.events``. On a deployment with an
+actuator, a promotion, a rollback and a canary's start (when its candidate pool is to load the
+candidate) also write their event for the fleet (``fleet.actuators``) in the same transaction.
 
 The automation that drives these (recording a replay, judging a live split, watching a promotion,
 guardrails) is ``canary.evaluate``. Concurrency: every state change locks the deployment row first
@@ -11,6 +13,7 @@ guardrails) is ``canary.evaluate``. Concurrency: every state change locks the de
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -35,10 +38,13 @@ from controlplane.db.models import (
 from controlplane.deployments.lookup import lock_deployment, resource_name, resource_of
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.drafters import service as drafters
+from controlplane.drafters.serving import incumbent_location
 from controlplane.drift.events import end_unanswered_events
 from controlplane.drift.service import latest_record_id
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
-from controlplane.timestamps import utcnow
+from controlplane.fleet import actuators
+from controlplane.fleet.payloads import EVENT_CANARY_START, EVENT_PROMOTION, EVENT_ROLLBACK
+from controlplane.timestamps import parse_utc, utcnow
 
 # --- policy ---------------------------------------------------------------------------------
 
@@ -238,6 +244,82 @@ def go_live(*, session: Session, canary: Canary, policy: CanaryPolicy, shadow_de
     )
 
 
+POOL_WAITING, POOL_READY = "waiting", "ready"
+
+
+def pool_state(canary: Canary) -> str | None:
+    """``waiting`` while a passed shadow canary waits for its candidate pool, ``ready`` after."""
+    pool = canary.arms.get("pool")
+    return str(pool.get("state")) if isinstance(pool, dict) else None
+
+
+def wait_for_pool(
+    *,
+    session: Session,
+    canary: Canary,
+    deployment: Deployment,
+    shadow_decision: str,
+    settings: Settings | None = None,
+) -> None:
+    """The shadow replay passed on a deployment with an actuator: tell the fleet to load the
+    candidate (``canary-start``) and keep the canary in ``shadow``, with no traffic split, until
+    its candidate pool is ready (``pool_ready``) or ``ready_timeout_s`` runs out."""
+    now = utcnow()
+    timeout = actuators.ready_timeout_s(deployment)
+    canary.arms = {
+        **canary.arms,
+        "pool": {
+            "state": POOL_WAITING,
+            "since": now.isoformat(),
+            "deadline": (now + timedelta(seconds=timeout)).isoformat(),
+            "ready_timeout_s": timeout,
+            "shadow_decision": shadow_decision,
+        },
+    }
+    candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
+    actuators.record_event(
+        session=session,
+        deployment=deployment,
+        event=EVENT_CANARY_START,
+        canary=canary,
+        version=candidate,
+        k=int(canary.arms.get("k") or DEFAULT_DRAFT_TOKEN_COUNT),
+        settings=settings,
+    )
+    record_change(
+        session=session,
+        account_id=deployment.account_id,
+        actor="system",
+        action="canary.pool_waiting",
+        resource=canary_resource(session, canary),
+        before=None,
+        after={"deadline": canary.arms["pool"]["deadline"], "shadow_decision": shadow_decision},
+    )
+
+
+def pool_deadline_passed(canary: Canary) -> bool:
+    deadline = (canary.arms.get("pool") or {}).get("deadline")
+    return isinstance(deadline, str) and utcnow() > parse_utc(deadline)
+
+
+def pool_ready(
+    *, session: Session, canary: Canary, policy: CanaryPolicy, by: str, evidence: dict[str, Any]
+) -> bool:
+    """The candidate pool is ready: a waiting canary goes live (as ``go_live`` does without an
+    actuator). False, and nothing changes, for a canary that is not waiting (say, a second call)."""
+    lock_deployment(session=session, deployment_id=canary.deployment_id)
+    session.refresh(canary)
+    if canary.phase != CanaryPhase.shadow or pool_state(canary) != POOL_WAITING:
+        return False
+    pool = dict(canary.arms["pool"])
+    go_live(session=session, canary=canary, policy=policy, shadow_decision=str(pool.get("shadow_decision")))
+    canary.arms = {
+        **canary.arms,
+        "pool": {**pool, "state": POOL_READY, "ready_at": utcnow().isoformat(), "by": by, **evidence},
+    }
+    return True
+
+
 def close_watch(canary: Canary, note: str) -> None:
     """watching -> closed: the promotion stands (or a newer candidate takes over the watch)."""
     canary.phase = move(canary.phase, CanaryPhase.closed)
@@ -293,6 +375,9 @@ def promote(
         canary_id=canary.id if canary else None,
     )
     end_unanswered_events(session=session, deployment_id=deployment_id, resolution=DriftResolution.promoted)
+    actuators.record_event(
+        session=session, deployment=deployment, event=EVENT_PROMOTION, canary=canary, version=version
+    )
     if canary is not None:
         canary.phase = move(canary.phase, CanaryPhase.watching)
         canary.decision = CanaryDecision.promote
@@ -412,6 +497,20 @@ def rollback(*, session: Session, deployment_id: int, actor: str, reason: str) -
         else None
     )
     outcome = drafters.roll_back(session=session, deployment=deployment, actor=actor, reason=reason)
+    if actuators.waits_for_pool(deployment):
+        # What serves again: the previous version, else the registered drafter (if any).
+        fallback = None
+        if outcome.restored is None:
+            registered = incumbent_location(session=session, deployment=deployment)
+            fallback = registered.uri if registered is not None else None
+        actuators.record_event(
+            session=session,
+            deployment=deployment,
+            event=EVENT_ROLLBACK,
+            canary=promotion,
+            version=outcome.restored,
+            fallback_uri=fallback,
+        )
     if promotion is not None:
         promotion.phase = move(promotion.phase, CanaryPhase.rolled_back)
         promotion.arms = {

@@ -1,5 +1,5 @@
-"""The serving config: what the fleet should run now for a deployment (target, drafter, k, and the
-canary's traffic split while one is live).
+"""The serving config: what the fleet should run now for a deployment (target, drafter, k, the
+canary's traffic split while one is live, and the backends of each pool).
 
 Every model is named by location and digest (``ModelRef``): a registered model's folder with the
 sha256 of each file, or a trained drafter's artifact URI with its manifest's sha256. Servers load
@@ -20,6 +20,7 @@ from controlplane.db.models import Canary, Deployment, DrafterVersion, Speculati
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.drafters.service import active_drafter, location_of_version
 from controlplane.errors import ConflictError
+from controlplane.fleet.backends import backend_summary, list_backends
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
 from controlplane.models.location import ModelLocation
 from controlplane.models.service import drafter_choice, find_model, location_of
@@ -106,6 +107,8 @@ def serving_config(*, session: Session, deployment: Deployment) -> dict[str, Any
         "target": target_location(session=session, deployment=deployment).to_dict(),
         "trace_sample_rate": deployment.trace_sample_rate,
         "arms": arms,
+        # The fleet's endpoints by pool: the router sends each arm's traffic to its pool.
+        "backends": [backend_summary(b) for b in list_backends(session=session, deployment_id=deployment.id)],
     }
     fingerprint = hashlib.sha256(repr((deployment.row_version, body)).encode()).hexdigest()[:16]
     return {**body, "config_version": fingerprint}

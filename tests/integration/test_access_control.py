@@ -11,6 +11,8 @@ from sqlalchemy import select
 from controlplane.canary.service import promote, start_canary
 from controlplane.config import Settings
 from controlplane.db.models import (
+    ActuatorDelivery,
+    Canary,
     Deployment,
     DrafterState,
     DrafterVersion,
@@ -95,6 +97,7 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/serving-config", SERVING, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/serving-config/export", READ, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/drafter-versions", READ, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/drafter-versions/{version}", READ, None),
     (
@@ -114,9 +117,32 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/canaries/{canary_id}", READ, None),
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/canaries/{canary_id}:promote", ADMIN, None),
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/canaries/{canary_id}:reject", ADMIN, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/canaries/{canary_id}/ready", ADMIN, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/canary-policy", READ, None),
     ("PATCH", "/v1/accounts/{account}/deployments/{deployment}/canary-policy", ADMIN, {"alpha": 0.1}),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/draft-length", READ, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/backends", READ, None),
+    (
+        "POST",
+        "/v1/accounts/{account}/deployments/{deployment}/backends",
+        ADMIN,
+        {"name": "cand-9", "pool": "candidate", "url": "http://10.0.0.9:8000"},
+    ),
+    ("DELETE", "/v1/accounts/{account}/deployments/{deployment}/backends/{backend}", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/actuator", READ, None),
+    ("PUT", "/v1/accounts/{account}/deployments/{deployment}/actuator", ADMIN, {"kind": "reference"}),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/deliveries", READ, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/deliveries/{delivery_id}/retry", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/scrape-targets", READ, None),
+    (
+        "POST",
+        "/v1/accounts/{account}/deployments/{deployment}/scrape-targets",
+        ADMIN,
+        {"name": "new-target", "urls": ["http://127.0.0.1:9/metrics"]},
+    ),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/scrape-targets/{name}", READ, None),
+    ("DELETE", "/v1/accounts/{account}/deployments/{deployment}/scrape-targets/{name}", ADMIN, None),
+    ("POST", "/v1/accounts/{account}/deployments/{deployment}/scrape-targets/{name}/scrape", ADMIN, None),
     ("GET", "/v1/accounts/{account}/dashboard/overview", READ, None),
     ("GET", "/v1/accounts/{account}/dashboard/deployments/{deployment}", READ, None),
     ("GET", "/v1/accounts/{account}/dashboard/deployments/{deployment}/canaries", READ, None),
@@ -199,6 +225,26 @@ def _drafter_history(db: Database, tenant: Tenant) -> int:
     return canary_id
 
 
+def _delivery(db: Database, canary_id: int) -> int:
+    """An event handed to the deployment's actuator earlier (it may be retried)."""
+    session = db.new_session()
+    canary = session.get_one(Canary, canary_id)
+    delivery = ActuatorDelivery(
+        deployment_id=canary.deployment_id,
+        canary_id=canary.id,
+        event="canary-start",
+        actuator="webhook",
+        payload={"event": "canary-start"},
+        state="failed",
+        attempts=8,
+    )
+    session.add(delivery)
+    session.commit()
+    delivery_id = delivery.id
+    session.close()
+    return delivery_id
+
+
 def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
     admin = tenant.headers(Role.admin)
     response = client.post(
@@ -207,6 +253,10 @@ def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
         headers=admin,
     )
     assert response.status_code == 201
+    # A scrape target named like the models ({name}); nothing listens on its URL.
+    target = {"name": "own-target", "urls": ["http://127.0.0.1:9/metrics"]}
+    scrape_targets = f"/v1/accounts/{tenant.name}/deployments/svc/scrape-targets"
+    assert client.post(scrape_targets, json=target, headers=admin).status_code == 201
     key = client.post(
         f"/v1/accounts/{tenant.name}/api-keys", json={"name": "spare", "role": "viewer"}, headers=admin
     ).json()
@@ -214,7 +264,14 @@ def _setup(client: TestClient, tenant: Tenant, db: Database) -> dict[str, str]:
     canary_id = _drafter_history(db, tenant)  # before the event: a promotion answers open events
     event_id = _open_drift_event(db, tenant)
     job_id = _queued_job(db, event_id)
+    backend = {"name": "inc-1", "pool": "incumbent", "url": "http://10.0.0.1:8000"}
+    assert client.post(
+        f"/v1/accounts/{tenant.name}/deployments/svc/backends", json=backend, headers=admin
+    ).is_success
+    delivery_id = _delivery(db, canary_id)
     return {
+        "backend": "inc-1",
+        "delivery_id": str(delivery_id),
         "version": "2",
         "canary_id": str(canary_id),
         "account": tenant.name,
