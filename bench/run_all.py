@@ -18,6 +18,7 @@ SCRIPTS = [
     "domain_ceiling.py",
     "canary.py",
     "models.py",
+    "router.py",
 ]
 
 

@@ -104,6 +104,7 @@ def router(
     config: Annotated[Path, typer.Option("--config", help="the router's TOML file (see README, Router)")],
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8700,
+    account: Annotated[str | None, typer.Option(help="overrides control_plane.account")] = None,
 ) -> None:
     """Run the arm router: an OpenAI-compatible proxy in front of the serving fleet's backends."""
     import uvicorn
@@ -113,6 +114,9 @@ def router(
 
     try:
         loaded = load_config(config)
+        if account is not None:
+            link = loaded.control_plane.model_copy(update={"account": account})
+            loaded = loaded.model_copy(update={"control_plane": link})
     except RouterConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -190,15 +194,18 @@ def beat() -> None:
 @app.command()
 def up(
     serve_port: Annotated[int, typer.Option(help="reference server port")] = 8601,
+    router_port: Annotated[int, typer.Option(help="arm router port (send traffic here)")] = 8700,
     worker_concurrency: Annotated[int, typer.Option(help="worker processes (prefork)")] = 2,
     trace_sample_rate: Annotated[float, typer.Option(help="when a deployment does not set one")] = 0.1,
     grace: Annotated[float, typer.Option(help="seconds between SIGTERM and SIGKILL at stop")] = 10.0,
 ) -> None:
-    """Run API, Celery worker (default + gpu queues), beat and the reference server; Ctrl-C stops all."""
+    """Run API, Celery worker (default + gpu queues), beat, the reference server and the arm router
+    in front of it; Ctrl-C stops all."""
     from controlplane.supervisor import UpOptions, run_up
 
     options = UpOptions(
         serve_port=serve_port,
+        router_port=router_port,
         worker_concurrency=worker_concurrency,
         trace_sample_rate=trace_sample_rate,
         grace_s=grace,

@@ -28,6 +28,7 @@ the worker and the reference server are subprocesses.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -263,6 +264,8 @@ class Supervisor:
 class UpOptions:
     serve_host: str = "127.0.0.1"
     serve_port: int = 8601
+    # The arm router in front of the reference server: clients send their traffic here.
+    router_port: int = 8700
     account: str | None = None  # default: the first account
     worker_concurrency: int = 2
     trace_sample_rate: float = 0.1  # when the serving config does not say
@@ -363,6 +366,10 @@ def child_specs(settings: Settings, options: UpOptions, *, account: str, key_fil
     # Verify passes may take every core when that is measured faster: the server times both
     # counts as it serves and falls back to its own share while the worker trains.
     serve_argv += ["--multi-row-threads", str(max(threads, os.cpu_count() or 1))]
+    # Behind the router, which reports every reply's record and sampled trace: the server reporting
+    # too would store each trace twice.
+    serve_argv += ["--no-report"]
+    router = local_url(options.serve_host, options.router_port)
     return [
         ChildSpec(
             "api",
@@ -406,10 +413,48 @@ def child_specs(settings: Settings, options: UpOptions, *, account: str, key_fil
         ChildSpec(
             "serve",
             serve_argv,
-            f"{serve}/v1  (OpenAI-compatible completions; model = deployment name)",
+            f"{serve}/v1  (the reference engine, behind the router)",
             ready_url=f"{serve}/healthz",
         ),
+        ChildSpec(
+            "router",
+            [
+                py,
+                "-m",
+                "controlplane",
+                "router",
+                "--config",
+                str(router_config_path(settings)),
+                "--host",
+                options.serve_host,
+                "--port",
+                str(options.router_port),
+            ],
+            f"{router}/v1  (OpenAI-compatible completions and chat; model = deployment name)",
+            ready_url=f"{router}/healthz",
+        ),
     ]
+
+
+def router_config_path(settings: Settings) -> Path:
+    return settings.var_dir / "router.toml"
+
+
+def write_router_config(settings: Settings, options: UpOptions, *, account: str, key_file: Path) -> Path:
+    """The router of `up` and the demo: every deployment of the account (``"*"``), served by the
+    reference server, which follows serving-config itself and serves the arm the router names."""
+    path = router_config_path(settings)
+    api = local_url(settings.api_host, settings.api_port)
+    serve = local_url(options.serve_host, options.serve_port)
+    path.write_text(
+        "# Written by `controlplane up` / `controlplane demo` at every start.\n"
+        f"[control_plane]\nurl = {json.dumps(api)}\naccount = {json.dumps(account)}\n"
+        f"api_key_file = {json.dumps(str(key_file))}\n\n"
+        f"[router]\nspool_dir = {json.dumps(str(settings.var_dir / 'router-spool'))}\n\n"
+        '[[deployments]]\nname = "*"\n\n'
+        f'[[deployments.backends]]\nname = "reference"\npool = "follower"\nurl = {json.dumps(serve)}\n'
+    )
+    return path
 
 
 def run_up(settings: Settings, options: UpOptions, echo: Echo = print) -> int:
@@ -419,6 +464,7 @@ def run_up(settings: Settings, options: UpOptions, echo: Echo = print) -> int:
     settings.ensure_local_dirs()
     prepare_embedded_database(settings)
     key_file, account = serving_key(settings, options.account)
+    write_router_config(settings, options, account=account, key_file=key_file)
     specs = {s.name: s for s in child_specs(settings, options, account=account, key_file=key_file)}
     supervisor = Supervisor(
         log_dir=settings.var_dir / "logs", env=child_env(settings), grace_s=options.grace_s, echo=echo
@@ -431,7 +477,8 @@ def run_up(settings: Settings, options: UpOptions, echo: Echo = print) -> int:
         supervisor.wait_ready([supervisor.start(specs["api"])], options.ready_timeout_s)
         background = [supervisor.start(specs["worker"]), supervisor.start(specs["beat"])]
         serving = supervisor.start(specs["serve"])
-        supervisor.wait_ready([*background, serving], options.ready_timeout_s)
+        routing = supervisor.start(specs["router"])
+        supervisor.wait_ready([*background, serving, routing], options.ready_timeout_s)
         api = local_url(settings.api_host, settings.api_port)
         echo(f"\nall up in {time.monotonic() - started:.1f} s (account {account!r})")
         for child in supervisor.children:
@@ -441,7 +488,7 @@ def run_up(settings: Settings, options: UpOptions, echo: Echo = print) -> int:
             f"  try: create a deployment (controlplane deployment create target --deployment-id demo "
             f"--draft-model generic-drafter --draft-token-count 4), then\n"
             f"       python -m workers.serve.traffic --scenario scenarios/demo.toml "
-            f"--url {local_url(options.serve_host, options.serve_port)}"
+            f"--url {local_url(options.serve_host, options.router_port)}"
         )
         supervisor.watch()
         echo(f"\n{supervisor.stop_reason}: stopping all processes...")
@@ -449,7 +496,7 @@ def run_up(settings: Settings, options: UpOptions, echo: Echo = print) -> int:
         echo(f"\nerror: {exc}\nstopping all processes...")
         code = 1
     finally:
-        killed = supervisor.stop_all(first=("serve",))
+        killed = supervisor.stop_all(first=("router", "serve"))
         restore()
         if killed:
             echo(f"killed after the {options.grace_s:.0f} s grace period: {', '.join(killed)}")

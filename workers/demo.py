@@ -52,6 +52,7 @@ from controlplane.supervisor import (
     child_specs,
     local_url,
     serving_key,
+    write_router_config,
 )
 from controlplane.timestamps import parse_utc
 from workers.serve.traffic import Callbacks, Phase, PhaseReport, RequestResult, Scenario, TrafficDriver
@@ -275,20 +276,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ["CONTROLPLANE_REALIGN_TIME_BUDGET_S"] = str(knobs["realign"]["time_budget_s"])
     os.environ["CONTROLPLANE_REALIGN_MIN_TRACES"] = str(knobs["realign"]["min_traces"])
     os.environ["CONTROLPLANE_REALIGN_MAX_WAIT_S"] = str(knobs["realign"]["max_wait_s"])
-    options = UpOptions(serve_port=args.serve_port, trace_sample_rate=float(knobs["trace_sample_rate"]))
+    options = UpOptions(
+        serve_port=args.serve_port,
+        router_port=args.router_port,
+        trace_sample_rate=float(knobs["trace_sample_rate"]),
+    )
 
     settings.ensure_local_dirs()
     from controlplane.bootstrap import init_account
 
     init_account(settings, account_name="default")
     key_file, account = serving_key(settings, None)
+    write_router_config(settings, options, account=account, key_file=key_file)
     specs = {s.name: s for s in child_specs(settings, options, account=account, key_file=key_file)}
     supervisor = Supervisor(
         log_dir=settings.var_dir / "logs", env=child_env(settings), grace_s=10.0, echo=say
     )
     restore = supervisor.install_signal_handlers()
     api_url = local_url(settings.api_host, settings.api_port)
-    serve_url = local_url(options.serve_host, options.serve_port)
+    # Traffic goes through the arm router, as a team's would: it splits the canary's arms and
+    # reports every reply's acceptance; the reference server behind it serves the arm it names.
+    serve_url = local_url(options.serve_host, options.router_port)
     started = time.monotonic()
     summary: dict[str, Any] = {}
     watcher: Watcher | None = None
@@ -298,7 +306,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         supervisor.wait_ready([supervisor.start(specs["api"])])
         background = [supervisor.start(specs["worker"]), supervisor.start(specs["beat"])]
         serving = supervisor.start(specs["serve"])
-        supervisor.wait_ready([*background, serving])
+        routing = supervisor.start(specs["router"])
+        supervisor.wait_ready([*background, serving, routing])
         up_s = time.monotonic() - started
         say(f"all processes up in {up_s:.0f} s; dashboard: [bold]{api_url}/dashboard[/bold]")
         account, key = admin_key(settings)
@@ -409,7 +418,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if watcher is not None:
             watcher.stop_event.set()
-        supervisor.stop_all(first=("serve",))
+        supervisor.stop_all(first=("router", "serve"))
         restore()
     return summary
 
@@ -543,6 +552,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fast", action="store_true", help="a smaller run for tests (same loop, less traffic)")
     ap.add_argument("--summary", type=Path, default=None, help="where to write the summary JSON")
     ap.add_argument("--serve-port", type=int, default=8601, help="the reference server's port")
+    ap.add_argument("--router-port", type=int, default=8700, help="the arm router's port (traffic goes here)")
     ap.add_argument("--keep-state", action="store_true", help="reuse var/demo instead of starting afresh")
     args = ap.parse_args(argv)
     summary = run(args)

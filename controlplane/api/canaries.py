@@ -82,7 +82,8 @@ def serving(account: str, deployment: ServingDeployment, session: SessionDep, re
 @router.get(
     "/serving-config/export",
     response_class=Response,
-    responses={200: {"content": {"application/yaml": {}, "application/json": {}}}},
+    # YAML by default; `as=json` sends the same document as JSON (a gateway's file, no schema of ours).
+    responses={200: {"content": {"application/yaml": {"schema": {"type": "string"}}}}},
 )
 def serving_export(
     account: str,

@@ -892,7 +892,8 @@ def _from_vllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     Takes the whole response (``metrics.speculative_decoding``; older builds put
     ``speculative_decoding_stats`` on ``choices[0]``), a record with a ``speculative_decoding``
     key, or the bare metrics object. Source: docs.vllm.ai features/speculative_decoding/
-    acceptance_metrics.
+    acceptance_metrics. On the ``baseline`` arm (no speculation) a missing or null block is a
+    no-speculation record sized by ``usage``; on any other arm it is a problem.
 
     Exact: drafted (``num_draft_tokens``, after grammar-invalidated drafts are subtracted, as
     vLLM counts), accepted, verify steps, k (``num_spec_tokens``), per-position counts (suffix
@@ -930,6 +931,9 @@ def _from_vllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
         path, sd_raw = "", rec
     env = _envelope(rec, errs)
     prompt, completion = _usage(rec, errs)
+    if (sd_raw is _MISSING or sd_raw is None) and env is not None and env.arm == ARM_BASELINE:
+        # The no-speculation arm: an engine serving without a drafter reports no acceptance.
+        return _baseline(env, errs, generated=completion, prompt_tokens=prompt)
     if sd_raw is _MISSING:
         errs.append((path, "is missing: start vLLM with --per-request-spec-decode-metrics summary|detailed"))
         return None

@@ -164,6 +164,11 @@ def acceptance_record(
         if not all(p.field == "" and "cannot detect the format" in p.message for p in exc.problems):
             raise UnreadableReply(str(exc)) from None
         record = _without_speculation(reply, envelope, content_events)
+    if usage_completion_tokens(reply) is None and content_events > record.generated_tokens:
+        # A stream without usage: the adapters' lower bound (accepted + verify steps) misses the
+        # prefill's token; each content event carries at least one token. Clients that send
+        # stream_options.include_usage get exact counts.
+        record.generated_tokens = content_events
     generated = record.generated_tokens
     record.ttft_ms = ttft_ms
     record.total_ms = total_ms

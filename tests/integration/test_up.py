@@ -44,7 +44,7 @@ def _group_gone(pgid: int) -> bool:
 
 
 def test_up_runs_everything_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
-    api_port, serve_port = _free_port(), _free_port()
+    api_port, serve_port, router_port = _free_port(), _free_port(), _free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")},
         "CONTROLPLANE_ENVIRONMENT": "development",
@@ -56,7 +56,18 @@ def test_up_runs_everything_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
     started = time.monotonic()
     with out.open("w") as sink:
         up = subprocess.Popen(
-            [*CLI, "up", "--serve-port", str(serve_port), "--worker-concurrency", "1", "--grace", "15"],
+            [
+                *CLI,
+                "up",
+                "--serve-port",
+                str(serve_port),
+                "--router-port",
+                str(router_port),
+                "--worker-concurrency",
+                "1",
+                "--grace",
+                "15",
+            ],
             cwd=tmp_path,
             env=env,
             stdout=sink,
@@ -70,10 +81,9 @@ def test_up_runs_everything_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
         text = out.read_text()
         assert up.poll() is None and "all up in" in text, text
         startup_s = time.monotonic() - started
-        pids = {
-            name: int(pid) for name, pid in re.findall(r"^\s+(api|worker|beat|serve)\s+pid (\d+)", text, re.M)
-        }
-        assert set(pids) == {"api", "worker", "beat", "serve"}, text
+        listed = re.findall(r"^\s+(api|worker|beat|serve|router)\s+pid (\d+)", text, re.M)
+        pids = {name: int(pid) for name, pid in listed}
+        assert set(pids) == {"api", "worker", "beat", "serve", "router"}, text
         assert f"http://127.0.0.1:{api_port}/dashboard" in text
 
         api = httpx.Client(
@@ -94,8 +104,9 @@ def test_up_runs_everything_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
         sampled = api.patch("/v1/accounts/default/deployments/svc", json={"trace_sample_rate": 1.0})
         assert sampled.status_code == 200, sampled.text
 
+        # Through the router, which files the record and the sampled trace.
         completion = httpx.post(
-            f"http://127.0.0.1:{serve_port}/v1/completions",
+            f"http://127.0.0.1:{router_port}/v1/completions",
             json={
                 "model": "svc",
                 "prompt": "The quick brown fox",

@@ -25,6 +25,7 @@ from controlplane.api.deps import (
     WritableDeployment,
     get_session,
 )
+from controlplane.api.fleet import ready_caller
 from controlplane.app import create_app
 from controlplane.config import Settings
 
@@ -37,6 +38,10 @@ NON_JSON_ROUTES = {
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}"),
     ("DELETE", DEPLOYMENT_PATH),
     ("DELETE", "/v1/accounts/{account}/models/{name}"),
+    ("DELETE", f"{DEPLOYMENT_PATH}/scrape-targets/{{name}}"),
+    ("DELETE", f"{DEPLOYMENT_PATH}/backends/{{backend}}"),
+    # A gateway's own config file: YAML by default.
+    ("GET", f"{DEPLOYMENT_PATH}/serving-config/export"),
     ("GET", "/dashboard"),
     ("GET", "/dashboard/"),
     ("GET", "/dashboard/login"),
@@ -50,6 +55,9 @@ NON_JSON_ROUTES = {
 # The ingest route resolves only the deployment's id, through a cache, with no dependency: it is
 # by far the most requested route, and a dependency per request costs more than the lookup.
 CACHED_DEPLOYMENT_ROUTES = {("POST", DEPLOYMENT_PATH + "/acceptance")}
+# An actuator's callback may carry a webhook signature instead of a key: it resolves its deployment
+# only after checking either (controlplane.api.fleet.ready_caller and ready_deployment).
+SIGNED_CALLBACK_ROUTES = {("POST", DEPLOYMENT_PATH + "/canaries/{canary_id}/ready")}
 DEPLOYMENT_DEPENDENCIES = {
     get_args(alias)[1].dependency
     for alias in (ReadableDeployment, WritableDeployment, AdminDeployment, ServingDeployment)
@@ -131,6 +139,9 @@ def test_routes_under_a_deployment_resolve_it_through_the_deployment_dependency(
         found = [d for d in dependants(route.dependant) if d.call in DEPLOYMENT_DEPENDENCIES]
         if (method, path) in CACHED_DEPLOYMENT_ROUTES:
             assert not found, f"{method} {path} should keep its cached lookup"
+            continue
+        if (method, path) in SIGNED_CALLBACK_ROUTES:
+            assert ready_caller in {d.call for d in dependants(route.dependant)}, (method, path)
             continue
         assert len({d.call for d in found}) == 1, (
             f"{method} {path} resolves its deployment {found or 'itself'}"

@@ -204,3 +204,19 @@ def test_env_example_names_every_variable_compose_requires() -> None:
         if "=" in line and not line.startswith("#")
     }
     assert required <= example, required - example
+
+
+def test_the_router_fronts_the_serving_container_with_a_valid_config() -> None:
+    from controlplane.router.config import load_config
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    router = services["router"]
+    assert router["depends_on"]["serve"]["condition"] == "service_healthy"
+    assert "--no-report" in services["serve"]["command"]  # the router reports, once
+    config = load_config(DEPLOY / "router.toml")
+    [backend] = config.deployments[0].backends
+    assert (
+        config.deployments[0].name == "*"
+        and backend.pool == "follower"
+        and backend.url == "http://serve:8601"
+    )

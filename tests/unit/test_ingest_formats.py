@@ -879,3 +879,23 @@ def test_explicit_format_skips_detection() -> None:
     # With format=native, engine keys are just unknown fields.
     (problem,) = problems_of({"format": "native", "records": [{**native(), "perf_metrics": {}}]})
     assert problem.field == "perf_metrics"
+
+
+def test_a_vllm_reply_without_acceptance_on_the_baseline_arm_is_a_no_speculation_record() -> None:
+    reply = {
+        "request_id": "b",
+        "arm": "baseline",
+        "choices": [{"index": 0, "text": "..."}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 12},
+        "metrics": {"speculative_decoding": None},
+    }
+    (record,) = parse_batch({"format": "vllm", "records": [reply]})
+    assert (record.drafted_tokens, record.verify_steps, record.generated_tokens, record.arm) == (
+        0,
+        0,
+        12,
+        "baseline",
+    )
+    # On a speculating arm a missing block is still a problem: it hides lost acceptance.
+    (problem,) = problems_of({"format": "vllm", "records": [{**reply, "arm": "live"}]})
+    assert problem.field == "metrics.speculative_decoding" and "n == 1" in problem.message

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from controlplane.ingest.formats import parse_record
 from controlplane.router.acceptance import SseScanner, UnreadableReply, acceptance_record, prompt_text
 from controlplane.router.arms import client_key, pick_arm, unit_hash
 from controlplane.router.config import RouterConfigError, load_config, parse_config
 from controlplane.router.follower import ArmSpec, parse_serving_config
 from controlplane.router.pools import CircuitBreakers, Pools
 from controlplane.router.spool import DiskSpool
+from tests.unit.test_ingest_formats import FIREWORKS_RESPONSE, SGLANG_RESPONSE
 
 VLLM_METRICS = {
     "speculative_decoding": {
@@ -207,6 +210,20 @@ def test_the_stream_scanner_reads_metrics_from_the_final_event_across_chunk_boun
     quiet = SseScanner()
     quiet.feed(stream)
     assert quiet.text == [] and quiet.reply["usage"]["completion_tokens"] == 9
+    # Without usage, the adapter's lower bound (accepted + steps = 9) gives way to the content
+    # events when they say more: one token each at least.
+    no_usage = {k: v for k, v in scanner.reply.items() if k != "usage"}
+    counted = acceptance_record(
+        no_usage,
+        request_id="s",
+        arm="live",
+        drafter_version=None,
+        category=None,
+        ttft_ms=1.0,
+        total_ms=9.0,
+        content_events=11,
+    )
+    assert counted["generated_tokens"] == 11
 
 
 def test_chat_prompts_are_kept_as_plain_role_lines() -> None:
@@ -278,3 +295,18 @@ def test_a_serving_config_without_a_positive_arm_is_refused() -> None:
     assert parsed.arms == (ArmSpec("live", 1.0, 3),) and parsed.backends == (
         ("a", "incumbent", "http://a", 3),
     )
+
+
+@pytest.mark.parametrize("reply", [SGLANG_RESPONSE, FIREWORKS_RESPONSE], ids=["sglang", "fireworks"])
+def test_sglang_and_fireworks_replies_are_read_by_the_same_adapters_as_the_ingest_api(
+    reply: dict[str, Any],
+) -> None:
+    ingested = parse_record({**reply, "request_id": "x"})
+    record = acceptance_record(
+        reply, request_id="x", arm="live", drafter_version=None, category=None, ttft_ms=None, total_ms=100.0
+    )
+    assert record["drafted_tokens"] == ingested.drafted_tokens > 0
+    assert record["accepted_tokens"] == ingested.accepted_tokens
+    assert record["verify_steps"] == ingested.verify_steps
+    assert record["generated_tokens"] == ingested.generated_tokens
+    assert record["total_ms"] == 100.0  # the router's own latency, not the engine's
