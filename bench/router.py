@@ -9,8 +9,8 @@ Processes (all on this machine): the control plane's API on SQLite, vLLM-style s
 time), and `controlplane router`. The load generator is an open-loop asyncio client (requests sent
 on a fixed schedule, whatever the replies do), so queueing shows in the percentiles.
 
-1. added_latency_p99_ms: non-streamed requests at 200/s, alternating 3-second blocks sent straight
-   to one backend and through the router to the same backend (one deployment, one backend), so
+1. added_latency_p99_ms: non-streamed requests at 200/s, alternating one-second blocks (20 of each)
+   sent straight to one backend and through the router to the same backend (one deployment, one backend), so
    both see the same machine; p99 through the router minus p99 direct. added_ttft_p99_ms: the same
    for streamed requests, time to the first byte of the stream.
 2. arm_split_max_deviation: 10,000 requests with distinct `user` keys to a deployment in a live
@@ -160,7 +160,9 @@ def backend_replies(port: int) -> int:
 
 
 async def latency_phase(router_url: str, backend_url: str, quick: bool) -> dict[str, Any]:
-    blocks = 2 if quick else 5
+    """Alternating one-second blocks, direct then through the router, so that both paths see the
+    same machine; p99 over all blocks of each path."""
+    blocks = 6 if quick else 20
     out: dict[str, Any] = {}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -168,44 +170,17 @@ async def latency_phase(router_url: str, backend_url: str, quick: bool) -> dict[
             direct: list[float] = []
             routed: list[float] = []
             errors = 0
+            paths = {"direct": f"{backend_url}/v1/completions", "router": f"{router_url}/v1/completions"}
             # Warm both paths (connections, caches) before measuring.
-            await open_loop(
-                session,
-                f"{backend_url}/v1/completions",
-                bodies("latency", stream=stream),
-                100,
-                1.0,
-                stream=stream,
-            )
-            await open_loop(
-                session,
-                f"{router_url}/v1/completions",
-                bodies("latency", stream=stream),
-                100,
-                1.0,
-                stream=stream,
-            )
+            for url in paths.values():
+                await open_loop(session, url, bodies("latency", stream=stream), 100, 1.0, stream=stream)
             for _ in range(blocks):
-                lat, err = await open_loop(
-                    session,
-                    f"{backend_url}/v1/completions",
-                    bodies("latency", stream=stream),
-                    200,
-                    3.0,
-                    stream=stream,
-                )
-                direct += lat
-                errors += err
-                lat, err = await open_loop(
-                    session,
-                    f"{router_url}/v1/completions",
-                    bodies("latency", stream=stream),
-                    200,
-                    3.0,
-                    stream=stream,
-                )
-                routed += lat
-                errors += err
+                for name, url in paths.items():
+                    lat, err = await open_loop(
+                        session, url, bodies("latency", stream=stream), 200, 1.0, stream=stream
+                    )
+                    (direct if name == "direct" else routed).extend(lat)
+                    errors += err
             key = "ttft" if stream else "latency"
             out[key] = {
                 "requests_each": len(direct),

@@ -49,10 +49,14 @@ class SseScanner:
     _partial: bytes = b""
 
     def feed(self, chunk: bytes) -> None:
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        for line in lines:
+        data = self._partial + chunk if self._partial else chunk
+        end = data.rfind(b"\n") + 1
+        self._partial = data[end:]
+        if not self.keep_text and not any(hint in data for hint in _METRIC_HINTS):
+            # The common case: content events only. Count them without splitting lines.
+            self.content_events += data.count(b'"choices"', 0, end)
+            return
+        for line in data[:end].split(b"\n"):
             self._line(line.rstrip(b"\r"))
 
     def close(self) -> None:

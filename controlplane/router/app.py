@@ -352,11 +352,12 @@ class Router:
                     "headers": _reply_headers(media_type, call.request_id, arm, stream=True),
                 }
             )
-            async for chunk in resp.content.iter_any():
+            read = resp.content.readany
+            while chunk := await read():
                 if first is None:
                     first = time.perf_counter()
-                scanner.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                scanner.feed(chunk)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             scanner.close()
             outcome = "done"
