@@ -125,7 +125,6 @@ def write_config(
     lines = [
         "[control_plane]",
         f'url = "{cp_url}"',
-        'api_key_env = "ROUTER_KEY"',
         "poll_interval_s = 1.0",
         "[router]",
         f'spool_dir = "{spool}"',
@@ -330,7 +329,9 @@ def main() -> None:
         )
         router_port = free_port()
         router_url = f"http://127.0.0.1:{router_port}"
-        processes.append(start_router(config_path, router_port, work, ROUTER_KEY=cp.admin_key))
+        processes.append(
+            start_router(config_path, router_port, work, CONTROLPLANE_ROUTER_API_KEY=cp.admin_key)
+        )
         time.sleep(2.0)  # the first serving-config polls
 
         latency = asyncio.run(latency_phase(router_url, f"http://127.0.0.1:{ports['lat']}", args.quick))

@@ -101,36 +101,68 @@ def migrate() -> None:
 
 @app.command()
 def router(
-    config: Annotated[Path, typer.Option("--config", help="the router's TOML file (see README, Router)")],
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="the router's TOML file (default: CONTROLPLANE_ROUTER_CONFIG)"),
+    ] = None,
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8700,
     account: Annotated[str | None, typer.Option(help="overrides control_plane.account")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="router processes sharing the port")] = 1,
 ) -> None:
     """Run the arm router: an OpenAI-compatible proxy in front of the serving fleet's backends."""
+    import os
+
     import uvicorn
 
     from controlplane.router.app import create_app as create_router
     from controlplane.router.config import RouterConfigError, load_config
 
+    settings = get_settings()
+    path = config or settings.router_config
+    if path is None:
+        typer.echo("error: give --config FILE (or set CONTROLPLANE_ROUTER_CONFIG)", err=True)
+        raise typer.Exit(2)
     try:
-        loaded = load_config(config)
+        loaded = load_config(path)
         if account is not None:
             link = loaded.control_plane.model_copy(update={"account": account})
             loaded = loaded.model_copy(update={"control_plane": link})
+        app_ = create_router(loaded, settings.router_api_key)
     except RouterConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"router on http://{host}:{port} for {', '.join(d.name for d in loaded.deployments)}")
-    uvicorn.run(
-        create_router(loaded),
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-        timeout_graceful_shutdown=10,
-    )
+    serving = {
+        "host": host,
+        "port": port,
+        "log_level": "warning",
+        "access_log": False,
+        "loop": "uvloop",
+        "http": "httptools",
+        "timeout_graceful_shutdown": 10,
+    }
+    if workers == 1:
+        uvicorn.run(app_, **serving)  # type: ignore[arg-type]
+        return
+    # Several processes on one port (the kernel spreads connections): each builds its router from
+    # the same file and keeps its own spool slot. uvicorn starts them from an import path.
+    overrides = {"CONTROLPLANE_ROUTER_CONFIG": str(Path(path).resolve())}
+    if account is not None:
+        overrides["CONTROLPLANE_ROUTER_ACCOUNT"] = account
+    argv = [sys.executable, "-m", "uvicorn", "controlplane.router.app:from_settings", "--factory"]
+    argv += ["--host", host, "--port", str(port), "--workers", str(workers), "--log-level", "warning"]
+    argv += [
+        "--no-access-log",
+        "--loop",
+        "uvloop",
+        "--http",
+        "httptools",
+        "--timeout-graceful-shutdown",
+        "10",
+    ]
+    # Replace this process, so that a supervisor's SIGTERM reaches uvicorn's own shutdown.
+    os.execve(sys.executable, argv, environment_for_child(**overrides))
 
 
 @app.command()

@@ -53,6 +53,11 @@ class Settings(BaseSettings):
     artifact_cache_dir: Path = VAR_DIR / "artifact-cache"
     # An S3-compatible endpoint (MinIO, Ceph, moto); credentials come from the usual AWS_* variables.
     s3_endpoint_url: str | None = None
+    # The arm router (`controlplane router`): its TOML file (the CLI's --config wins), and the API
+    # key it reads serving-config and writes records with when the file names no api_key_file.
+    router_config: Path | None = None
+    router_api_key: str | None = None
+    router_account: str | None = None  # overrides the file's control_plane.account
     # Peppers the API-key hash so a leaked database alone cannot be brute-forced offline.
     secret_key: str = DEFAULT_SECRET
     api_host: str = "127.0.0.1"

@@ -31,6 +31,7 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from controlplane.config import get_settings
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX
 from controlplane.router.acceptance import (
     SseScanner,
@@ -40,7 +41,14 @@ from controlplane.router.acceptance import (
     prompt_text,
 )
 from controlplane.router.arms import client_key, pick_arm, unit_hash
-from controlplane.router.config import DEPLOYMENT_NAME, WILDCARD, DeploymentRoutes, RouterConfig
+from controlplane.router.config import (
+    DEPLOYMENT_NAME,
+    WILDCARD,
+    DeploymentRoutes,
+    RouterConfig,
+    RouterConfigError,
+    load_config,
+)
 from controlplane.router.follower import DEFAULT, ArmSpec, FollowedConfig, ServingConfigFollower
 from controlplane.router.pools import Attempt, BackendState, CircuitBreakers, Pools
 from controlplane.router.reporter import ControlPlaneReporter
@@ -106,7 +114,7 @@ class DeploymentState:
 
 
 class Router:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, api_key: str | None = None) -> None:
         self.config = config
         settings = config.router
         self.deployments = {d.name: DeploymentState(d) for d in config.deployments if d.name != WILDCARD}
@@ -118,7 +126,6 @@ class Router:
         self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_cooldown_s)
         self.metrics = RouterMetrics()
         link = config.control_plane
-        api_key = link.api_key()
         self.reporter = ControlPlaneReporter(
             base_url=link.url,
             account=link.account,
@@ -645,9 +652,26 @@ async def _error(
     await _json(send, status, {"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
-def create_app(config: RouterConfig) -> Router:
-    """The router as an ASGI app (uvicorn runs it; its lifespan starts and stops the followers)."""
-    return Router(config)
+def create_app(config: RouterConfig, api_key: str | None = None) -> Router:
+    """The router as an ASGI app (uvicorn runs it; its lifespan starts and stops the followers).
+    ``api_key``: used when the file names no ``api_key_file``."""
+    return Router(config, config.control_plane.api_key(api_key))
+
+
+def from_settings() -> Router:
+    """The app of one router worker process (``controlplane router --workers N``): the file and
+    the key from Settings, which the CLI passes on in the environment."""
+    settings = get_settings()
+    if settings.router_config is None:
+        raise RouterConfigError("CONTROLPLANE_ROUTER_CONFIG names no router configuration file")
+    config = load_config(settings.router_config)
+    if settings.router_account:
+        config = config.model_copy(
+            update={
+                "control_plane": config.control_plane.model_copy(update={"account": settings.router_account})
+            }
+        )
+    return create_app(config, settings.router_api_key)
 
 
 __all__ = ["ArmSpec", "Router", "create_app"]

@@ -6,7 +6,7 @@ deployment's backend pools.
     [control_plane]
     url = "http://127.0.0.1:8600"
     account = "default"
-    api_key_env = "CONTROLPLANE_ROUTER_API_KEY"   # or api_key_file = "/run/secrets/router-key"
+    api_key_file = "/run/secrets/router-key"       # else CONTROLPLANE_ROUTER_API_KEY
 
     [router]
     spool_dir = "var/router-spool"     # records and traces wait here while the control plane is away
@@ -33,7 +33,6 @@ the router names in ``x-speculation-arm``; the other pools serve one fixed confi
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -107,7 +106,7 @@ class DeploymentRoutes(_Strict):
 class ControlPlaneLink(_Strict):
     url: str
     account: str = "default"
-    api_key_env: str | None = "CONTROLPLANE_ROUTER_API_KEY"
+    # A file holding the key (role ingest is enough); None: the CONTROLPLANE_ROUTER_API_KEY setting.
     api_key_file: str | None = None
     # Serving-config is polled this often (conditionally, by ETag): changes apply within it.
     poll_interval_s: float = Field(default=1.0, gt=0.0, le=5.0)
@@ -118,12 +117,14 @@ class ControlPlaneLink(_Strict):
     def _url(cls, value: str) -> str:
         return _http_url(value, "control_plane.url")
 
-    def api_key(self) -> str | None:
+    def api_key(self, fallback: str | None) -> str | None:
+        """The key from ``api_key_file``, else ``fallback`` (the settings' router_api_key)."""
         if self.api_key_file:
-            return Path(self.api_key_file).read_text().strip() or None
-        if self.api_key_env:
-            return os.environ.get(self.api_key_env) or None
-        return None
+            try:
+                return Path(self.api_key_file).read_text().strip() or None
+            except OSError as exc:
+                raise RouterConfigError(f"control_plane.api_key_file: cannot read it: {exc}") from None
+        return fallback
 
 
 class RouterSettings(_Strict):

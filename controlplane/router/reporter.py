@@ -97,6 +97,7 @@ class ControlPlaneReporter:
         except TimeoutError:
             pass
         await self._spill_all()
+        self.spool.close()
         if self._session is not None:
             await self._session.close()
 

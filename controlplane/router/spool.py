@@ -6,11 +6,18 @@ and taken oldest first. The spool never holds more than ``max_bytes``: a batch t
 evicts the oldest batches, and the items dropped are counted (an operator sees them in the router's
 ``/metrics``), because a router that fills its disk would stop serving, which is worse.
 
+Several router processes may share one spool directory (``--workers``): each claims a slot,
+``<spool_dir>/slot-<n>``, under an exclusive ``flock`` held for its lifetime, so no two write or
+send the same batches. A slot whose lock is free belongs to no live process (a worker that died,
+or a run with more workers): the next spool to start moves its batches into its own slot and
+sends them. ``max_bytes`` bounds each slot.
+
 Blocking file I/O: the reporter calls it from a worker thread, never on the event loop.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+_SLOT = re.compile(r"^slot-(\d+)$")
 _FILE = re.compile(r"^(\d{12})-(acceptance|traces)-(\d+)-([a-z0-9][a-z0-9-]*)\.json$")
 
 
@@ -32,8 +40,9 @@ class SpooledBatch:
 
 class DiskSpool:
     def __init__(self, directory: str | Path, max_bytes: int) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        base = Path(directory)
+        base.mkdir(parents=True, exist_ok=True)
+        self.directory, self._lock = _claim_slot(base)
         self.max_bytes = max_bytes
         self.dropped_items = 0
         for stale in self.directory.glob("*.tmp"):
@@ -41,6 +50,32 @@ class DiskSpool:
         batches = self.batches()
         self._sequence = max((int(b.path.name[:12]) for b in batches), default=0)
         self._bytes = sum(b.size for b in batches)
+        self._adopt_orphans(base)
+
+    def close(self) -> None:
+        """Give the slot up (a process that exits gives it up anyway)."""
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
+
+    def _adopt_orphans(self, base: Path) -> None:
+        for slot in sorted(base.iterdir()):
+            if slot == self.directory or not _SLOT.match(slot.name) or not slot.is_dir():
+                continue
+            lock = _try_lock(slot)
+            if lock is None:
+                continue  # a live router process owns it
+            try:
+                for path in sorted(slot.iterdir()):
+                    match = _FILE.match(path.name)
+                    if match is None:
+                        continue
+                    self._sequence += 1
+                    target = self.directory / f"{self._sequence:012d}{path.name[12:]}"
+                    os.replace(path, target)
+                    self._bytes += target.stat().st_size
+            finally:
+                os.close(lock)
 
     @property
     def bytes(self) -> int:
@@ -93,3 +128,25 @@ class DiskSpool:
         self._bytes -= batch.size
         if dropped:
             self.dropped_items += batch.items
+
+
+def _try_lock(slot: Path) -> int | None:
+    """An exclusive lock on ``slot`` (its open descriptor), or None when another process holds it."""
+    fd = os.open(slot / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _claim_slot(base: Path) -> tuple[Path, int]:
+    """The lowest-numbered slot no live process holds, locked for this process's lifetime."""
+    for number in range(4096):
+        slot = base / f"slot-{number}"
+        slot.mkdir(exist_ok=True)
+        lock = _try_lock(slot)
+        if lock is not None:
+            return slot, lock
+    raise RuntimeError(f"{base}: every spool slot is held by a live process")

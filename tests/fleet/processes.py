@@ -112,9 +112,19 @@ def start_stub_backend(port: int, *flags: str) -> subprocess.Popen[bytes]:
     )
 
 
-def start_router(config: Path, port: int, cwd: Path, **env: str) -> subprocess.Popen[bytes]:
+def start_router(config: Path, port: int, cwd: Path, *flags: str, **env: str) -> subprocess.Popen[bytes]:
     return start_process(
-        [sys.executable, "-m", "controlplane", "router", "--config", str(config), "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "controlplane",
+            "router",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            *flags,
+        ],
         f"http://127.0.0.1:{port}/healthz",
         cwd=cwd,
         **env,

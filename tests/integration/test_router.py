@@ -81,7 +81,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             f"""
 [control_plane]
 url = "{cp.url}"
-api_key_env = "ROUTER_KEY"
 [router]
 spool_dir = "{work / "spool"}"
 report_interval_s = 0.2
@@ -107,7 +106,9 @@ url = "http://127.0.0.1:{ports["base"]}"
         key = cp.api("POST", "/v1/accounts/default/api-keys", {"role": "ingest", "name": "router"})
         assert key.status_code == 201, key.text
         router_port = free_port()
-        processes["router"] = start_router(config, router_port, work, ROUTER_KEY=key.json()["key"])
+        processes["router"] = start_router(
+            config, router_port, work, CONTROLPLANE_ROUTER_API_KEY=key.json()["key"]
+        )
         fleet = Fleet(cp, f"http://127.0.0.1:{router_port}", processes, canary_id, database)
         deadline = time.monotonic() + 10
         while len(fleet.health()["deployments"]["chat"]["arms"]) != 3 and time.monotonic() < deadline:

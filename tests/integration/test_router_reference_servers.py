@@ -76,7 +76,7 @@ def router_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
             process, ports[pool] = _fixed_backend(work, pool, arm)
             processes.append(process)
         lines = [
-            f'[control_plane]\nurl = "{cp.url}"\napi_key_env = "ROUTER_KEY"',
+            f'[control_plane]\nurl = "{cp.url}"',
             f'[router]\nspool_dir = "{work / "spool"}"\nreport_interval_s = 0.2',
             '[[deployments]]\nname = "chat"',
         ]
@@ -88,7 +88,7 @@ def router_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         config = work / "router.toml"
         config.write_text("\n".join(lines) + "\n")
         port = free_port()
-        processes.append(start_router(config, port, work, ROUTER_KEY=cp.admin_key))
+        processes.append(start_router(config, port, work, CONTROLPLANE_ROUTER_API_KEY=cp.admin_key))
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 10
         while len(httpx.get(f"{url}/healthz").json()["deployments"]["chat"]["arms"]) != 3:

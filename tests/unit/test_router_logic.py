@@ -241,14 +241,30 @@ def test_the_spool_keeps_whole_batches_oldest_first_and_evicts_the_oldest_when_f
     batches = spool.batches()
     assert [(b.kind, b.items) for b in batches] == [("acceptance", 5), ("traces", 1)]
     assert spool.read(batches[0]) == items
-    (tmp_path / "000000000099-acceptance-1-chat.tmp").write_text("{")  # a write cut short by a crash
+    (spool.directory / "000000000099-acceptance-1-chat.tmp").write_text("{")  # a write cut short
+    spool.close()
     reopened = DiskSpool(tmp_path, max_bytes=600)
-    assert reopened.bytes == spool.bytes and len(reopened.batches()) == 2
-    assert not list(tmp_path.glob("*.tmp"))
+    assert reopened.directory == spool.directory and reopened.bytes == spool.bytes
+    assert len(reopened.batches()) == 2 and not list(reopened.directory.glob("*.tmp"))
     for _ in range(3):
         reopened.put("chat", "acceptance", items)
     assert reopened.bytes <= 600 and reopened.dropped_items > 0
     assert reopened.batches()[-1].items == 5
+    reopened.close()
+
+
+def test_router_processes_sharing_a_spool_each_hold_a_slot_and_orphans_are_adopted(tmp_path: Path) -> None:
+    first, second = DiskSpool(tmp_path, 10_000), DiskSpool(tmp_path, 10_000)
+    assert first.directory != second.directory  # two live processes never share a slot
+    second.put("chat", "acceptance", [{"request_id": "a"}])
+    second.put("chat", "acceptance", [{"request_id": "b"}])
+    first.close()
+    second.close()  # the second process is gone and its batches wait in its slot
+    third = DiskSpool(tmp_path, 10_000)
+    assert [third.read(b)[0]["request_id"] for b in third.batches()] == ["a", "b"]
+    assert third.bytes == sum(b.size for b in third.batches())
+    assert not [p for p in second.directory.iterdir() if p.suffix == ".json"]
+    third.close()
 
 
 def test_configuration_errors_name_the_file_and_the_field(tmp_path: Path) -> None:
