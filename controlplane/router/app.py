@@ -240,9 +240,9 @@ class Router:
         )
         call = _Call(state.routes.name, request_id, category, body if sampled else None, time.perf_counter())
         if body.get("stream") is True:
-            await self._streamed(send, path, payload, forwarded, attempts, followed, call)
+            await self._streamed(send, path, payload, forwarded, attempts, call)
         else:
-            await self._whole(send, path, payload, forwarded, attempts, followed, call)
+            await self._whole(send, path, payload, forwarded, attempts, call)
 
     async def _whole(
         self,
@@ -251,7 +251,6 @@ class Router:
         payload: bytes,
         headers: dict[str, str],
         attempts: list[Attempt],
-        followed: FollowedConfig,
         call: _Call,
     ) -> None:
         assert self._session is not None
@@ -277,7 +276,7 @@ class Router:
                 continue
             self.breakers.succeeded(backend)
             total_ms = (time.perf_counter() - call.started) * 1000.0
-            arm, version = _served(attempt, reply_headers, followed)
+            arm, version = _served(attempt, reply_headers)
             self.metrics.requests.labels(call.deployment, arm, str(status)).inc()
             await _respond(send, status, data, reply_headers.get("Content-Type"), call.request_id, arm)
             if status < 400:  # after the reply has left: the client never waits on its record
@@ -296,7 +295,6 @@ class Router:
         payload: bytes,
         headers: dict[str, str],
         attempts: list[Attempt],
-        followed: FollowedConfig,
         call: _Call,
     ) -> None:
         assert self._session is not None
@@ -320,7 +318,7 @@ class Router:
                 self._failed(call.deployment, backend, f"HTTP {resp.status}")
                 last = (resp.status, data, resp.headers.get("Content-Type"))
                 continue
-            arm, version = _served(attempt, resp.headers, followed)
+            arm, version = _served(attempt, resp.headers)
             self.metrics.requests.labels(call.deployment, arm, str(resp.status)).inc()
             media_type = resp.headers.get("Content-Type", "text/event-stream")
             if resp.status >= 400:
@@ -586,24 +584,23 @@ def _to(backend: BackendState, attempt: Attempt, headers: dict[str, str]) -> dic
     return headers
 
 
-def _served(attempt: Attempt, headers: Mapping[str, str], followed: FollowedConfig) -> tuple[str, int | None]:
-    """The arm and drafter version a reply is filed under: what a follower says it served, else the
-    arm of the pool that served and the version its backend is labelled with."""
+def _served(attempt: Attempt, headers: Mapping[str, str]) -> tuple[str, int | None]:
+    """The arm and drafter version a reply is filed under: what a follower says it served (its
+    own config may lag or lead the router's by a poll), else the arm of the pool that served and
+    the version its backend is labelled with."""
     arm = attempt.arm
-    stated = headers.get(ARM_HEADER)
-    if attempt.backend.pool == "follower" and stated:
-        arm = stated
+    if attempt.backend.pool == "follower":
+        stated = headers.get(ARM_HEADER)
         version_text = headers.get(VERSION_HEADER)
-        if version_text and version_text.isdigit():
-            return arm, int(version_text)
+        version = int(version_text) if version_text and version_text.isdigit() else None
+        if stated:
+            return stated, version
+        return arm, version
     if arm.startswith(ARM_CANARY_PREFIX):
         return arm, int(arm.removeprefix(ARM_CANARY_PREFIX))
     if arm == ARM_BASELINE:
         return arm, None
-    if attempt.backend.drafter_version is not None:
-        return arm, attempt.backend.drafter_version
-    spec = next((a for a in followed.arms if a.name == arm), None)
-    return arm, spec.drafter_version if spec is not None and attempt.backend.pool == "follower" else None
+    return arm, attempt.backend.drafter_version
 
 
 async def _body(receive: Receive) -> bytes:
