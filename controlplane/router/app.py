@@ -276,7 +276,7 @@ class Router:
                 continue
             self.breakers.succeeded(backend)
             total_ms = (time.perf_counter() - call.started) * 1000.0
-            arm, version = _served(attempt, reply_headers)
+            arm, version = served_as(attempt, reply_headers)
             self.metrics.requests.labels(call.deployment, arm, str(status)).inc()
             await _respond(send, status, data, reply_headers.get("Content-Type"), call.request_id, arm)
             if status < 400:  # after the reply has left: the client never waits on its record
@@ -318,7 +318,7 @@ class Router:
                 self._failed(call.deployment, backend, f"HTTP {resp.status}")
                 last = (resp.status, data, resp.headers.get("Content-Type"))
                 continue
-            arm, version = _served(attempt, resp.headers)
+            arm, version = served_as(attempt, resp.headers)
             self.metrics.requests.labels(call.deployment, arm, str(resp.status)).inc()
             media_type = resp.headers.get("Content-Type", "text/event-stream")
             if resp.status >= 400:
@@ -584,7 +584,7 @@ def _to(backend: BackendState, attempt: Attempt, headers: dict[str, str]) -> dic
     return headers
 
 
-def _served(attempt: Attempt, headers: Mapping[str, str]) -> tuple[str, int | None]:
+def served_as(attempt: Attempt, headers: Mapping[str, str]) -> tuple[str, int | None]:
     """The arm and drafter version a reply is filed under: what a follower says it served (its
     own config may lag or lead the router's by a poll), else the arm of the pool that served and
     the version its backend is labelled with."""

@@ -329,17 +329,17 @@ def test_sglang_and_fireworks_replies_are_read_by_the_same_adapters_as_the_inges
 
 
 def test_a_follower_reply_is_filed_under_what_the_follower_says_it_served() -> None:
-    from controlplane.router.app import _served
+    from controlplane.router.app import served_as
     from controlplane.router.pools import Attempt, BackendState
 
     follower = Attempt(BackendState("ref", "follower", "http://r", None), "canary:3")
     # The follower's own config lagged the router's: it served the live arm with no trained drafter.
-    assert _served(follower, {"x-speculation-arm": "live"}) == ("live", None)
-    assert _served(follower, {"x-speculation-arm": "canary:3", "x-drafter-version": "3"}) == ("canary:3", 3)
+    assert served_as(follower, {"x-speculation-arm": "live"}) == ("live", None)
+    assert served_as(follower, {"x-speculation-arm": "canary:3", "x-drafter-version": "3"}) == ("canary:3", 3)
     fixed = Attempt(BackendState("cand", "candidate", "http://c", 3), "canary:3")
-    assert _served(fixed, {"x-speculation-arm": "live"}) == (
+    assert served_as(fixed, {"x-speculation-arm": "live"}) == (
         "canary:3",
         3,
     )  # a fixed backend's word is its pool
     labelled = Attempt(BackendState("inc", "incumbent", "http://i", 2), "live")
-    assert _served(labelled, {}) == ("live", 2)
+    assert served_as(labelled, {}) == ("live", 2)
