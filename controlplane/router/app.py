@@ -239,12 +239,9 @@ class Router:
             followed.trace_sample_rate > 0.0 and unit_hash(f"trace:{request_id}") < followed.trace_sample_rate
         )
         call = _Call(state.routes.name, request_id, category, body if sampled else None, time.perf_counter())
-        if body.get("stream") is True:
-            await self._streamed(send, path, payload, forwarded, attempts, call)
-        else:
-            await self._whole(send, path, payload, forwarded, attempts, call)
+        await self._forward(send, path, payload, forwarded, attempts, call, stream=body.get("stream") is True)
 
-    async def _whole(
+    async def _forward(
         self,
         send: Send,
         path: str,
@@ -252,51 +249,12 @@ class Router:
         headers: dict[str, str],
         attempts: list[Attempt],
         call: _Call,
+        *,
+        stream: bool,
     ) -> None:
-        assert self._session is not None
-        last: tuple[int, bytes, str | None] | None = None
-        for attempt in attempts:
-            backend = attempt.backend
-            self.breakers.started(backend, time.monotonic())
-            try:
-                async with self._session.post(
-                    backend.url + path, data=payload, headers=_to(backend, attempt, headers)
-                ) as resp:
-                    data = await resp.read()
-                    status, reply_headers = resp.status, resp.headers
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                self._failed(call.deployment, backend, exc)
-                continue
-            except asyncio.CancelledError:
-                self.breakers.released(backend)
-                raise
-            if status >= 500:
-                self._failed(call.deployment, backend, f"HTTP {status}")
-                last = (status, data, reply_headers.get("Content-Type"))
-                continue
-            self.breakers.succeeded(backend)
-            total_ms = (time.perf_counter() - call.started) * 1000.0
-            arm, version = served_as(attempt, reply_headers)
-            self.metrics.requests.labels(call.deployment, arm, str(status)).inc()
-            await _respond(send, status, data, reply_headers.get("Content-Type"), call.request_id, arm)
-            if status < 400:  # after the reply has left: the client never waits on its record
-                self._report_whole(call, data, arm, version, total_ms)
-            return
-        self.metrics.requests.labels(call.deployment, "none", "failed").inc()
-        if last is not None:  # every backend failed; the client sees the last one's own error
-            await _respond(send, last[0], last[1], last[2], call.request_id, None)
-        else:
-            await _error(send, 502, "no backend could serve this request", "service_unavailable")
-
-    async def _streamed(
-        self,
-        send: Send,
-        path: str,
-        payload: bytes,
-        headers: dict[str, str],
-        attempts: list[Attempt],
-        call: _Call,
-    ) -> None:
+        """Try the backends in order until one answers below 500 before its first byte (a whole
+        reply: before its last byte, since nothing has reached the client yet); relay a stream,
+        send a whole reply. With every backend failed, the client sees the last one's own error."""
         assert self._session is not None
         last: tuple[int, bytes, str | None] | None = None
         for attempt in attempts:
@@ -306,28 +264,31 @@ class Router:
                 resp = await self._session.post(
                     backend.url + path, data=payload, headers=_to(backend, attempt, headers)
                 )
+                relayed = stream and resp.status < 400
+                data = b"" if relayed else await resp.read()
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 self._failed(call.deployment, backend, exc)
                 continue
             except asyncio.CancelledError:
                 self.breakers.released(backend)
                 raise
+            media_type = resp.headers.get("Content-Type")
             if resp.status >= 500:
-                data = await resp.read()
                 resp.release()
                 self._failed(call.deployment, backend, f"HTTP {resp.status}")
-                last = (resp.status, data, resp.headers.get("Content-Type"))
+                last = (resp.status, data, media_type)
                 continue
             arm, version = served_as(attempt, resp.headers)
             self.metrics.requests.labels(call.deployment, arm, str(resp.status)).inc()
-            media_type = resp.headers.get("Content-Type", "text/event-stream")
-            if resp.status >= 400:
-                data = await resp.read()
-                resp.release()
-                self.breakers.succeeded(backend)
-                await _respond(send, resp.status, data, media_type, call.request_id, arm)
+            if relayed:
+                await self._relay(send, resp, media_type or "text/event-stream", backend, call, arm, version)
                 return
-            await self._relay(send, resp, media_type, backend, call, arm, version)
+            resp.release()
+            self.breakers.succeeded(backend)
+            total_ms = (time.perf_counter() - call.started) * 1000.0
+            await _respond(send, resp.status, data, media_type, call.request_id, arm)
+            if resp.status < 400:  # after the reply has left: the client never waits on its record
+                self._report_whole(call, data, arm, version, total_ms)
             return
         self.metrics.requests.labels(call.deployment, "none", "failed").inc()
         if last is not None:
