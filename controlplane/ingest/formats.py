@@ -35,7 +35,14 @@ from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
 
 MAX_BATCH_RECORDS: Final = 10_000
 MAX_REQUEST_ID_CHARS: Final = 200
-MAX_CATEGORY_CHARS: Final = 200
+MAX_CATEGORY_CHARS: Final = 100  # the acceptance_records.category column
+# What the database stores, checked before a record joins a shared (group-commit) transaction:
+# a value the database refuses would fail every request flushed with it, across accounts.
+MAX_COUNT: Final = 2**31 - 1  # INTEGER columns
+MAX_K: Final = 64  # draft positions per step (k is a SMALLINT; no engine drafts more)
+MAX_LATENCY_MS: Final = 86_400_000.0  # a day: beyond it a sum over many records loses meaning
+EARLIEST: Final = datetime(2000, 1, 1, tzinfo=UTC)
+LATEST: Final = datetime(2100, 1, 1, tzinfo=UTC)
 FORMATS: Final = ("native", "fireworks", "vllm", "sglang", "trtllm")
 BATCH_FORMATS: Final = ("auto", *FORMATS)
 
@@ -168,7 +175,8 @@ def detect_format(record: object) -> str:
 
 
 def record_problems(record: AcceptanceRecord) -> list[tuple[str, str]]:
-    """(field, message) for every count identity an already-built record breaks; empty if none.
+    """(field, message) for every count identity an already-built record breaks, and every value
+    the database could not store; empty if none.
 
     For records made outside ``parse_batch`` (e.g. Prometheus deltas), so they obey the same rules.
     """
@@ -184,7 +192,7 @@ def record_problems(record: AcceptanceRecord) -> list[tuple[str, str]]:
         _NATIVE_NAMES,
         errs,
     )
-    return errs
+    return errs + storage_problems(record)
 
 
 def _parse_records(records: list[Any], fmt: str, problems: list[Problem]) -> list[AcceptanceRecord]:
@@ -503,6 +511,42 @@ class _Names(NamedTuple):
 _NATIVE_NAMES: Final = _Names("drafted_tokens", "accepted_tokens", "verify_steps", "accepted_per_position")
 
 
+def storage_problems(record: AcceptanceRecord) -> list[tuple[str, str]]:
+    """(field, message) for every value of ``record`` the database could not store exactly."""
+    errs: _Errs = []
+    for name in ("drafted_tokens", "accepted_tokens", "verify_steps", "generated_tokens", "prompt_tokens"):
+        value = getattr(record, name)
+        if value is not None and value > MAX_COUNT:
+            errs.append((name, f"must be at most {MAX_COUNT}, got {value}"))
+    if record.drafter_version is not None and record.drafter_version > MAX_COUNT:
+        errs.append(("drafter_version", f"must be at most {MAX_COUNT}, got {record.drafter_version}"))
+    if record.k is not None and record.k > MAX_K:
+        errs.append(("k", f"must be at most {MAX_K}, got {record.k}"))
+    if len(record.accepted_per_position) > MAX_K:
+        errs.append(
+            ("accepted_per_position", f"has {len(record.accepted_per_position)} positions; at most {MAX_K}")
+        )
+    elif any(c > MAX_COUNT for c in record.accepted_per_position):
+        errs.append(("accepted_per_position", f"counts must be at most {MAX_COUNT}"))
+    for name in ("ttft_ms", "inter_token_ms", "total_ms"):
+        value = getattr(record, name)
+        if value is not None and value > MAX_LATENCY_MS:
+            errs.append((name, f"must be at most {MAX_LATENCY_MS:.0f} ms (a day), got {value!r}"))
+    if "\x00" in record.request_id:
+        errs.append(("request_id", "must not contain NUL"))
+    if record.category is not None and "\x00" in record.category:
+        errs.append(("category", "must not contain NUL"))
+    if record.created_at is not None and not EARLIEST <= record.created_at < LATEST:
+        errs.append(
+            (
+                "created_at",
+                f"must be between {EARLIEST:%Y-%m-%d} and {LATEST:%Y-%m-%d}, "
+                f"got {record.created_at.isoformat()}",
+            )
+        )
+    return errs
+
+
 def _check_relations(
     drafted: int,
     accepted: int,
@@ -639,7 +683,7 @@ def _from_native(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
             errs.append(("drafter_version", f"is {drafter_version} but arm is canary:{arm_version}"))
     if errs or positions is None or arm is None:
         return None
-    return AcceptanceRecord(
+    record = AcceptanceRecord(
         request_id,
         drafted,
         accepted,
@@ -656,6 +700,8 @@ def _from_native(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
         category,
         created_at,
     )
+    errs.extend(storage_problems(record))
+    return None if errs else record
 
 
 # --------------------------------------------------------------------------------------------
@@ -742,7 +788,7 @@ def _build(
         generated = accepted + steps
     if errs:
         return None
-    return AcceptanceRecord(
+    record = AcceptanceRecord(
         env.request_id,
         drafted,
         accepted,
@@ -759,6 +805,8 @@ def _build(
         env.category,
         env.created_at,
     )
+    errs.extend(storage_problems(record))
+    return None if errs else record
 
 
 def _baseline(

@@ -111,6 +111,41 @@ def test_invalid_records_reject_the_whole_batch(
     assert _counts(db) == (0, 0)
 
 
+def test_values_the_database_refuses_get_a_clear_422_and_never_touch_another_account(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, globex = tenants
+    bad_base, good_base = _deployment(client, acme), _deployment(client, globex)
+    rng = random.Random(5)
+    poisons = [
+        {"drafted_tokens": 2**40, "verify_steps": 2**40, "generated_tokens": 2**40, "k": None},
+        {"k": 40_000},
+        {"arm": "canary:" + "9" * 30},
+        {"category": "c" * 150},
+        {"category": "nul\x00"},
+        {"created_at": "0001-01-01T00:00:00+00:00"},
+        {"total_ms": 1e307},
+    ]
+    for i, poison in enumerate(poisons):
+        record = {**native_record(i, rng), **poison}
+        response = client.post(
+            f"{bad_base}/acceptance", json={"records": [record]}, headers=acme.headers(Role.ingest)
+        )
+        assert response.status_code == 422, (poison, response.text)
+        assert response.json()["error"]["details"][0]["field"] in {
+            *poison,
+            "drafter_version",
+            "drafted_tokens",
+        }
+        good = client.post(
+            f"{good_base}/acceptance",
+            json={"records": [native_record(100 + i, rng)]},
+            headers=globex.headers(Role.ingest),
+        )
+        assert good.status_code == 200 and good.json()["inserted"] == 1, good.text
+    assert _counts(db) == (len(poisons), len(poisons))  # only the other account's, every one of them
+
+
 def test_batch_limit(client: TestClient, tenants: tuple[Tenant, Tenant], db: Database) -> None:
     acme, _ = tenants
     base = _deployment(client, acme)

@@ -899,3 +899,32 @@ def test_a_vllm_reply_without_acceptance_on_the_baseline_arm_is_a_no_speculation
     # On a speculating arm a missing block is still a problem: it hides lost acceptance.
     (problem,) = problems_of({"format": "vllm", "records": [{**reply, "arm": "live"}]})
     assert problem.field == "metrics.speculative_decoding" and "n == 1" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"drafted_tokens": 2**40, "verify_steps": 2**40, "generated_tokens": 2**40}, "drafted_tokens"),
+        ({"generated_tokens": 2**31}, "generated_tokens"),
+        ({"prompt_tokens": 2**35}, "prompt_tokens"),
+        ({"k": 40_000}, "k"),
+        ({"arm": "canary:" + "9" * 30}, "drafter_version"),
+        ({"category": "c" * 150}, "category"),
+        ({"category": "a\x00b"}, "category"),
+        ({"request_id": "r\x00"}, "request_id"),
+        ({"created_at": "0001-01-01T00:00:00+00:00"}, "created_at"),
+        ({"created_at": "9999-12-31T00:00:00+00:00"}, "created_at"),
+        ({"total_ms": 1e307}, "total_ms"),
+        ({"accepted_per_position": [0] * 65, "k": None}, "accepted_per_position"),
+    ],
+)
+def test_values_the_database_cannot_store_are_refused_before_they_join_a_shared_write(
+    change: dict[str, Any], field: str
+) -> None:
+    record = {**native(), **change}
+    problems = problems_of({"records": [record]})
+    assert field in {p.field for p in problems}, problems
+    # The same limits hold for engine formats, which are built through the same record.
+    sglang = copy.deepcopy(SGLANG_RESPONSE)
+    sglang["meta_info"]["completion_tokens"] = 2**33
+    assert "generated_tokens" in {p.field for p in problems_of({"records": [{**sglang, "request_id": "s"}]})}
