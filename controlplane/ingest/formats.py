@@ -513,6 +513,27 @@ _NATIVE_NAMES: Final = _Names("drafted_tokens", "accepted_tokens", "verify_steps
 
 def storage_problems(record: AcceptanceRecord) -> list[tuple[str, str]]:
     """(field, message) for every value of ``record`` the database could not store exactly."""
+    r = record
+    # One chain of comparisons passes the common, storable record (ingest's hot path); the report
+    # field by field only runs when it fails. Positions are non-increasing: the first is the largest.
+    if (
+        r.drafted_tokens <= MAX_COUNT
+        and r.accepted_tokens <= MAX_COUNT
+        and r.verify_steps <= MAX_COUNT
+        and r.generated_tokens <= MAX_COUNT
+        and (r.prompt_tokens is None or r.prompt_tokens <= MAX_COUNT)
+        and (r.drafter_version is None or r.drafter_version <= MAX_COUNT)
+        and (r.k is None or r.k <= MAX_K)
+        and len(r.accepted_per_position) <= MAX_K
+        and (not r.accepted_per_position or r.accepted_per_position[0] <= MAX_COUNT)
+        and (r.ttft_ms is None or r.ttft_ms <= MAX_LATENCY_MS)
+        and (r.inter_token_ms is None or r.inter_token_ms <= MAX_LATENCY_MS)
+        and (r.total_ms is None or r.total_ms <= MAX_LATENCY_MS)
+        and "\x00" not in r.request_id
+        and (r.category is None or "\x00" not in r.category)
+        and (r.created_at is None or EARLIEST <= r.created_at < LATEST)
+    ):
+        return []
     errs: _Errs = []
     for name in ("drafted_tokens", "accepted_tokens", "verify_steps", "generated_tokens", "prompt_tokens"):
         value = getattr(record, name)
