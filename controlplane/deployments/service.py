@@ -31,6 +31,7 @@ from controlplane.drafters.service import (
 from controlplane.errors import ConflictError, ValidationProblem
 from controlplane.models.service import drafter_choice, validate_deployment_models
 from controlplane.timestamps import utcnow
+from controlplane.traces.formats import MAX_TRACE_RETENTION_DAYS
 
 DRIFT_POLICY_KEYS = {"arl0_requests", "min_drop", "cooldown_s", "reference_requests"}
 
@@ -208,8 +209,10 @@ def update_deployment(
             raise ValidationProblem("trace_sample_rate must be between 0 and 1")
         deployment.trace_sample_rate = changes.trace_sample_rate
     if changes.trace_retention_days is not None:
-        if changes.trace_retention_days < 1:
-            raise ValidationProblem("trace_retention_days must be at least 1")
+        if not 1 <= changes.trace_retention_days <= MAX_TRACE_RETENTION_DAYS:
+            raise ValidationProblem(
+                f"trace_retention_days must be between 1 and {MAX_TRACE_RETENTION_DAYS} (ten years)"
+            )
         deployment.trace_retention_days = changes.trace_retention_days
     after = _audit_view(deployment)
     if after == before:

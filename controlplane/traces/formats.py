@@ -26,6 +26,9 @@ MAX_TEXT_BYTES: Final = 64 * 1024  # per prompt and per completion, UTF-8
 MAX_CATEGORY_CHARS: Final = 100  # the traces.category column
 MAX_DATASET_BYTES: Final = 50 * 1024 * 1024
 MAX_DATASET_LINES: Final = 100_000
+# A deployment keeps its traces between 1 day and ten years; the hourly cleanup computes
+# "now - retention" and a larger value would overflow a date.
+MAX_TRACE_RETENTION_DAYS: Final = 3_650
 # A reply listing every bad line of a 100,000-line file would itself be huge.
 MAX_REPORTED_PROBLEMS: Final = 100
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.db.models import Deployment, Trace, TraceSource
 from controlplane.timestamps import as_utc, utcnow
-from controlplane.traces.formats import MAX_CATEGORY_CHARS, TraceInput
+from controlplane.traces.formats import MAX_CATEGORY_CHARS, MAX_TRACE_RETENTION_DAYS, TraceInput
 from controlplane.traces.scrub import Entity, scrub
 
 MAX_PAGE_SIZE: Final = 1_000
@@ -126,11 +126,14 @@ def apply_retention(*, session: Session, now: datetime) -> dict[int, int]:
     moment = as_utc(now)
     deployments = session.execute(select(Deployment.id, Deployment.trace_retention_days)).all()
     for deployment_id, retention_days in deployments:
+        # Clamped, so that a value stored before retention was bounded cannot stop every
+        # deployment's cleanup with an overflowing date.
+        days = min(max(int(retention_days), 1), MAX_TRACE_RETENTION_DAYS)
         count = _execute_dml(
             session,
             delete(Trace).where(
                 Trace.deployment_id == deployment_id,
-                Trace.created_at < moment - timedelta(days=retention_days),
+                Trace.created_at < moment - timedelta(days=days),
             ),
         )
         if count:

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from controlplane.db.models import Deployment, Role, Trace
 from controlplane.traces.formats import MAX_DATASET_BYTES, MAX_TEXT_BYTES, TraceInput
@@ -342,3 +342,41 @@ def test_retention_deletes_only_old_traces_of_each_deployment(
     assert remaining == sorted(
         [(short, "0.5 days old"), (long_, "2 days old"), (long_, "29 days old"), (globex_short, "2 days old")]
     )
+
+
+def test_retention_is_bounded_and_one_stored_outlier_cannot_stop_the_cleanup(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, globex = tenants
+    _deployment(client, acme, "forever")
+    _deployment(client, globex, "short")
+    for days in (0, 3_651, 1_000_000):
+        response = client.patch(
+            f"/v1/accounts/{acme.name}/deployments/forever",
+            json={"trace_retention_days": days},
+            headers=acme.headers(Role.admin),
+        )
+        assert response.status_code == 422 and "3650" in response.text, (days, response.text)
+    session = db.new_session()
+    deployments = {
+        name: (d_id, account)
+        for d_id, name, account in session.execute(
+            select(Deployment.id, Deployment.name, Deployment.account_id)
+        )
+    }
+    forever, short = deployments["forever"][0], deployments["short"][0]
+    # A value written before the bound existed (straight to the database).
+    session.execute(update(Deployment).where(Deployment.id == forever).values(trace_retention_days=1_000_000))
+    session.execute(update(Deployment).where(Deployment.id == short).values(trace_retention_days=1))
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    for deployment_id in (forever, short):
+        store_traces(
+            session=session,
+            deployment_id=deployment_id,
+            items=[TraceInput("old", "c")],
+            now=now - timedelta(days=5),
+        )
+    session.commit()
+    assert apply_retention(session=session, now=now) == {short: 1}  # the other account's cleanup still runs
+    session.commit()
+    session.close()
