@@ -49,7 +49,7 @@ from controlplane.router.config import (
     RouterConfigError,
     load_config,
 )
-from controlplane.router.follower import DEFAULT, ArmSpec, FollowedConfig, ServingConfigFollower
+from controlplane.router.follower import DEFAULT, FollowedConfig, ServingConfigFollower
 from controlplane.router.pools import Attempt, BackendState, CircuitBreakers, Pools
 from controlplane.router.reporter import ControlPlaneReporter
 from controlplane.router.spool import DiskSpool
@@ -632,4 +632,4 @@ def from_settings() -> Router:
     return create_app(config, settings.router_api_key)
 
 
-__all__ = ["ArmSpec", "Router", "create_app"]
+__all__ = ["Router", "create_app", "from_settings"]

@@ -40,7 +40,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-POOLS = ("incumbent", "candidate", "baseline", "follower")
 Pool = Literal["incumbent", "candidate", "baseline", "follower"]
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
 

@@ -22,6 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from controlplane.cli import app
+from tests.aiperf_spec import AIPERF_METADATA_REQUIRED, AIPERF_METRIC_STATS, AIPERF_SUMMARY_TOP
 
 pytest.importorskip("torch")
 
@@ -270,46 +271,6 @@ def test_benchmark_built_in_prompts_need_no_dataset(server_url: str, tmp_path: P
     assert {r["metadata"]["category"] for r in records} == {"structured"}
     # Three requests over two prompts: the prompts are cycled, in order.
     assert [r["metadata"]["conversation_id"] for r in records] == ["prompt-0", "prompt-1", "prompt-0"]
-
-
-# AIPerf's reader models (ai-dynamo/aiperf): MetricRecordInfo / MetricRecordMetadata in
-# src/aiperf/common/models/record_models.py (required: metadata.session_num, request_start_ns,
-# request_end_ns, worker_id, record_processor_id, benchmark_phase; metrics as {"value", "unit"};
-# error), and JsonExportData / JsonMetricResult in src/aiperf/common/models/export_models.py (the
-# summary: schema_version, per-metric {"unit", "avg", "p50", ...}, was_cancelled, error_summary,
-# start_time, end_time). File names: docs/tutorials/working-with-profile-exports.md.
-AIPERF_METADATA_REQUIRED = {
-    "session_num",
-    "request_start_ns",
-    "request_end_ns",
-    "worker_id",
-    "record_processor_id",
-    "benchmark_phase",
-}
-AIPERF_METRIC_STATS = {
-    "unit",
-    "avg",
-    "p1",
-    "p5",
-    "p10",
-    "p25",
-    "p50",
-    "p75",
-    "p90",
-    "p95",
-    "p99",
-    "min",
-    "max",
-    "std",
-}
-AIPERF_SUMMARY_TOP = {
-    "schema_version",
-    "benchmark_id",
-    "was_cancelled",
-    "error_summary",
-    "start_time",
-    "end_time",
-}
 
 
 @pytest.fixture

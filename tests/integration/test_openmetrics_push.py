@@ -33,14 +33,17 @@ def _stored(db: Database) -> list[tuple[int, int, int, list[int]]]:
         session.close()
 
 
+def _served_once(client: TestClient, tenant: Tenant) -> tuple[str, dict[str, str], FakeVllmServer]:
+    """The push URL, an ingest key's OpenMetrics headers, and a vLLM that served one window."""
+    server = FakeVllmServer(k=4)
+    server.serve(10, 40, 25, [9, 8, 5, 3])
+    return _push_url(client, tenant), {**tenant.headers(Role.ingest), **OPENMETRICS}, server
+
+
 def test_openmetrics_scrapes_store_their_deltas(
     client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
 ) -> None:
-    acme, _ = tenants
-    url = _push_url(client, acme)
-    headers = {**acme.headers(Role.ingest), **OPENMETRICS}
-    server = FakeVllmServer(k=4)
-    server.serve(10, 40, 25, [9, 8, 5, 3])
+    url, headers, server = _served_once(client, tenants[0])
     first = client.post(url, content=server.scrape(), headers=headers)
     assert first.status_code == 200, first.text
     server.serve(5, 20, 8, [4, 2, 2, 0])
@@ -53,11 +56,7 @@ def test_openmetrics_scrapes_store_their_deltas(
 def test_restart_between_scrapes_counts_once(
     client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
 ) -> None:
-    acme, _ = tenants
-    url = _push_url(client, acme)
-    headers = {**acme.headers(Role.ingest), **OPENMETRICS}
-    server = FakeVllmServer(k=4)
-    server.serve(10, 40, 25, [9, 8, 5, 3])
+    url, headers, server = _served_once(client, tenants[0])
     assert client.post(url, content=server.scrape(), headers=headers).status_code == 200
     restarted = FakeVllmServer(k=4, started_at=RESTARTED_AT)
     restarted.serve(14, 56, 30, [12, 9, 6, 3])  # no counter went down
@@ -70,11 +69,7 @@ def test_restart_between_scrapes_counts_once(
 def test_openmetrics_body_without_eof_is_refused(
     client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
 ) -> None:
-    acme, _ = tenants
-    url = _push_url(client, acme)
-    headers = {**acme.headers(Role.ingest), **OPENMETRICS}
-    server = FakeVllmServer(k=4)
-    server.serve(10, 40, 25, [9, 8, 5, 3])
+    url, headers, server = _served_once(client, tenants[0])
     truncated = server.scrape().removesuffix("# EOF\n")
     reply = client.post(url, content=truncated, headers=headers)
     assert reply.status_code == 422, reply.text
