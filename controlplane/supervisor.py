@@ -7,7 +7,7 @@ Starts, in order, and waits for each to be healthy:
    replay) and beat, healthy when their logs say `ready.` / `beat: Starting...`;
 3. the reference server (`python -m workers.serve --control-plane ...`), healthy on `GET /healthz`;
    it reads each deployment's serving config from the API and posts acceptance records and
-   sampled traces back, with its own ingest-role key (kept in `var/serving.key`, mode 0600).
+   sampled traces back, with its own serving-role key (kept in `var/serving.key`, mode 0600).
 
 The database is migrated and the first account created before anything starts (the same bootstrap
 as `controlplane serve`). Every child runs in its own process group and session, so a terminal's
@@ -286,8 +286,9 @@ def redact(url: str) -> str:
 
 def serving_key(settings: Settings, account_name: str | None) -> tuple[Path, str]:
     """The file holding the reference server's ingest key, and the account name. The key in
-    `var/serving.key` is reused while it still authenticates, else a new one is issued (role
-    ingest: it may read serving config and write data, nothing else)."""
+    `var/serving.key` is reused while it still authenticates as a serving key, else a new one is
+    issued (role serving: it reads serving config and writes the records a canary judges, nothing
+    else)."""
     path = settings.var_dir / "serving.key"
     with unit_of_work(settings.database_url) as session:
         account = (
@@ -302,13 +303,13 @@ def serving_key(settings: Settings, account_name: str | None) -> tuple[Path, str
         if path.exists():
             secret = path.read_text().strip()
             principal = authenticate(session=session, presented=secret, secret=settings.secret_key)
-            if principal is not None and principal.account_id == account.id and principal.role == Role.ingest:
+            if principal is not None and principal.account_id == account.id and principal.role == Role.serving:
                 return path, account.name
         issued = issue_key(
             session=session,
             account=account,
             name=SERVING_KEY_NAME,
-            role=Role.ingest,
+            role=Role.serving,
             secret=settings.secret_key,
         )
         name = account.name

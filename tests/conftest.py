@@ -159,7 +159,7 @@ def make_tenant(session: Session, name: str) -> Tenant:
     account, admin = create_account(session=session, name=name, secret=TEST_SECRET)
     keys = {Role.admin: admin.secret}
     owner = session.get_one(Account, account.id)
-    for role in (Role.ingest, Role.viewer):
+    for role in (Role.ingest, Role.viewer, Role.serving):
         keys[role] = issue_key(
             session=session, account=owner, name=role.value, role=role, secret=TEST_SECRET
         ).secret

@@ -236,10 +236,11 @@ DeploymentIdCacheDep = Annotated[DeploymentIdCache, Depends(get_deployment_id_ca
 
 
 READ_ROLES = frozenset({Role.admin, Role.viewer})
-WRITE_DATA_ROLES = frozenset({Role.admin, Role.ingest})
+# The serving fleet writes data too; only its records (from_serving_key) steer a canary.
+WRITE_DATA_ROLES = frozenset({Role.admin, Role.ingest, Role.serving})
 ADMIN_ROLES = frozenset({Role.admin})
-# The serving fleet holds an ingest key and must read what to serve with it.
-SERVING_ROLES = frozenset({Role.admin, Role.viewer, Role.ingest})
+# What to serve names the live arms: only the fleet's own serving key (and admin) reads it.
+SERVING_ROLES = frozenset({Role.admin, Role.serving})
 
 
 def check_access(principal: Principal, account: str, allowed: frozenset[Role]) -> None:

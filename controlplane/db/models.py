@@ -56,6 +56,9 @@ class Role(enum.StrEnum):
     admin = "admin"
     ingest = "ingest"
     viewer = "viewer"
+    # The serving fleet (router, engines): its records are the only ones the canary judges, and
+    # it alone (with admin) reads what to serve.
+    serving = "serving"
 
 
 class SpeculationMode(enum.StrEnum):
@@ -305,6 +308,9 @@ class AcceptanceRecordRow(Base):
     inter_token_ms: Mapped[float | None] = mapped_column(Float)
     total_ms: Mapped[float | None] = mapped_column(Float)
     category: Mapped[str | None] = mapped_column(String(100))
+    # Written under a serving key (the fleet itself): only such records steer a canary, so an
+    # ingest key cannot forge arm labels into promotion or rollback.
+    from_serving_key: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
 
 
 class AcceptanceRollupPendingRow(Base):
@@ -393,6 +399,19 @@ class AcceptanceRollup(AcceptanceRollupRow):
     __mapper_args__ = {"polymorphic_identity": "minute"}
 
 
+class QuarantinedRollupRecord(Base):
+    """An acceptance record the rollup fold could not add (a sum it cannot hold): set aside with
+    the reason, so one bad row is reported once instead of failing every fold after it."""
+
+    __tablename__ = "quarantined_rollup_records"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    record_id: Mapped[int] = mapped_column(BigInteger)
+    reason: Mapped[str] = mapped_column(String(500))
+    quarantined_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class CounterSnapshotRow(Base):
     """Last Prometheus counter values pushed per deployment, to turn counters into deltas."""
 
@@ -440,6 +459,8 @@ class DriftEvent(Base):
     evidence: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     resolution: Mapped[DriftResolution | None] = mapped_column(_enum(DriftResolution, "drift_resolution"))
+    # Why it ended that way, in words (a failed realignment's error, a replay's timeout...).
+    resolution_reason: Mapped[str | None] = mapped_column(Text)
 
 
 class Job(Base):
@@ -475,6 +496,12 @@ class Job(Base):
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # A running attempt's lease, renewed by its worker's heartbeat: once it expires the worker is
+    # presumed dead and the job is queued again (or failed once its attempts are spent).
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # A failed attempt waits until then before the next one (exponential backoff).
+    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Canary(Base):
@@ -494,6 +521,14 @@ class Canary(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     decided_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The shadow replay's message: when it was last sent and how many times, so a lost one is
+    # re-sent and one that never answers ends the canary with a reason.
+    shadow_sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    shadow_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    # The judge's running per-arm sums and the last acceptance record folded into them: each tick
+    # reads only records after the watermark.
+    judge_watermark_record_id: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    judge_state: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict, server_default="{}")
 
 
 class AuditEntry(Base):
