@@ -27,6 +27,7 @@ from controlplane.api import (
     traces,
 )
 from controlplane.api.deps import DeploymentIdCache, PrincipalCache
+from controlplane.api.gate import BodyTooLargeError, RequestGate, error_response
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
 from controlplane.dashboard import routes as dashboard
@@ -37,13 +38,6 @@ from controlplane.messaging import BackgroundSender
 from controlplane.observability import routes as observability
 
 log = logging.getLogger(__name__)
-
-
-def _error(status: int, code: str, message: str, details: object = None) -> JSONResponse:
-    body: dict[str, object] = {"error": {"code": code, "message": message}}
-    if details is not None:
-        body["error"] = {"code": code, "message": message, "details": details}
-    return JSONResponse(body, status_code=status)
 
 
 def _document_api_keys(app: FastAPI) -> None:
@@ -116,11 +110,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(DomainError)
     async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
-        return _error(exc.status_code, type(exc).__name__, exc.message, exc.details)
+        return error_response(exc.status_code, type(exc).__name__, exc.message, exc.details)
+
+    @app.exception_handler(BodyTooLargeError)
+    async def body_too_large(_: Request, exc: BodyTooLargeError) -> JSONResponse:
+        return exc.response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        response = _error(exc.status_code, "HTTPError", str(exc.detail))
+        response = error_response(exc.status_code, "HTTPError", str(exc.detail))
         if exc.headers:
             response.headers.update(exc.headers)
         return response
@@ -128,8 +126,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         details = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
-        return _error(422, "ValidationProblem", "request is invalid", details)
+        if any(e["loc"][:1] == ("path",) for e in exc.errors()):
+            # An id or version no row can have (2**63, -1, "abc") names nothing: 404, as an
+            # unknown one would.
+            return error_response(404, "NotFoundError", "no such resource: the path names nothing", details)
+        return error_response(422, "ValidationProblem", "request is invalid", details)
 
+    # Key, rate and body size are checked before a route reads its body (see the module).
+    app.add_middleware(RequestGate)
     _document_api_keys(app)
     # Routes match in the order included: the ingest routes, by far the most requested, go first.
     routers = (acceptance, health, keys, deployments, drift, traces, jobs, canaries, models, scrape, fleet)

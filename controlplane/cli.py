@@ -423,7 +423,9 @@ def job_cancel(
 @key_app.command("create")
 def key_create(
     name: Annotated[str, typer.Argument()],
-    role: Annotated[str, typer.Option(help="admin | ingest | viewer")] = "viewer",
+    role: Annotated[
+        str, typer.Option(help="admin | ingest | viewer | serving (the fleet: router, servers)")
+    ] = "viewer",
 ) -> None:
     """Issue a key; the secret is printed once."""
     client = ApiClient(get_settings())

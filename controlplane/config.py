@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     max_batch_records: int = Field(default=10_000, ge=1)
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     rollup_bucket_seconds: int = 60
+    # Prometheus ingestion: label sets (engines) one push or scraped page may carry; more is a
+    # 413. Also bounds the label sets a snapshot keeps (vanished ones are remembered for a while).
+    prometheus_max_label_sets: int = Field(default=1000, ge=1, le=100_000)
 
     # Drift and canary thresholds (defaults per deployment; each deployment may override).
     drift_arl0_requests: int = Field(default=50_000, ge=100)
@@ -92,6 +95,11 @@ class Settings(BaseSettings):
     # Service-wide canary defaults; their valid ranges are CanaryPolicy's (checked below).
     canary_alpha: float = 0.05
     canary_min_samples_per_arm: int = 50
+    # A shadow replay that shows no sign of life (no result, no worker heartbeat) this long after
+    # its message was sent is sent again, at most shadow_max_sends times in all; after the last
+    # one the canary ends inconclusive with that reason and the incumbent keeps serving.
+    shadow_resend_after_s: float = Field(default=600.0, gt=0, le=7 * 86400)
+    shadow_max_sends: int = Field(default=3, ge=1, le=100)
 
     # Realignment. Redis re-delivers an unacknowledged task (its worker died) only after this
     # long, so it must exceed the longest job; tests shorten it to see a redelivery quickly.
@@ -114,12 +122,33 @@ class Settings(BaseSettings):
     worker_teacher_memory_mb: int = Field(default=1024, ge=16)
     realign_max_wait_s: float = Field(default=600.0, ge=0)
 
+    # Recovery of realign jobs. An attempt that raised is retried after realign_retry_backoff_s *
+    # 2^(n-1) (n: attempts so far) until realign_max_attempts, then the job fails. A running
+    # attempt holds a lease of realign_lease_s that its worker renews every third of it; once the
+    # lease lapses the worker counts as dead, and the beat sweep queues the job again (or fails
+    # it when its attempts are spent). Too little traffic to train on is never retried.
+    realign_max_attempts: int = Field(default=3, ge=1, le=10)
+    realign_retry_backoff_s: float = Field(default=60.0, gt=0, le=3600)
+    realign_lease_s: float = Field(default=60.0, ge=1, le=3600)
+
     # The programs a `command` actuator may run, by name: {"reload": ["/usr/local/bin/reload"]}
     # (env CONTROLPLANE_ACTUATOR_COMMANDS as JSON). The API only ever picks one of these names:
     # an API key must never be able to make the control plane's hosts run a program of its choice.
     actuator_commands: dict[str, list[str]] = Field(default_factory=dict)
     # How long one command actuator run may take before it is killed (and the attempt failed).
     actuator_command_timeout_s: float = Field(default=60.0, gt=0)
+
+    # Request limits (controlplane.api.gate). Every route other than the ingest ones (whose bodies
+    # max_body_bytes bounds) takes a JSON body of at most this size.
+    max_json_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    # Requests per second and burst, per API key, on the ingest routes (records, pushes, traces,
+    # datasets) and on every other route. Each API process keeps its own buckets: N processes
+    # let a key through N times as fast. The defaults sit far above what the benchmarks and a
+    # router send (a batch is one request), so only a runaway client meets them.
+    ingest_rate_per_s: float = Field(default=2000.0, gt=0)
+    ingest_rate_burst: int = Field(default=4000, ge=1)
+    admin_rate_per_s: float = Field(default=100.0, gt=0)
+    admin_rate_burst: int = Field(default=1000, ge=1)
 
     @model_validator(mode="after")
     def _refuse_unsafe_defaults(self) -> Settings:
@@ -139,6 +168,33 @@ class Settings(BaseSettings):
             None, alpha=self.canary_alpha, min_samples=self.canary_min_samples_per_arm
         )
         return self
+
+    @model_validator(mode="after")
+    def _realign_budget_fits_the_visibility_timeout(self) -> Settings:
+        # A task still running when the broker's visibility timeout passes is handed to a second
+        # worker: the configured budget must leave the trace wait and the margin below it.
+        budget, ceiling = self.realign_time_budget_s, self.realign_budget_ceiling_s
+        if budget is not None and budget > ceiling:
+            raise ValueError(
+                f"realign_time_budget_s ({budget:g} s) must stay below celery_visibility_timeout_s "
+                f"({self.celery_visibility_timeout_s} s) less realign_max_wait_s "
+                f"({self.realign_max_wait_s:g} s) and a margin of {self.realign_margin_s:g} s: "
+                f"at most {ceiling:g} s"
+            )
+        return self
+
+    @property
+    def realign_margin_s(self) -> float:
+        """What a realign task spends besides waiting and training (loading the models, the
+        held-out scoring, saving and uploading the artifact): 10% of the visibility timeout,
+        at least a minute."""
+        return max(60.0, 0.1 * self.celery_visibility_timeout_s)
+
+    @property
+    def realign_budget_ceiling_s(self) -> float:
+        """The longest training budget a realign job may have: its whole task (trace wait,
+        training, margin) then ends before the broker's visibility timeout."""
+        return self.celery_visibility_timeout_s - self.realign_max_wait_s - self.realign_margin_s
 
     @property
     def artifact_store(self) -> str:

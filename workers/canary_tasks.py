@@ -14,8 +14,15 @@ from typing import Any
 from controlplane import messaging
 from controlplane.artifacts.manifest import ArtifactVerificationError
 from controlplane.canary.evaluate import evaluate_deployment
-from controlplane.canary.service import deployments_with_open_canaries
-from controlplane.canary.shadow import ReplayPlan, claim_replay, fail_replay, finish_replay
+from controlplane.canary.service import deployments_with_open_canaries, record_evaluation_error
+from controlplane.canary.shadow import (
+    ReplayPlan,
+    claim_replay,
+    fail_replay,
+    finish_replay,
+    record_replay_heartbeat,
+    sweep_overdue_replays,
+)
 from controlplane.config import Settings, get_settings
 from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
 from controlplane.errors import ConflictError, DomainError
@@ -37,27 +44,73 @@ PROMPT_TOKENS = 256  # the prompt tail the replay keeps: what a drafter's contex
 
 @project_task(messaging.CANARY_EVALUATE_ALL, ignore_result=True)
 def evaluate_all() -> dict[str, Any]:
-    """Beat entry point: judge every live canary, watch promotions, apply guardrails."""
-    settings = get_settings()
+    """Beat entry point: re-send or end shadow replays that never answered, then judge every live
+    canary, watch promotions and apply guardrails.
+
+    Each deployment runs in its own transaction: one whose evaluation fails is rolled back, logged
+    and counted on its canary (``specctl_canary_evaluation_errors_total``), and the tick goes on
+    with the next deployment.
+    """
+    return judge_tick(get_settings())
+
+
+def judge_tick(settings: Settings) -> dict[str, Any]:
+    """One tick of ``evaluate_all`` on the database ``settings`` name."""
     outcomes: dict[str, Any] = {}
+    try:
+        outcomes["shadow_replays"] = _sweep_replays(settings)
+    except Exception:  # the judge below must still run
+        log.exception("shadow replay sweep failed")
     try:
         with unit_of_work(settings.database_url) as session:
             ids = deployments_with_open_canaries(session=session)
     except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     for deployment_id in ids:
+        outcome = evaluate_one(settings, deployment_id)
+        if outcome:
+            outcomes[str(deployment_id)] = outcome
+    return outcomes
+
+
+def evaluate_one(settings: Settings, deployment_id: int) -> dict[str, Any] | None:
+    """One deployment's tick in its own transaction; a failure is logged and counted, never raised."""
+    try:
+        with unit_of_work(settings.database_url) as session:
+            outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
+            deliveries = take_outbox(session)
+        # After the commit: an actuator event (canary start, promotion, rollback) goes out now
+        # rather than with the next resend sweep.
+        messaging.send_all(celery_app, deliveries)
+        return outcome
+    except ConflictError as exc:  # another evaluator or a person acted first: next tick sees it
+        log.info("canary evaluation of deployment %s skipped: %s", deployment_id, exc)
+        return None
+    except Exception as exc:
+        log.exception("canary evaluation of deployment %s failed", deployment_id)
+        error = f"{type(exc).__name__}: {exc}"
         try:
             with unit_of_work(settings.database_url) as session:
-                outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
-                deliveries = take_outbox(session)
-            # After the commit: an actuator event (canary start, promotion, rollback) goes out now
-            # rather than with the next resend sweep.
-            messaging.send_all(celery_app, deliveries)
-            if outcome:
-                outcomes[str(deployment_id)] = outcome
-        except ConflictError as exc:  # another evaluator or a person acted first: next tick sees it
-            log.info("canary evaluation of deployment %s skipped: %s", deployment_id, exc)
-    return outcomes
+                record_evaluation_error(session=session, deployment_id=deployment_id, error=error)
+        except Exception:
+            log.exception("could not count the failed evaluation of deployment %s", deployment_id)
+        return {"error": error}
+
+
+def _sweep_replays(settings: Settings) -> dict[str, list[int]]:
+    with unit_of_work(settings.database_url) as session:
+        sweep = sweep_overdue_replays(
+            session=session,
+            resend_after_s=settings.shadow_resend_after_s,
+            max_sends=settings.shadow_max_sends,
+        )
+    for job_id in sweep.resend_jobs:
+        log.warning("shadow replay job %s has not answered; sending it again", job_id)
+    messaging.send_all(
+        celery_app,
+        [messaging.TaskMessage(messaging.SHADOW_REPLAY, (job_id,)) for job_id in sweep.resend_jobs],
+    )
+    return {"resent_jobs": sweep.resend_jobs, "ended_canaries": sweep.ended_canaries}
 
 
 @project_task(messaging.SHADOW_REPLAY, bind=True)
@@ -80,6 +133,7 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
     def progress(fraction: float, message: str) -> bool:
         self.report_progress(fraction, message)
         with unit_of_work(url) as session:
+            record_replay_heartbeat(session=session, job_id=job_id)
             return report_progress(session=session, job_id=job_id, fraction=fraction, message=message)
 
     try:
@@ -99,11 +153,23 @@ def shadow_replay(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
                 error=f"{type(exc).__name__}: {exc}",
                 candidate_refused=False,
             )
-    with unit_of_work(url) as session:
-        finished = finish_replay(
-            session=session, job_id=job_id, canary_id=plan.canary_id, result=result, settings=settings
-        )
-        deliveries = take_outbox(session)
+    try:
+        with unit_of_work(url) as session:
+            finished = finish_replay(
+                session=session, job_id=job_id, canary_id=plan.canary_id, result=result, settings=settings
+            )
+            deliveries = take_outbox(session)
+    except TRANSIENT_DATABASE_ERRORS as exc:
+        raise TransientError(str(exc)) from exc
+    except Exception as exc:  # a result that cannot be recorded would only fail again on a resend
+        log.exception("recording the shadow replay of job %s failed", job_id)
+        with unit_of_work(url) as session:
+            return fail_replay(
+                session=session,
+                job_id=job_id,
+                error=f"recording the replay failed: {type(exc).__name__}: {exc}",
+                candidate_refused=False,
+            )
     messaging.send_all(celery_app, deliveries)
     return finished
 
@@ -124,6 +190,7 @@ def _replay(plan: ReplayPlan, settings: Settings, progress: Progress) -> dict[st
     from workers.canary.replay import shadow_replay as replay
     from workers.devices import resolve_device, weights_dtype
     from workers.engine.hf_io import load_hf_folder
+    from workers.engine.proposers import NgramProposer
     from workers.engine.tokenizer import ensure_same_tokenizer
     from workers.loading import VerifiedModels
     from workers.model_cache import TARGETS
@@ -147,9 +214,14 @@ def _replay(plan: ReplayPlan, settings: Settings, progress: Progress) -> dict[st
         loader=lambda: load_hf_folder(target_folder, device=device, dtype=dtype),
     )
     folders = {"candidate": (plan.candidate.name, candidate_folder)}
-    if plan.incumbent is not None:  # none when the deployment speculated with no drafter
-        folders["incumbent"] = (plan.incumbent.name, models.folder(plan.incumbent))
     arms: dict[str, Any] = {"baseline": None}
+    # The incumbent is what the live arm serves: a drafter, n-gram or no speculation at all.
+    if plan.incumbent_speculation == "ngram":
+        arms["incumbent"] = NgramProposer(plan.ngram_length)
+    elif plan.incumbent_speculation == "disabled":
+        arms["incumbent"] = None
+    elif plan.incumbent is not None:
+        folders["incumbent"] = (plan.incumbent.name, models.folder(plan.incumbent))
     for arm, (name, folder) in folders.items():
         model, tok = load_hf_folder(folder, device=device, dtype=dtype)
         ensure_same_tokenizer(tokenizer, tok, plan.target.name, name)

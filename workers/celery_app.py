@@ -29,14 +29,25 @@ CANARY_EVALUATE_INTERVAL_S = 5.0
 SCRAPE_INTERVAL_S = 15.0
 # Actuator deliveries whose retry time has come are sent again this often.
 ACTUATOR_RESEND_INTERVAL_S = 5.0
-# The default of Settings.celery_visibility_timeout_s: longer than the longest job (realignment
-# is budgeted at minutes; canary replay likewise), so Redis never re-delivers a task that is
-# still running. It is also how long a task whose worker was killed waits to be re-delivered.
+# The default of Settings.celery_visibility_timeout_s: longer than the longest job (a realign
+# job's budget is checked against it), so Redis never re-delivers a task that is still running.
+# A realign job whose worker was killed does not wait for it: its lease lapses within a minute.
 VISIBILITY_TIMEOUT_S = 6 * 3600
 DRIFT_MONITOR_INTERVAL_S = 5.0
 # How often beat looks for realign jobs whose message was lost (Settings.realign_resend_after_s
-# says when a queued job counts as lost).
+# says when a queued job counts as lost), whose retry is due, or whose lease lapsed; more often
+# when the lease is short (see job_sweep_interval_s).
 JOB_SWEEP_INTERVAL_S = 30.0
+
+
+def job_sweep_interval_s(lease_s: float) -> float:
+    """The sweep runs at least twice per lease, so a dead worker's job waits at most about one
+    and a half leases before it is queued again.
+
+    >>> job_sweep_interval_s(60.0), job_sweep_interval_s(2.0)
+    (30.0, 1.0)
+    """
+    return max(0.5, min(JOB_SWEEP_INTERVAL_S, lease_s / 2))
 
 
 def transport_options(broker_url: str, visibility_timeout_s: int) -> dict[str, Any]:
@@ -85,7 +96,10 @@ def make_celery() -> Celery:
         beat_schedule={
             "drift-monitor": {"task": messaging.DRIFT_MONITOR_ALL, "schedule": DRIFT_MONITOR_INTERVAL_S},
             "trace-retention": {"task": messaging.TRACES_APPLY_RETENTION, "schedule": 3600.0},
-            "realign-resend": {"task": messaging.JOBS_RESEND_STALE_QUEUED, "schedule": JOB_SWEEP_INTERVAL_S},
+            "realign-resend": {
+                "task": messaging.JOBS_RESEND_STALE_QUEUED,
+                "schedule": job_sweep_interval_s(settings.realign_lease_s),
+            },
             "canary-evaluate": {
                 "task": messaging.CANARY_EVALUATE_ALL,
                 "schedule": CANARY_EVALUATE_INTERVAL_S,

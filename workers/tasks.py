@@ -7,7 +7,9 @@ No SQL, statistics or training logic lives here: the services are ``controlplane
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +24,15 @@ from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
 from controlplane.drift.service import advance_monitor, deployments_with_new_records
 from controlplane.errors import ConflictError, DomainError
 from controlplane.jobs import realign as realign_job
-from controlplane.jobs.service import claim_stale_queued_realigns, fail_job, report_progress
+from controlplane.jobs.recovery import heartbeat_interval_s
+from controlplane.jobs.service import (
+    claim_stale_queued_realigns,
+    end_failed_attempt,
+    fail_job,
+    recover_lapsed_leases,
+    renew_lease,
+    report_progress,
+)
 from controlplane.timestamps import utcnow
 from controlplane.traces.service import apply_retention
 from workers.celery_app import (
@@ -89,21 +99,31 @@ def monitor_deployment(deployment_id: int) -> dict[str, Any]:
 
 @project_task(messaging.JOBS_RESEND_STALE_QUEUED, ignore_result=True)
 def resend_stale_queued() -> list[int]:
-    """Beat entry point: re-send realign jobs queued too long without a worker starting them.
+    """Beat entry point: recover realign jobs that lost their worker, and send the queued ones
+    that need a message.
 
-    Each overdue job is claimed (its ``enqueued_at`` moves to now) and committed before its
-    message goes out, so the next sweep waits a full threshold again. A duplicate message is
-    harmless: ``realign.run`` skips a job that another delivery runs or that already finished.
+    First, running jobs whose lease lapsed (their worker was killed or hung) go back to queued
+    after the backoff, or fail once their attempts are spent. Then each queued job whose retry is
+    due, or whose message is overdue (lost), is claimed (its ``enqueued_at`` moves to now) and
+    committed before its message goes out, so the next sweep waits a full threshold again. A
+    duplicate message is harmless: ``realign.run`` starts only a queued job, by compare-and-set.
     """
     settings = get_settings()
-    cutoff = utcnow() - timedelta(seconds=settings.realign_resend_after_s)
+    now = utcnow()
+    cutoff = now - timedelta(seconds=settings.realign_resend_after_s)
     try:
         with unit_of_work(settings.database_url) as session:
-            job_ids = claim_stale_queued_realigns(session=session, older_than=cutoff)
+            recovered = recover_lapsed_leases(session=session, settings=settings, now=now)
+        with unit_of_work(settings.database_url) as session:
+            job_ids = claim_stale_queued_realigns(session=session, older_than=cutoff, now=now)
     except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
+    for job_id in recovered.requeued:
+        log.warning("realign job %s lost its worker (lease lapsed); queued for another attempt", job_id)
+    for job_id in recovered.failed:
+        log.warning("realign job %s lost its worker on its last attempt; failed", job_id)
     for job_id in job_ids:
-        log.warning("realign job %s was queued without starting; sending it again", job_id)
+        log.info("sending realign job %s (retry due, or its message was lost)", job_id)
     messaging.send_all(celery_app, [messaging.TaskMessage(messaging.REALIGN, (j,)) for j in job_ids])
     return job_ids
 
@@ -127,7 +147,12 @@ TRACE_POLL_S = 2.0
 
 
 class _Stopped(Exception):
-    """Training stopped without a result: the job was cancelled, or there was too little data."""
+    """Training stopped without a result: the job was cancelled, its attempt was given up, or
+    there was too little data (the job is already failed as ``not_enough_data``)."""
+
+
+class _Permanent(Exception):
+    """A failure that another attempt cannot fix (no drafter to realign): the job fails at once."""
 
 
 def _wait_for_traces(url: str, job_id: int, minimum: int, max_wait_s: float, progress: Progress) -> int:
@@ -145,49 +170,137 @@ def _wait_for_traces(url: str, job_id: int, minimum: int, max_wait_s: float, pro
         time.sleep(TRACE_POLL_S)
 
 
+def time_budget_s(params: dict[str, Any], settings: Settings) -> float:
+    """The attempt's training budget: the job's, else the settings', else the default; never past
+    the ceiling that keeps the whole task below the broker's visibility timeout."""
+    wanted = float(params.get("time_budget_s") or settings.realign_time_budget_s or DEFAULT_TIME_BUDGET_S)
+    return max(1.0, min(wanted, settings.realign_budget_ceiling_s))
+
+
+class Heartbeat:
+    """Renews a running attempt's lease from a thread, every third of the lease, for at most the
+    attempt's allotted time (the trace wait, the budget and the margin): an attempt that hangs
+    past it lets its lease lapse, and the sweep recovers the job. ``lost`` is set once the
+    attempt is no longer the job's running one (cancelled, or given up): the run must stop."""
+
+    def __init__(self, url: str, job_id: int, attempt: int, lease_s: float, allotted_s: float) -> None:
+        self.url, self.job_id, self.attempt, self.lease_s = url, job_id, attempt, lease_s
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._deadline = time.monotonic() + allotted_s
+        self._thread = threading.Thread(target=self._run, name=f"lease-job-{job_id}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(heartbeat_interval_s(self.lease_s)):
+            if time.monotonic() > self._deadline:
+                log.warning(
+                    "realign job %s attempt %s ran past its time; lease left to lapse",
+                    self.job_id,
+                    self.attempt,
+                )
+                return
+            try:
+                with unit_of_work(self.url) as session:
+                    held = renew_lease(
+                        session=session, job_id=self.job_id, attempt=self.attempt, lease_s=self.lease_s
+                    )
+            except TRANSIENT_DATABASE_ERRORS:
+                log.warning("realign job %s: could not renew its lease", self.job_id, exc_info=True)
+                continue  # the next beat tries again; two misses in a row and the lease lapses
+            if not held:
+                self.lost.set()
+                return
+
+
 @project_task(messaging.REALIGN, bind=True)
 def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
-    """Realign a deployment's drafter for one job; safe to run again for the same job (see
-    ``controlplane.jobs.realign``)."""
+    """Realign a deployment's drafter for one attempt of one job; a message for a job that is
+    not queued (running under another delivery, finished) does nothing (see
+    ``controlplane.jobs.realign.claim_job``)."""
     settings = get_settings()
     url = settings.database_url
+    lease_s = settings.realign_lease_s
     try:
         with unit_of_work(url) as session:
-            claim = realign_job.claim_job(session=session, job_id=job_id, delivery_id=self.request.id)
+            claim = realign_job.claim_job(
+                session=session, job_id=job_id, delivery_id=self.request.id, lease_s=lease_s
+            )
     except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     if claim.done is not None:
         return claim.done
+    attempt = claim.attempt
+    log.info("realign job %s attempt %s started in process %s", job_id, attempt, os.getpid())
+    allotted_s = settings.realign_max_wait_s + settings.realign_budget_ceiling_s + settings.realign_margin_s
+    with Heartbeat(url, job_id, attempt, lease_s, allotted_s) as heartbeat:
 
-    def progress(fraction: float, message: str) -> bool:
-        self.report_progress(fraction, message)
-        with unit_of_work(url) as session:
-            return report_progress(session=session, job_id=job_id, fraction=fraction, message=message)
+        def progress(fraction: float, message: str) -> bool:
+            if heartbeat.lost.is_set():
+                return False
+            self.report_progress(fraction, message)
+            with unit_of_work(url) as session:
+                return report_progress(
+                    session=session,
+                    job_id=job_id,
+                    fraction=fraction,
+                    message=message,
+                    attempt=attempt,
+                    lease_s=lease_s,
+                )
 
+        return _run_attempt(job_id, attempt, settings, progress, claim.after_drift)
+
+
+def _give_up_attempt(
+    job_id: int, attempt: int, error: str, settings: Settings, *, retry: bool
+) -> dict[str, Any]:
+    """Record a failed attempt: queued again after the backoff (while attempts remain), or failed."""
+    with unit_of_work(settings.database_url) as session:
+        if retry:
+            job = end_failed_attempt(
+                session=session, job_id=job_id, attempt=attempt, error=error, settings=settings
+            )
+        else:
+            job = fail_job(session=session, job_id=job_id, error=error, attempt=attempt)
+        outcome = job.state.value if job is not None else "superseded"
+    return {"job_id": job_id, "attempt": attempt, "failed": error, "job_state": outcome}
+
+
+def _run_attempt(
+    job_id: int, attempt: int, settings: Settings, progress: Progress, after_drift: bool
+) -> dict[str, Any]:
+    url = settings.database_url
     try:
-        if claim.after_drift:
+        if after_drift:
             _wait_for_traces(url, job_id, settings.realign_min_traces, settings.realign_max_wait_s, progress)
         with unit_of_work(url) as session:
             inputs = realign_job.realign_inputs(session=session, job_id=job_id)
     except _Stopped as stop:
-        return {"job_id": job_id, "stopped": str(stop)}
-    except TRANSIENT_DATABASE_ERRORS as exc:
-        raise TransientError(str(exc)) from exc
+        return {"job_id": job_id, "attempt": attempt, "stopped": str(stop)}
     except DomainError as exc:  # e.g. the target was unregistered: no model to train against
-        with unit_of_work(url) as session:
-            fail_job(session=session, job_id=job_id, error=exc.message)
-        return {"job_id": job_id, "failed": exc.message}
+        return _give_up_attempt(job_id, attempt, exc.message, settings, retry=False)
+    except Exception as exc:  # the database went away, a bug: another attempt may fare better
+        log.exception("realign job %s attempt %s could not read its inputs", job_id, attempt)
+        return _give_up_attempt(job_id, attempt, f"{type(exc).__name__}: {exc}", settings, retry=True)
 
     try:
-        metrics, artifact = _train_and_save(inputs, job_id, settings, progress)
+        metrics, artifact = _train_and_save(inputs, job_id, attempt, settings, progress)
     except _Stopped as stop:
         log.info("realign job %s stopped: %s", job_id, stop)
-        return {"job_id": job_id, "stopped": str(stop)}
-    except Exception as exc:  # a bug or bad data does not get better on retry: record it and stop
-        log.exception("realign job %s failed", job_id)
-        with unit_of_work(url) as session:
-            fail_job(session=session, job_id=job_id, error=f"{type(exc).__name__}: {exc}")
-        return {"job_id": job_id, "failed": str(exc)}
+        return {"job_id": job_id, "attempt": attempt, "stopped": str(stop)}
+    except _Permanent as exc:
+        return _give_up_attempt(job_id, attempt, str(exc), settings, retry=False)
+    except Exception as exc:  # out of memory, a corrupt file, a bug: retried up to the cap
+        log.exception("realign job %s attempt %s failed", job_id, attempt)
+        return _give_up_attempt(job_id, attempt, f"{type(exc).__name__}: {exc}", settings, retry=True)
 
     with unit_of_work(url) as session:
         registered = realign_job.register_trained(
@@ -198,6 +311,7 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
             artifact_sha256=artifact.sha256,
             manifest_sha256=artifact.manifest_sha256,
             metrics=metrics,
+            attempt=attempt,
         )
     # Once per job: a redelivery finds the version registered and sends nothing.
     messaging.send_all(celery_app, registered.messages)
@@ -212,7 +326,7 @@ class StoredArtifact:
 
 
 def _train_and_save(
-    inputs: realign_job.RealignInputs, job_id: int, settings: Settings, progress: Progress
+    inputs: realign_job.RealignInputs, job_id: int, attempt: int, settings: Settings, progress: Progress
 ) -> tuple[dict[str, Any], StoredArtifact]:
     # torch is imported here, not at module import: the beat and drift tasks share this module.
     import torch
@@ -232,14 +346,13 @@ def _train_and_save(
     )
 
     if inputs.incumbent is None:
-        raise ValueError(
+        raise _Permanent(
             "the deployment has no drafter to realign: name a draft_model or give its target a "
             "default drafter"
         )
     device = resolve_device(settings.worker_device)
     dtype = weights_dtype(device)
     torch.set_num_threads(torch_threads_for_this_process())
-    default_budget = settings.realign_time_budget_s or DEFAULT_TIME_BUDGET_S
     models = VerifiedModels(settings)
     target_folder = models.folder(inputs.target)
     incumbent_folder = models.folder(inputs.incumbent)
@@ -257,7 +370,7 @@ def _train_and_save(
     params = inputs.params
     cfg = RealignConfig(
         seed=int(params.get("seed", 0)),
-        time_budget_s=float(params.get("time_budget_s", default_budget)),
+        time_budget_s=time_budget_s(params, settings),
         device=str(device),
         teacher_memory_mb=settings.worker_teacher_memory_mb,
     )
@@ -270,15 +383,21 @@ def _train_and_save(
     except RealignCancelledError as exc:
         raise _Stopped(f"cancelled at: {exc}") from exc
     except NotEnoughDataError as exc:
+        # Another attempt on the same traffic would find it just as thin: not retried.
         with unit_of_work(settings.database_url) as session:
             fail_job(
-                session=session, job_id=job_id, error=str(exc), resolution=DriftResolution.not_enough_data
+                session=session,
+                job_id=job_id,
+                error=str(exc),
+                resolution=DriftResolution.not_enough_data,
+                attempt=attempt,
             )
         raise _Stopped(str(exc)) from exc
     metrics = {
         **{k: v for k, v in result.metrics.items() if k != "config"},
         "seed": cfg.seed,
         "time_budget_s": cfg.time_budget_s,
+        "attempt": attempt,
         "device": str(device),
         "target": inputs.target.name,
         "target_identity": inputs.target.identity,
@@ -286,13 +405,20 @@ def _train_and_save(
         "incumbent_identity": inputs.incumbent.identity,
         "tokenizer_fingerprint": tokenizer.fingerprint,
     }
-    key = f"deployment-{inputs.deployment_id}/job-{job_id}"
+    # Each attempt writes its own folder: a late attempt that was given up never writes into the
+    # folder of the attempt that replaced it.
+    key = f"deployment-{inputs.deployment_id}/job-{job_id}/attempt-{attempt}"
     staging = settings.var_dir / "staging" / key
     artifact = save_drafter(
         result.model,
         tokenizer,
         staging,
-        metadata={"job_id": job_id, "deployment_id": inputs.deployment_id, "target": inputs.target.name},
+        metadata={
+            "job_id": job_id,
+            "attempt": attempt,
+            "deployment_id": inputs.deployment_id,
+            "target": inputs.target.name,
+        },
     )
     uri = open_store(settings.artifact_store, s3_endpoint_url=settings.s3_endpoint_url).upload_folder(
         artifact.path, key

@@ -6,12 +6,13 @@ import hashlib
 from datetime import UTC, datetime, timedelta
 
 import orjson
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from controlplane import messaging
 from controlplane.api import schemas
 from controlplane.api.deps import (
+    INT32_MAX,
     DataWriter,
     DeploymentIdCache,
     ReadableDeployment,
@@ -22,6 +23,7 @@ from controlplane.api.deps import (
     read_body_limited,
 )
 from controlplane.config import Settings
+from controlplane.db.models import Role
 from controlplane.deployments.lookup import resolve_deployment_id
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
 from controlplane.ingest.batcher import IngestBatcher
@@ -33,6 +35,8 @@ from controlplane.stats.service import acceptance_series
 from controlplane.timestamps import parse_utc, utcnow
 
 INLINE_PARSE_BYTES = 16 * 1024
+# The widest bucket /stats draws: a year.
+MAX_BUCKET_SECONDS = 366 * 24 * 3600
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["acceptance"])
 
@@ -81,7 +85,7 @@ async def ingest_batch(
         raise PayloadTooLargeError(str(exc), details=exc.as_dicts()) from exc
     except BatchValidationError as exc:
         raise ValidationProblem(
-            f"{len(exc.problems)} problem(s) in the batch; nothing was stored", details=exc.as_dicts()
+            f"{exc.total} problem(s) in the batch; nothing was stored", details=exc.as_dicts()
         ) from exc
     account_id = principal.account_id
 
@@ -90,7 +94,8 @@ async def ingest_batch(
 
     deployment_id = await deployment_ids.get_or_load((account_id, deployment), load)
     assert deployment_id is not None  # an unknown deployment raises instead
-    result = await batcher.submit(deployment_id, records)
+    # Only the fleet's own records steer a canary: an ingest key cannot forge arm labels into it.
+    result = await batcher.submit(deployment_id, records, from_serving_key=principal.role is Role.serving)
     sender = request.app.state.task_sender
     if result.inserted and sender is not None:
         monitor = messaging.TaskMessage(messaging.DRIFT_MONITOR_DEPLOYMENT, (deployment_id,))
@@ -104,12 +109,14 @@ async def ingest_batch(
 async def ingest_prometheus(
     account: str,
     deployment: WritableDeployment,
+    principal: DataWriter,
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
 ) -> schemas.PrometheusPushResult:
     """Take a vLLM exposition (Prometheus text or OpenMetrics, told by ``Content-Type`` or by the
-    body's ``# EOF``); counter deltas since the last push become records."""
+    body's ``# EOF``); counter deltas since the last push become records. The first push (and a
+    label set's first appearance) is a baseline: remembered, not counted."""
     body = await read_body_limited(request, settings.max_body_bytes)
     try:
         text = body.decode("utf-8")
@@ -127,7 +134,12 @@ async def ingest_prometheus(
 
     def work() -> schemas.PrometheusPushResult:
         outcome = store_prometheus_push(
-            session=session, deployment_id=deployment.id, text=text, scrape_id=scrape_id
+            session=session,
+            deployment_id=deployment.id,
+            text=text,
+            scrape_id=scrape_id,
+            from_serving_key=principal.role is Role.serving,
+            max_label_sets=settings.prometheus_max_label_sets,
         )
         session.commit()
         return schemas.PrometheusPushResult.model_validate(outcome)
@@ -155,9 +167,9 @@ def stats(
     session: SessionDep,
     start: str | None = None,
     end: str | None = None,
-    bucket_seconds: int = 300,
+    bucket_seconds: int = Query(default=300, ge=60, le=MAX_BUCKET_SECONDS),
     arm: str | None = None,
-    drafter_version: int | None = None,
+    drafter_version: int | None = Query(default=None, ge=0, le=INT32_MAX),
 ) -> schemas.AcceptanceSeries:
     """Hit rate, accepted length, per-position acceptance, latency percentiles and throughput."""
     # Default window: the last 24 h, ending on the bucket grid just after now, so that buckets line

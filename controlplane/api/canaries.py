@@ -17,6 +17,7 @@ from controlplane.api.deps import (
     Admin,
     AdminDeployment,
     ReadableDeployment,
+    RowId,
     ServingDeployment,
     SessionDep,
     SettingsDep,
@@ -83,11 +84,18 @@ def serving(account: str, deployment: ServingDeployment, session: SessionDep, re
     "/serving-config/export",
     response_class=Response,
     # YAML by default; `as=json` sends the same document as JSON (a gateway's file, no schema of ours).
-    responses={200: {"content": {"application/yaml": {"schema": {"type": "string"}}}}},
+    responses={
+        200: {
+            "content": {
+                "application/yaml": {"schema": {"type": "object"}},
+                "application/json": {"schema": {"type": "object"}},
+            }
+        }
+    },
 )
 def serving_export(
     account: str,
-    deployment: ReadableDeployment,
+    deployment: ServingDeployment,
     session: SessionDep,
     format: str = "litellm",
     as_: str | None = Query(default=None, alias="as"),
@@ -134,7 +142,7 @@ def versions(account: str, deployment: ReadableDeployment, session: SessionDep) 
 
 @router.get("/drafter-versions/{version}")
 def version_get(
-    account: str, deployment: ReadableDeployment, version: int, session: SessionDep
+    account: str, deployment: ReadableDeployment, version: RowId, session: SessionDep
 ) -> schemas.DrafterVersion:
     row = get_version(session=session, deployment_id=deployment.id, version=version)
     return schemas.DrafterVersion.model_validate(version_summary(row))
@@ -144,7 +152,7 @@ def version_get(
 def version_promote(
     account: str,
     deployment: AdminDeployment,
-    version: int,
+    version: RowId,
     principal: Admin,
     session: SessionDep,
     request: Request,
@@ -166,7 +174,7 @@ def version_promote(
 def version_canary(
     account: str,
     deployment: AdminDeployment,
-    version: int,
+    version: RowId,
     principal: Admin,
     session: SessionDep,
     queue: WorkQueueDep,
@@ -213,7 +221,7 @@ def canaries(
 
 @router.get("/canaries/{canary_id}")
 def canary_get(
-    account: str, deployment: ReadableDeployment, canary_id: int, session: SessionDep
+    account: str, deployment: ReadableDeployment, canary_id: RowId, session: SessionDep
 ) -> schemas.Canary:
     return _canary(session, get_canary(session=session, deployment_id=deployment.id, canary_id=canary_id))
 
@@ -222,7 +230,7 @@ def canary_get(
 def canary_promote(
     account: str,
     deployment: AdminDeployment,
-    canary_id: int,
+    canary_id: RowId,
     principal: Admin,
     session: SessionDep,
     request: Request,
@@ -247,7 +255,7 @@ def canary_promote(
 def canary_reject(
     account: str,
     deployment: AdminDeployment,
-    canary_id: int,
+    canary_id: RowId,
     principal: Admin,
     session: SessionDep,
     body: Reason | None = None,
@@ -267,7 +275,7 @@ def canary_reject(
 def canary_ready(
     account: str,
     deployment: str,
-    canary_id: int,
+    canary_id: RowId,
     caller: ReadyCallerDep,
     session: SessionDep,
     settings: SettingsDep,

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
 from controlplane.api import schemas
-from controlplane.api.deps import Admin, AdminDeployment, ReadableDeployment, SessionDep, SettingsDep
+from controlplane.api.deps import Admin, AdminDeployment, ReadableDeployment, RowId, SessionDep, SettingsDep
 from controlplane.drift.events import dismiss_event, event_summary, get_event, list_events
 from controlplane.drift.service import monitor_status, update_policy
 
@@ -35,7 +35,7 @@ def list_(
 
 @router.get("/drift-events/{event_id}")
 def get(
-    account: str, deployment: ReadableDeployment, event_id: int, session: SessionDep
+    account: str, deployment: ReadableDeployment, event_id: RowId, session: SessionDep
 ) -> schemas.DriftEvent:
     event = get_event(session=session, deployment_id=deployment.id, event_id=event_id)
     return schemas.DriftEvent.model_validate(event_summary(event))
@@ -43,7 +43,7 @@ def get(
 
 @router.post("/drift-events/{event_id}:dismiss")
 def dismiss(
-    account: str, deployment: AdminDeployment, event_id: int, principal: Admin, session: SessionDep
+    account: str, deployment: AdminDeployment, event_id: RowId, principal: Admin, session: SessionDep
 ) -> schemas.DriftEvent:
     event = dismiss_event(
         session=session, deployment_id=deployment.id, event_id=event_id, actor=principal.actor

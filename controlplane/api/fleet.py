@@ -19,6 +19,7 @@ from controlplane.api.deps import (
     ADMIN_ROLES,
     Admin,
     AdminDeployment,
+    BigRowId,
     ReadableDeployment,
     SessionDep,
     SettingsDep,
@@ -188,7 +189,7 @@ def deliveries_list(
 def delivery_retry(
     account: str,
     deployment: AdminDeployment,
-    delivery_id: int,
+    delivery_id: BigRowId,
     principal: Admin,
     session: SessionDep,
     request: Request,

@@ -16,7 +16,9 @@ from controlplane.api.deps import (
     Admin,
     AdminDeployment,
     ReadableDeployment,
+    RowId,
     SessionDep,
+    SettingsDep,
     WorkQueueDep,
 )
 from controlplane.jobs.service import cancel_job, get_job, job_summary, list_jobs, request_realign
@@ -43,7 +45,7 @@ def list_(
 
 
 @router.get("/{deployment}/jobs/{job_id}")
-def get(account: str, deployment: ReadableDeployment, job_id: int, session: SessionDep) -> schemas.Job:
+def get(account: str, deployment: ReadableDeployment, job_id: RowId, session: SessionDep) -> schemas.Job:
     return schemas.Job.model_validate(
         job_summary(get_job(session=session, deployment_id=deployment.id, job_id=job_id))
     )
@@ -51,7 +53,7 @@ def get(account: str, deployment: ReadableDeployment, job_id: int, session: Sess
 
 @router.post("/{deployment}/jobs/{job_id}:cancel")
 def cancel(
-    account: str, deployment: AdminDeployment, job_id: int, principal: Admin, session: SessionDep
+    account: str, deployment: AdminDeployment, job_id: RowId, principal: Admin, session: SessionDep
 ) -> schemas.Job:
     job = cancel_job(session=session, deployment=deployment, job_id=job_id, actor=principal.actor)
     session.commit()
@@ -74,11 +76,16 @@ def realign(
     principal: Admin,
     session: SessionDep,
     queue: WorkQueueDep,
+    settings: SettingsDep,
     response: Response,
     body: RealignBody | None = None,
 ) -> schemas.RealignResult:
     outcome = request_realign(
-        session=session, deployment=deployment, actor=principal.actor, params=(body.params if body else None)
+        session=session,
+        deployment=deployment,
+        actor=principal.actor,
+        params=(body.params if body else None),
+        settings=settings,
     )
     session.commit()
     if outcome.created:

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.accounts.service import issue_key, key_summary, list_keys, revoke_key
 from controlplane.api import schemas
-from controlplane.api.deps import Admin, CurrentPrincipal, PrincipalCacheDep, SessionDep, SettingsDep
+from controlplane.api.deps import Admin, CurrentPrincipal, PrincipalCacheDep, RowId, SessionDep, SettingsDep
 from controlplane.audit.service import record_change
 from controlplane.db.models import Account, Role
 
@@ -57,7 +57,7 @@ def create(
     "/v1/accounts/{account}/api-keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, response_model=None
 )
 def revoke(
-    account: str, key_id: int, principal: Admin, session: SessionDep, cache: PrincipalCacheDep
+    account: str, key_id: RowId, principal: Admin, session: SessionDep, cache: PrincipalCacheDep
 ) -> None:
     key = revoke_key(session=session, account_id=principal.account_id, key_id=key_id)
     record_change(

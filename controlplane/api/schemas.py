@@ -139,7 +139,11 @@ class PrometheusPushResult(Reply):
     inserted: int
     duplicates: int
     duplicate_request_ids: list[str]
-    label_sets: int = Field(description="label sets in the exposition (one record each)")
+    label_sets: int = Field(description="label sets whose counters moved (one record each)")
+    baseline_label_sets: int = Field(
+        description="label sets seen for the first time (or after a gap too long for one record): "
+        "their counters are remembered as the baseline, not counted"
+    )
 
 
 class AcceptanceFigures(Reply):
@@ -176,6 +180,9 @@ class AcceptanceSeries(Reply):
     drafter_version: int | None
     buckets: list[AcceptanceBucket] = Field(description="buckets with records only, in time order")
     total: AcceptanceFigures
+    quarantined_records: int = Field(
+        description="stored records the rollups could not sum (set aside, in no bucket), all time"
+    )
 
 
 # --- traces ---------------------------------------------------------------------------------
@@ -217,6 +224,9 @@ class DriftEvent(Reply):
     id: int
     state: DriftState
     resolution: str | None = Field(default=None, description="how the event was closed; null while open")
+    resolution_reason: str | None = Field(
+        default=None, description="why it ended that way (a failed realignment's error, ...)"
+    )
     detected_at: str
     detector: str
     baseline_rate: float | None
@@ -272,6 +282,13 @@ class Job(Reply):
     enqueued_at: str | None
     started_at: str | None
     finished_at: str | None
+    heartbeat_at: str | None = Field(default=None, description="the running attempt's last heartbeat")
+    lease_expires_at: str | None = Field(
+        default=None, description="the running attempt's lease; once past, the job is queued again"
+    )
+    next_attempt_at: str | None = Field(
+        default=None, description="a failed attempt's retry waits until then (exponential backoff)"
+    )
 
 
 class JobList(Reply):

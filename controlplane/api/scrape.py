@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, status
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.api.deps import Admin, AdminDeployment, ReadableDeployment, SessionDep
+from controlplane.api.deps import Admin, AdminDeployment, ReadableDeployment, SessionDep, SettingsDep
 from controlplane.audit.service import record_change
 from controlplane.errors import DomainError
 from controlplane.ingest.scrape import (
@@ -78,6 +78,9 @@ class ScrapeOutcome(BaseModel):
     url: str | None = Field(description="the URL that answered")
     format: str | None = Field(description="openmetrics or prometheus")
     label_sets: int
+    baseline_label_sets: int = Field(
+        description="label sets seen for the first time: their counters are the baseline, not counted"
+    )
     inserted: int = Field(description="records stored (one per label set whose counters moved)")
     duplicates: int = Field(description="records already stored by an earlier identical scrape")
     error: str | None
@@ -166,12 +169,13 @@ def scrape_now(
     principal: Admin,
     session: SessionDep,
     fetch: FetchDep,
+    settings: SettingsDep,
 ) -> ScrapeOutcome:
     """Scrape the target now and answer the outcome; a backend that is down is a 200 with
     ``ok: false`` and the reason (the scrape ran; what it found is the answer)."""
     target = get_target(session=session, deployment_id=deployment.id, name=name)
     try:
-        outcome = scrape_target(session, target, fetch)
+        outcome = scrape_target(session, target, fetch, max_label_sets=settings.prometheus_max_label_sets)
     except DomainError:
         session.rollback()
         raise

@@ -14,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from controlplane.api import schemas
 from controlplane.api.deps import (
+    INT64_MAX,
     ReadableDeployment,
     SessionDep,
     SettingsDep,
@@ -156,7 +157,7 @@ def get_traces(
     deployment: ReadableDeployment,
     session: SessionDep,
     limit: int = Query(default=100, ge=1, le=MAX_PAGE_SIZE),
-    after_id: int = Query(default=0, ge=0),
+    after_id: int = Query(default=0, ge=0, le=INT64_MAX),
 ) -> schemas.TracePage:
     """Stored traces (scrubbed text) in id order; pass ``next_after_id`` back for the next page."""
     page = list_traces(session=session, deployment_id=deployment.id, limit=limit, after_id=after_id)

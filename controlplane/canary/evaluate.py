@@ -6,13 +6,16 @@ few seconds).
 Per-request observations come from acceptance records, labelled by arm: ``live`` (the incumbent),
 ``canary:<version>`` (the candidate) and ``baseline`` (no speculation). The two primary metrics are
 tokens per verify step (generated ÷ verify steps: exact, noise-free of the machine's load) and
-latency per output token in ms (what users feel).
+latency per output token in ms (what users feel). Only records written under a serving key
+(``from_serving_key``) are judged or watched: an ingest key can write arm labels, but it must not
+steer a promotion, a rollback or a guardrail. The judge and the watch keep running per-arm sums
+(``canary.tally``) on the canary row with a watermark, so each tick reads only new records.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import select
@@ -40,6 +43,7 @@ from controlplane.canary.service import (
     wait_for_pool,
 )
 from controlplane.canary.statistics import ArmAccumulator
+from controlplane.canary.tally import ArmTally, JudgeTally
 from controlplane.config import Settings
 from controlplane.db.models import (
     AcceptanceRecordRow,
@@ -61,108 +65,197 @@ log = logging.getLogger(__name__)
 
 # Arm names of the decision statistics vs the record labels.
 INCUMBENT, CANDIDATE, BASELINE = "incumbent", "candidate", "baseline"
+ARM_NAMES = (INCUMBENT, CANDIDATE, BASELINE)
+# At most this many records are folded per tick: a canary that fell far behind catches up over
+# several ticks instead of loading everything at once.
+JUDGE_BATCH_LIMIT = 50_000
 
 
-@dataclass
-class ArmObservations:
-    """Per-request primary metrics of one arm, plus the counts behind its hit rate."""
-
-    tokens_per_step: list[float] = field(default_factory=list)
-    ms_per_token: list[float] = field(default_factory=list)
-    drafted: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    verify_steps: int = 0
-    per_request: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted)
-
-    def add(self, row: Any) -> None:
-        generated = int(row.generated_tokens or 0)
-        steps = int(row.verify_steps or 0)
-        if generated <= 0:
-            return
-        latency = _ms_per_token(row.inter_token_ms, row.total_ms, row.ttft_ms, generated)
-        if latency is not None:  # the two primary metrics stay paired request by request
-            self.tokens_per_step.append(generated / steps if steps > 0 else 1.0)
-            self.ms_per_token.append(latency)
-        self.drafted += int(row.drafted_tokens or 0)
-        self.accepted += int(row.accepted_tokens or 0)
-        self.per_request.append((int(row.drafted_tokens or 0), int(row.accepted_tokens or 0)))
-        self.verify_steps += steps
-        per_position = list(row.accepted_per_position or [])
-        if len(per_position) > len(self.accepted_per_position):
-            self.accepted_per_position += [0] * (len(per_position) - len(self.accepted_per_position))
-        for i, count in enumerate(per_position):
-            self.accepted_per_position[i] += int(count)
-
-    @property
-    def hit_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-
-def _ms_per_token(
-    inter: float | None, total: float | None, ttft: float | None, generated: int
-) -> float | None:
-    # Decode latency per token: the inter-token figure when the engine reports it; else the total
-    # spread over the tokens after the first (TTFT is prefill, the same for every arm).
-    if inter is not None and inter > 0:
-        return float(inter)
-    if total is not None and generated > 1:
-        return max(0.0, float(total) - float(ttft or 0.0)) / (generated - 1)
-    return None
-
-
-def live_observations(session: Session, canary: Canary, *, max_requests: int) -> dict[str, ArmObservations]:
-    """Records since the canary went live, by decision arm."""
+def _arm_labels(session: Session, canary: Canary) -> dict[str, str]:
+    """Record arm label -> decision arm."""
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
-    labels = {
+    return {
         ARM_LIVE: INCUMBENT,
         f"{ARM_CANARY_PREFIX}{candidate.version}": CANDIDATE,
         ARM_BASELINE: BASELINE,
     }
-    since = int(canary.arms.get("live_since_record_id") or 0)
-    rows = session.execute(
-        select(
-            AcceptanceRecordRow.arm,
-            AcceptanceRecordRow.generated_tokens,
-            AcceptanceRecordRow.verify_steps,
-            AcceptanceRecordRow.drafted_tokens,
-            AcceptanceRecordRow.accepted_tokens,
-            AcceptanceRecordRow.accepted_per_position,
-            AcceptanceRecordRow.inter_token_ms,
-            AcceptanceRecordRow.total_ms,
-            AcceptanceRecordRow.ttft_ms,
-        )
-        .where(
+
+
+def _judged_records(
+    session: Session, canary: Canary, labels: dict[str, str], *, after: int, limit: int
+) -> list[Any]:
+    """The canary's arm-labelled records after id ``after``, in id order. Only records written
+    under a serving key count: an ingest key must not be able to steer a canary."""
+    return list(
+        session.execute(
+            select(
+                AcceptanceRecordRow.id,
+                AcceptanceRecordRow.arm,
+                AcceptanceRecordRow.generated_tokens,
+                AcceptanceRecordRow.verify_steps,
+                AcceptanceRecordRow.drafted_tokens,
+                AcceptanceRecordRow.accepted_tokens,
+                AcceptanceRecordRow.accepted_per_position,
+                AcceptanceRecordRow.inter_token_ms,
+                AcceptanceRecordRow.total_ms,
+                AcceptanceRecordRow.ttft_ms,
+            )
+            .where(
+                AcceptanceRecordRow.deployment_id == canary.deployment_id,
+                AcceptanceRecordRow.id > after,
+                AcceptanceRecordRow.arm.in_(list(labels)),
+                AcceptanceRecordRow.from_serving_key.is_(True),
+            )
+            .order_by(AcceptanceRecordRow.id)
+            .limit(limit)
+        ).all()
+    )
+
+
+def _advance(
+    stored: JudgeTally,
+    rows: list[Any],
+    fold: Callable[[JudgeTally, Any], None],
+    *,
+    watermark: int,
+    horizon: int,
+    latest: int,
+    limit: int,
+) -> tuple[JudgeTally, int, int]:
+    """Fold ``rows`` (ids after ``watermark``, in order, at most ``limit``) into ``stored`` up to
+    the settled ``horizon`` and into a view beyond it; returns the view, the new watermark and the
+    new horizon (``latest``, once everything up to the old one was consumed)."""
+    settled = 0
+    while settled < len(rows) and rows[settled].id <= horizon:
+        fold(stored, rows[settled])
+        settled += 1
+    view = stored.copy()
+    for row in rows[settled:]:
+        fold(view, row)
+    if limit > 0 and len(rows) == limit and settled == len(rows):
+        return view, rows[-1].id, horizon  # cut short inside the settled range: the rest next tick
+    if limit > 0:
+        return view, horizon, max(latest, horizon)
+    return view, watermark, horizon
+
+
+def advance_judge(
+    *, session: Session, canary: Canary, max_requests: int, batch_limit: int = JUDGE_BATCH_LIMIT
+) -> JudgeTally:
+    """This tick's view of a live canary: its stored tally advanced over the settled records, plus
+    the records not yet settled (folded into the returned view only).
+
+    As in the drift monitor (``drift.service``), ids become visible when their transaction
+    commits, so only ids up to the newest id the previous tick saw (the horizon) are folded into
+    the stored tally and pass the watermark; newer ones are read again next tick. The view thus
+    holds every record visible now, in id order, capped at ``max_requests`` (and, for a canary
+    far behind, at ``batch_limit`` new ones a tick): the figures a read of every record since the
+    canary went live gives.
+    """
+    labels = _arm_labels(session, canary)
+    state = canary.judge_state or {}
+    if state.get("tally"):
+        stored = JudgeTally.from_state(state["tally"], ARM_NAMES)
+        watermark, horizon = int(canary.judge_watermark_record_id), int(state["horizon"])
+    else:  # the first tick since the canary went live
+        stored = JudgeTally.empty(ARM_NAMES)
+        watermark = horizon = int(canary.arms.get("live_since_record_id") or 0)
+    latest = latest_record_id(session, canary.deployment_id)
+    limit = min(batch_limit, max_requests - stored.records)
+    rows = _judged_records(session, canary, labels, after=watermark, limit=limit) if limit > 0 else []
+
+    def fold(tally: JudgeTally, row: Any) -> None:
+        tally.fold(labels[row.arm], row)
+
+    view, watermark, horizon = _advance(
+        stored, rows, fold, watermark=watermark, horizon=horizon, latest=latest, limit=limit
+    )
+    canary.judge_watermark_record_id = watermark
+    canary.judge_state = {**state, "tally": stored.to_state(), "horizon": horizon}
+    return view
+
+
+WATCH_ARM = "live"
+
+
+def advance_watch(
+    *,
+    session: Session,
+    canary: Canary,
+    version: int,
+    since: int,
+    k: int | None,
+    max_requests: int,
+    batch_limit: int = JUDGE_BATCH_LIMIT,
+) -> JudgeTally:
+    """The post-promotion watch's view, kept as the judge's is: drafted and accepted tokens of the
+    promoted ``version``'s live requests after record ``since`` (at draft length ``k``, when
+    given), stored under ``judge_state["watch"]``; a new ``since`` or ``k`` starts it over."""
+    state = canary.judge_state or {}
+    watch = state.get("watch")
+    key = [since, k]
+    if isinstance(watch, dict) and watch.get("key") == key:
+        stored = JudgeTally.from_state(watch["tally"], (WATCH_ARM,))
+        watermark, horizon = int(watch["watermark"]), int(watch["horizon"])
+    else:
+        stored = JudgeTally.empty((WATCH_ARM,))
+        watermark = horizon = since
+    latest = latest_record_id(session, canary.deployment_id)
+    limit = min(batch_limit, max_requests - stored.records)
+    rows: list[Any] = []
+    if limit > 0:
+        query = select(
+            AcceptanceRecordRow.id, AcceptanceRecordRow.drafted_tokens, AcceptanceRecordRow.accepted_tokens
+        ).where(
             AcceptanceRecordRow.deployment_id == canary.deployment_id,
-            AcceptanceRecordRow.id > since,
-            AcceptanceRecordRow.arm.in_(list(labels)),
+            AcceptanceRecordRow.id > watermark,
+            AcceptanceRecordRow.arm == ARM_LIVE,
+            AcceptanceRecordRow.drafter_version == version,
+            AcceptanceRecordRow.from_serving_key.is_(True),  # an ingest key cannot force a rollback
         )
-        .order_by(AcceptanceRecordRow.id)
-        .limit(max_requests)
-    ).all()
-    arms = {name: ArmObservations() for name in (INCUMBENT, CANDIDATE, BASELINE)}
-    for row in rows:
-        arms[labels[row.arm]].add(row)
-    return arms
+        if k is not None:
+            query = query.where(AcceptanceRecordRow.k == k)
+        rows = list(session.execute(query.order_by(AcceptanceRecordRow.id).limit(limit)).all())
+
+    def fold(tally: JudgeTally, row: Any) -> None:
+        tally.fold_counts(WATCH_ARM, row)
+
+    view, watermark, horizon = _advance(
+        stored, rows, fold, watermark=watermark, horizon=horizon, latest=latest, limit=limit
+    )
+    canary.judge_state = {
+        **state,
+        "watch": {"key": key, "tally": stored.to_state(), "watermark": watermark, "horizon": horizon},
+    }
+    return view
 
 
-def arm_figures(arms: dict[str, ArmObservations]) -> dict[str, dict[str, Any]]:
+def recount_judge(*, session: Session, canary: Canary, max_requests: int) -> JudgeTally:
+    """Every judged record since the canary went live, folded in one read: what ``advance_judge``
+    keeps incrementally (kept for checks and repairs; the beat never calls it)."""
+    labels = _arm_labels(session, canary)
+    since = int(canary.arms.get("live_since_record_id") or 0)
+    tally = JudgeTally.empty(ARM_NAMES)
+    for row in _judged_records(session, canary, labels, after=since, limit=max_requests):
+        tally.fold(labels[row.arm], row)
+    return tally
+
+
+def arm_figures(arms: dict[str, ArmTally]) -> dict[str, dict[str, Any]]:
     """Plain per-arm figures for the canary row (the decision adds its confidence intervals)."""
     out: dict[str, dict[str, Any]] = {}
-    for name, obs in arms.items():
-        n = len(obs.tokens_per_step)
-        hit_rate_se = decision_policy.request_level_spread(obs.per_request)[0]
+    for name, tally in arms.items():
+        n = tally.timed
+        hit_rate_se = tally.hit_rate_spread()[0]
         out[name] = {
             "requests": n,
-            "hit_rate": round(obs.hit_rate, 4) if obs.hit_rate is not None else None,
+            "hit_rate": round(tally.hit_rate, 4) if tally.hit_rate is not None else None,
             # Request-level standard error: what the post-promotion watch allows for.
             "hit_rate_se": round(hit_rate_se, 5) if hit_rate_se is not None else None,
-            "tokens_per_step": round(sum(obs.tokens_per_step) / n, 4) if n else None,
-            "ms_per_token": round(sum(obs.ms_per_token) / len(obs.ms_per_token), 4)
-            if obs.ms_per_token
-            else None,
-            "accepted_per_position": obs.accepted_per_position,
-            "verify_steps": obs.verify_steps,
+            "tokens_per_step": round(tally.tokens_per_step_sum / n, 4) if n else None,
+            "ms_per_token": round(tally.ms_per_token_sum / n, 4) if n else None,
+            "accepted_per_position": list(tally.accepted_per_position),
+            "verify_steps": tally.verify_steps,
         }
     return out
 
@@ -236,18 +329,11 @@ def shadow_accumulators(result: dict[str, Any]) -> dict[str, ArmAccumulator]:
     return out
 
 
-def live_accumulators(arms: dict[str, ArmObservations]) -> dict[str, ArmAccumulator]:
-    out: dict[str, ArmAccumulator] = {}
-    for name, obs in arms.items():
-        acc = ArmAccumulator()
-        for tokens_per_step, ms_per_token in zip(obs.tokens_per_step, obs.ms_per_token, strict=False):
-            if tokens_per_step > 0 and ms_per_token > 0:  # the statistics refuse empty requests
-                acc.add(tokens_per_step=tokens_per_step, latency_ms_per_token=ms_per_token)
-        out[name] = acc
-    return out
+def live_accumulators(arms: dict[str, ArmTally]) -> dict[str, ArmAccumulator]:
+    return {name: tally.stats for name, tally in arms.items()}
 
 
-def _chosen_k(canary: Canary, arms: dict[str, ArmObservations] | None) -> tuple[int | None, dict[str, Any]]:
+def _chosen_k(canary: Canary, arms: dict[str, ArmTally] | None) -> tuple[int | None, dict[str, Any]]:
     """The tuner's best k for the candidate, from its per-position acceptance and measured costs."""
     shadow = canary.arms.get("shadow") or {}
     costs = shadow.get("costs") or {}
@@ -281,10 +367,14 @@ def _apply_decision(
     policy: CanaryPolicy,
     *,
     source: str,
-    arms: dict[str, ArmObservations] | None,
-    guardrail_acts: bool = False,
+    arms: dict[str, ArmTally] | None,
+    guardrail: decision_policy.GuardrailFinding | None = None,
 ) -> str:
     figures = {**outcome.figures, "source": source}
+    reason = f"{source}: {outcome.reason}"
+    if guardrail is not None:
+        # The drift event ends on the guardrail's action: say what it measured.
+        reason += f"; guardrail: {guardrail.reason}"
     if arms is not None:
         figures["arm_counts"] = arm_figures(arms)
     if outcome.decision == CanaryDecision.promote:
@@ -319,20 +409,20 @@ def _apply_decision(
             session=session,
             canary=canary,
             actor="system",
-            reason=f"{source}: {outcome.reason}",
+            reason=reason,
             figures=figures,
             resolution=DriftResolution.guardrail_action
-            if guardrail_acts
+            if guardrail is not None
             else DriftResolution.candidate_rejected,
         )
     elif outcome.decision == CanaryDecision.inconclusive:
         end_inconclusive(
             session=session,
             canary=canary,
-            reason=f"{source}: {outcome.reason}",
+            reason=reason,
             figures=figures,
             resolution=DriftResolution.guardrail_action
-            if guardrail_acts
+            if guardrail is not None
             else DriftResolution.canary_inconclusive,
         )
     else:
@@ -357,7 +447,7 @@ def evaluate_deployment(
         return _await_pool(session, canary, policy, probe)
     if canary.phase == CanaryPhase.watching:
         return _watch(session, canary, policy)
-    arms = live_observations(session, canary, max_requests=policy.max_requests)
+    arms = advance_judge(session=session, canary=canary, max_requests=policy.max_requests).arms
     weights = canary.routing_weights or {}
     routing = {
         INCUMBENT: 1.0 - float(weights.get("candidate", 0)) - float(weights.get("baseline", 0)),
@@ -374,7 +464,7 @@ def evaluate_deployment(
         canary.arms = {**canary.arms, "guardrails": [f.as_dict() for f in findings]}
     acting = _acting_guardrail(findings)
     decision = _apply_decision(
-        session, canary, outcome, policy, source="live canary", arms=arms, guardrail_acts=acting is not None
+        session, canary, outcome, policy, source="live canary", arms=arms, guardrail=acting
     )
     if acting is not None and decision in (CanaryDecision.reject, CanaryDecision.inconclusive):
         _act_on_guardrail(session, deployment, acting)
@@ -413,13 +503,11 @@ def _await_pool(
     return {"canary_id": canary.id, "pool": POOL_WAITING}
 
 
-def _guardrails(
-    arms: dict[str, ArmObservations], deployment: Deployment
-) -> list[decision_policy.GuardrailFinding]:
+def _guardrails(arms: dict[str, ArmTally], deployment: Deployment) -> list[decision_policy.GuardrailFinding]:
     incumbent = arms[INCUMBENT]
     return decision_policy.guardrail_check(
-        live_accumulators({INCUMBENT: incumbent})[INCUMBENT],
-        live_accumulators({BASELINE: arms[BASELINE]})[BASELINE],
+        incumbent.stats,
+        arms[BASELINE].stats,
         speculation_mode=deployment.speculation_mode.value,
         drafted_tokens=incumbent.drafted,
         accepted_tokens=incumbent.accepted,
@@ -468,33 +556,31 @@ def _watch(session: Session, canary: Canary, policy: CanaryPolicy) -> dict[str, 
     watch = dict(canary.arms.get("watch") or {})
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
     expected = watch.get("expected_hit_rate")
-    query = select(AcceptanceRecordRow.drafted_tokens, AcceptanceRecordRow.accepted_tokens).where(
-        AcceptanceRecordRow.deployment_id == canary.deployment_id,
-        AcceptanceRecordRow.id > int(watch.get("since_record_id") or 0),
-        AcceptanceRecordRow.arm == ARM_LIVE,
-        AcceptanceRecordRow.drafter_version == candidate.version,
+    reverted = watch.get("draft_length_reverted")
+    tally = advance_watch(
+        session=session,
+        canary=canary,
+        version=candidate.version,
+        since=int(watch.get("since_record_id") or 0),
+        # Servers pick a reverted k up within a config poll: judge only what ran at it.
+        k=int(reverted["to"]) if reverted else None,
+        max_requests=policy.watch_requests * 4 or 1,
     )
-    if watch.get("draft_length_reverted"):
-        # Servers pick the reverted k up within a config poll: judge only what ran at it.
-        query = query.where(AcceptanceRecordRow.k == int(watch["draft_length_reverted"]["to"]))
-    rows = session.execute(query.limit(policy.watch_requests * 4 or 1)).all()
-    per_request = [(int(r.drafted_tokens or 0), int(r.accepted_tokens or 0)) for r in rows]
-    drafted = sum(d for d, _ in per_request)
-    accepted = sum(a for _, a in per_request)
+    live = tally.arms[WATCH_ARM]
     if not isinstance(expected, int | float) or not 0 < expected < 1:
         close_watch(canary, "no canary hit-rate estimate to watch against")
         return {"canary_id": canary.id, "watch": "closed"}
     expected_se = watch.get("expected_hit_rate_se")
     verdict = decision_policy.rollback_check(
         float(expected),
-        drafted,
-        accepted,
-        len(rows),
+        live.drafted,
+        live.accepted,
+        tally.records,
         watch_requests=policy.watch_requests,
         estimate_standard_error=float(expected_se) if isinstance(expected_se, int | float) else 0.0,
-        per_request=per_request,
+        measured_design_effect=live.hit_rate_spread()[1],
     )
-    watch.update({"requests": len(rows), "verdict": verdict.as_dict()})
+    watch.update({"requests": tally.records, "verdict": verdict.as_dict()})
     canary.arms = {**canary.arms, "watch": watch}
     if verdict.rollback and _revert_draft_length(session, canary, watch, verdict.reason):
         return {"canary_id": canary.id, "watch": "draft length reverted", "reason": verdict.reason}

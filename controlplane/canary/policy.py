@@ -224,6 +224,16 @@ def _problems(values: Mapping[str, Any], only: set[str] | None = None) -> list[s
             isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
         ):
             problems.append(f"{key} must be an integer in [{low}, {high}]")
+    if (
+        not problems
+        and (checked("min_samples_per_arm") or checked("max_requests"))
+        and values["max_requests"] < len(ARMS) * values["min_samples_per_arm"]
+    ):
+        # Below that a canary could never hold enough requests in every arm to be judged.
+        problems.append(
+            f"max_requests must be at least {len(ARMS)} x min_samples_per_arm "
+            f"({len(ARMS) * values['min_samples_per_arm']})"
+        )
     weights_ok = _is_number(values["candidate_weight"]) and _is_number(values["baseline_weight"])
     if (
         not problems
@@ -795,6 +805,7 @@ def rollback_check(
     intra_request_correlation: float = 0.05,
     estimate_standard_error: float = 0.0,
     per_request: Sequence[tuple[int, int]] | None = None,
+    measured_design_effect: float | None = None,
 ) -> RollbackVerdict:
     """After a promotion: is the live hit rate significantly below the canary's estimate?
 
@@ -809,7 +820,8 @@ def rollback_check(
 
     Two corrections keep a good drafter from being rolled back on noise. ``per_request`` (each live
     request's ``(drafted, accepted)``) lets the design effect be measured instead of assumed: the
-    larger of the assumed and the measured one is used (traffic that mixes easy and hard prompts
+    larger of the assumed and the measured one is used (``measured_design_effect`` gives it directly,
+    from running sums; traffic that mixes easy and hard prompts
     is far more correlated within a request than ``intra_request_correlation`` says; with the
     measured effect the guarantee is asymptotic, not exact). ``estimate_standard_error`` is the
     canary estimate's own request-level error: the tolerance widens to two of them, since a
@@ -839,7 +851,8 @@ def rollback_check(
     per_request_drafted = live_drafted / n_requests
     design_effect = 1.0 + max(per_request_drafted - 1.0, 0.0) * intra_request_correlation
     assumed_design_effect = design_effect
-    measured_design_effect = request_level_spread(per_request)[1] if per_request is not None else None
+    if per_request is not None:
+        measured_design_effect = request_level_spread(per_request)[1]
     if measured_design_effect is not None:
         design_effect = max(design_effect, measured_design_effect)
     alt = null_rate * (1.0 - _ROLLBACK_DROPS)

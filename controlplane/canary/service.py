@@ -34,6 +34,7 @@ from controlplane.db.models import (
     Job,
     JobKind,
     JobState,
+    SpeculationMode,
 )
 from controlplane.deployments.lookup import lock_deployment, resource_name, resource_of
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
@@ -103,6 +104,27 @@ def deployments_with_open_canaries(*, session: Session) -> list[int]:
         .order_by(Canary.deployment_id)
     )
     return [int(d) for d in rows]
+
+
+def record_evaluation_error(*, session: Session, deployment_id: int, error: str) -> None:
+    """Count a judge tick that failed on the deployment's open canary (the tick itself was rolled
+    back): ``arms["evaluation_errors"]`` keeps the count, the last error and when, for /metrics."""
+    canary = open_canary(session=session, deployment_id=deployment_id)
+    if canary is None:
+        return
+    arms = canary.arms if isinstance(canary.arms, dict) else {}
+    errors = arms.get("evaluation_errors")
+    count = int(errors.get("count") or 0) if isinstance(errors, dict) else 0
+    canary.arms = {
+        **arms,
+        "evaluation_errors": {"count": count + 1, "last": error[:1000], "at": utcnow().isoformat()},
+    }
+
+
+def evaluation_error_count(canary: Canary) -> int:
+    """How many judge ticks failed on this canary."""
+    errors = canary.arms.get("evaluation_errors") if isinstance(canary.arms, dict) else None
+    return int(errors.get("count") or 0) if isinstance(errors, dict) else 0
 
 
 def canary_of_job(*, session: Session, job_id: int) -> Canary | None:
@@ -177,8 +199,14 @@ def start_canary(
                 drafters.leave_canary(version=prev_candidate)
     elif previous is not None:
         _decide(previous, CanaryDecision.inconclusive, "superseded by a new canary of the same candidate", {})
-    incumbent = drafters.active_drafter(session=session, deployment_id=deployment.id)
     config = speculation_of(deployment)
+    # After a guardrail switched the deployment to n-gram or off, the active version no longer
+    # serves: the candidate is judged against the fallback that does (the live arm).
+    incumbent = (
+        drafters.active_drafter(session=session, deployment_id=deployment.id)
+        if config.mode not in (SpeculationMode.ngram, SpeculationMode.disabled)
+        else None
+    )
     job = Job(
         deployment_id=deployment.id,
         kind=JobKind.canary,
@@ -207,6 +235,9 @@ def start_canary(
             "k": config.effective_draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT,
         },
         reason=reason,
+        # The caller sends the replay's message once this commits: count that send now.
+        shadow_sent_at=utcnow(),
+        shadow_attempts=1,
     )
     session.add(canary)
     session.flush()
@@ -374,7 +405,9 @@ def promote(
         draft_token_count=draft_token_count,
         canary_id=canary.id if canary else None,
     )
-    end_unanswered_events(session=session, deployment_id=deployment_id, resolution=DriftResolution.promoted)
+    end_drift_events(
+        session=session, deployment_id=deployment_id, resolution=DriftResolution.promoted, reason=reason
+    )
     actuators.record_event(
         session=session, deployment=deployment, event=EVENT_PROMOTION, canary=canary, version=version
     )
@@ -449,7 +482,7 @@ def reject(
     drafters.reject_version(
         session=session, version=candidate, actor=actor, reason=reason, canary_id=canary.id
     )
-    end_unanswered_events(session=session, deployment_id=deployment.id, resolution=resolution)
+    end_drift_events(session=session, deployment_id=deployment.id, resolution=resolution, reason=reason)
     _decide(canary, CanaryDecision.reject, reason, figures or canary.arms.get("decision_figures", {}))
 
 
@@ -469,7 +502,7 @@ def end_inconclusive(
     deployment = lock_deployment(session=session, deployment_id=canary.deployment_id)
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
     drafters.leave_canary(version=candidate)
-    end_unanswered_events(session=session, deployment_id=deployment.id, resolution=resolution)
+    end_drift_events(session=session, deployment_id=deployment.id, resolution=resolution, reason=reason)
     _decide(canary, CanaryDecision.inconclusive, reason, figures)
     record_change(
         session=session,
@@ -479,6 +512,16 @@ def end_inconclusive(
         resource=canary_resource(session, canary),
         before=None,
         after={"reason": reason},
+    )
+
+
+def end_drift_events(
+    *, session: Session, deployment_id: int, resolution: DriftResolution, reason: str
+) -> list[int]:
+    """End the deployment's unanswered drift events with ``resolution`` and the sentence that says
+    why (a canary decision, a replay that never answered, a guardrail); the detector re-arms."""
+    return end_unanswered_events(
+        session=session, deployment_id=deployment_id, resolution=resolution, reason=reason
     )
 
 

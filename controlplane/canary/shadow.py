@@ -3,29 +3,47 @@ replay (which models, which held-out requests, at which k and length), and recor
 the canary. The worker (``workers.canary_tasks``) holds no SQL; it replays between these calls.
 
 A redelivered replay simply runs again: recording a result is conditional on the canary still
-being in its shadow phase.
+being in its shadow phase. A replay whose message was lost, or whose worker died, is found by
+``sweep_overdue_replays`` (called by the judge's beat task): its message is sent again, up to a cap,
+and then its canary ends inconclusive with the reason, so nothing waits on it forever.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from controlplane.canary.evaluate import record_shadow_result
-from controlplane.canary.phases import OPEN, UNDECIDED
-from controlplane.canary.service import canary_of_job, canary_policy, end_inconclusive, reject
+from controlplane.canary.phases import OPEN, UNDECIDED, CanaryPhase
+from controlplane.canary.service import (
+    canary_of_job,
+    canary_policy,
+    end_inconclusive,
+    pool_state,
+    reject,
+)
 from controlplane.config import Settings
-from controlplane.db.models import Deployment, DrafterVersion, Job, JobState, Trace
+from controlplane.db.models import (
+    Canary,
+    Deployment,
+    DrafterVersion,
+    Job,
+    JobState,
+    SpeculationMode,
+    Trace,
+)
+from controlplane.deployments.lookup import lock_deployment
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.drafters.service import location_of_version
 from controlplane.drafters.serving import incumbent_location, target_location
 from controlplane.jobs.service import fail_job, finish_job, start_job
 from controlplane.jobs.states import TERMINAL
 from controlplane.models.location import ModelLocation
-from controlplane.timestamps import as_utc
+from controlplane.timestamps import as_utc, utcnow
 from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, is_held_out, trace_key
 
 
@@ -42,6 +60,11 @@ class ReplayPlan:
     k: int
     requests: list[tuple[str, str]]
     new_tokens: int
+    # How the live arm speculates now: "draft_model" (``incumbent``), or the fallback a guardrail
+    # (or the deployment's own settings) put in place, "ngram" (of ``ngram_length``) or "disabled":
+    # the candidate must beat what actually serves.
+    incumbent_speculation: str = SpeculationMode.draft_model.value
+    ngram_length: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,24 +105,36 @@ def claim_replay(*, session: Session, job_id: int, delivery_id: str | None) -> R
         return ReplayClaim({"job_id": job_id, "skipped": "canary not open"})
     if job.state == JobState.queued:
         start_job(session=session, job_id=job_id, celery_task_id=delivery_id)
+    record_replay_heartbeat(session=session, job_id=job_id)  # loading the models takes a while
     deployment = session.get_one(Deployment, canary.deployment_id)
     candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
     policy = canary_policy(deployment)
     config = speculation_of(deployment)
+    incumbent = incumbent_location(session=session, deployment=deployment)
+    speculation = incumbent_speculation(config.mode, has_drafter=incumbent is not None)
     return ReplayClaim(
         None,
         ReplayPlan(
             canary_id=canary.id,
             target=target_location(session=session, deployment=deployment),
             candidate=location_of_version(candidate),
-            incumbent=incumbent_location(session=session, deployment=deployment),
+            incumbent=incumbent if speculation == SpeculationMode.draft_model.value else None,
             k=int(canary.arms.get("k") or config.effective_draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT),
             requests=held_out_requests(
                 session=session, deployment_id=deployment.id, candidate=candidate, n=policy.shadow_prompts
             ),
             new_tokens=policy.shadow_new_tokens,
+            incumbent_speculation=speculation,
+            ngram_length=deployment.ngram_speculation_length or 3,
         ),
     )
+
+
+def incumbent_speculation(mode: SpeculationMode, *, has_drafter: bool) -> str:
+    """How the live arm speculates, as the serving config tells the fleet (``drafters.serving``)."""
+    if mode == SpeculationMode.default:
+        return SpeculationMode.draft_model.value if has_drafter else SpeculationMode.disabled.value
+    return mode.value
 
 
 def finish_replay(
@@ -128,3 +163,96 @@ def fail_replay(*, session: Session, job_id: int, error: str, candidate_refused:
     else:
         end_inconclusive(session=session, canary=canary, reason=f"shadow replay failed: {error}", figures={})
     return {"job_id": job_id, "failed": error, "canary_id": canary.id, "phase": canary.phase}
+
+
+def record_replay_heartbeat(*, session: Session, job_id: int) -> None:
+    """The replay's worker is alive: the sweep leaves a running replay with a fresh heartbeat alone."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.running)
+        .values(heartbeat_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+@dataclass(slots=True)
+class ReplaySweep:
+    """What one sweep did: the jobs whose message goes out again (after the commit), and the
+    canaries it ended."""
+
+    resend_jobs: list[int] = field(default_factory=list)
+    ended_canaries: list[int] = field(default_factory=list)
+
+
+def _alive(job: Job, cutoff: datetime, now: datetime) -> bool:
+    """A running replay whose worker showed a sign of life within the window."""
+    if job.state != JobState.running:
+        return False
+    lease = as_utc(job.lease_expires_at)
+    heartbeat = as_utc(job.heartbeat_at)
+    return (lease is not None and lease > now) or (heartbeat is not None and heartbeat > cutoff)
+
+
+def sweep_overdue_replays(
+    *, session: Session, resend_after_s: float, max_sends: int, now: datetime | None = None
+) -> ReplaySweep:
+    """Canaries in shadow whose replay has not answered ``resend_after_s`` after its last send.
+
+    A replay still queued, or running without a heartbeat, is sent again (the caller sends each
+    returned job once this commits) until it was sent ``max_sends`` times; then its canary ends
+    inconclusive with the reason (its drift event resolves ``canary_inconclusive`` with it), and
+    its job fails. A canary waiting for its candidate pool, or holding a replay result, is not a
+    replay's to answer.
+    """
+    now = now or utcnow()
+    cutoff = now - timedelta(seconds=resend_after_s)
+    overdue = session.scalars(
+        select(Canary)
+        .where(
+            Canary.phase == CanaryPhase.shadow,
+            Canary.shadow_sent_at.is_not(None),
+            Canary.shadow_sent_at < cutoff,
+        )
+        .order_by(Canary.id)
+    ).all()  # at most one open canary per deployment
+    sweep = ReplaySweep()
+
+    def awaits_replay(canary: Canary) -> bool:
+        sent = as_utc(canary.shadow_sent_at)
+        return (
+            canary.phase == CanaryPhase.shadow
+            and pool_state(canary) is None
+            and "shadow" not in canary.arms
+            and sent is not None
+            and sent < cutoff
+        )
+
+    for canary in overdue:
+        if not awaits_replay(canary):
+            continue  # it has its replay's result (and waits for its candidate pool)
+        lock_deployment(session=session, deployment_id=canary.deployment_id)
+        session.refresh(canary)
+        if not awaits_replay(canary):
+            continue  # the replay answered (or another sweep acted) since the query
+        job = session.get(Job, canary.job_id) if canary.job_id is not None else None
+        if job is not None and _alive(job, cutoff, now):
+            continue
+        if job is not None and job.state in (JobState.queued, JobState.running):
+            if canary.shadow_attempts < max_sends:
+                canary.shadow_attempts += 1
+                canary.shadow_sent_at = now
+                sweep.resend_jobs.append(job.id)
+                continue
+            reason = (
+                f"the shadow replay (job {job.id}) was sent {canary.shadow_attempts} times and never "
+                f"reported a result within {resend_after_s:g} s of a send; the incumbent keeps serving"
+            )
+            end_inconclusive(session=session, canary=canary, reason=reason, figures={})
+            fail_job(session=session, job_id=job.id, error=reason)
+        else:
+            state = "is gone" if job is None else f"ended {job.state.value}"
+            detail = f": {job.error}" if job is not None and job.error else ""
+            reason = f"the shadow replay job {state} without a result{detail}; the incumbent keeps serving"
+            end_inconclusive(session=session, canary=canary, reason=reason, figures={})
+        sweep.ended_canaries.append(canary.id)
+    return sweep

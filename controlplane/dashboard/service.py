@@ -272,7 +272,14 @@ def markers(
     # JSON that would be decoded on every refresh for nothing, and building entities costs more
     # than the queries themselves (about 2 ms per query against 0.3 ms in PostgreSQL).
     events = session.execute(
-        select(DriftEvent.id, DriftEvent.detected_at, DriftEvent.state, DriftEvent.drop)
+        select(
+            DriftEvent.id,
+            DriftEvent.detected_at,
+            DriftEvent.state,
+            DriftEvent.drop,
+            DriftEvent.resolution,
+            DriftEvent.resolution_reason,
+        )
         .where(
             DriftEvent.deployment_id == deployment.id,
             DriftEvent.detected_at >= start,
@@ -283,12 +290,14 @@ def markers(
     )
     for event in events:
         drop = f", drop {event.drop:.3f}" if event.drop is not None else ""
+        ended = f": {event.resolution.value}" if event.resolution is not None else ""
+        reason = f" ({_short(event.resolution_reason)})" if event.resolution_reason else ""
         out.append(
             {
                 "kind": "drift",
                 "at": _iso(event.detected_at),
                 "end": None,
-                "label": f"drift #{event.id} ({event.state.value}{drop})",
+                "label": f"drift #{event.id} ({event.state.value}{ended}{drop}){reason}",
             }
         )
     jobs = session.execute(
@@ -422,6 +431,10 @@ def account_jobs(*, session: Session, account_id: int, limit: int = 200) -> dict
     return {"jobs": [{**job_summary(job), "deployment": name, "log": _job_log(job)} for job, name in rows]}
 
 
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _job_log(job: Job) -> list[str]:
     """The job's history as log lines, from the timestamps and messages the job row keeps."""
     lines = [f"{_iso(job.created_at)} created by {job.requested_by}"]
@@ -429,6 +442,10 @@ def _job_log(job: Job) -> list[str]:
         lines.append(f"{_iso(job.started_at)} started (attempt {job.attempts})")
     if job.progress_message:
         lines.append(f"progress {job.progress:.0%}: {job.progress_message}")
+    if job.state == JobState.running and job.lease_expires_at:
+        lines.append(f"lease held until {_iso(job.lease_expires_at)} (heartbeat {_iso(job.heartbeat_at)})")
+    if job.state == JobState.queued and job.next_attempt_at:
+        lines.append(f"next attempt not before {_iso(job.next_attempt_at)}")
     if job.finished_at:
         lines.append(f"{_iso(job.finished_at)} {job.state.value}")
     if job.error:

@@ -1,27 +1,43 @@
 """Drift events after the alarm: read them, mark one as being answered by a realignment, and end
-them with a named resolution. ``end_event`` is the only function that ends an event; the
-monitor (``drift.service``) re-arms the detector once no event is left unanswered.
+them with a named resolution and the reason. ``resolve_event`` is the only function that ends an
+event, whichever lifecycle ends it (a realignment, a canary, a guardrail, a person); once no event
+of the deployment is left unanswered it re-arms the deployment's detector, which may then alarm
+again after the policy's cooldown (counted from the end of the event, see ``drift.service``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import record_change
-from controlplane.db.models import Deployment, DriftEvent, DriftResolution, DriftState
+from controlplane.db.models import (
+    Deployment,
+    DriftEvent,
+    DriftMonitorState,
+    DriftResolution,
+    DriftState,
+    Job,
+)
 from controlplane.deployments.lookup import resource_of
 from controlplane.drift import states
-from controlplane.errors import ConflictError, NotFoundError
+from controlplane.drift.mix_monitor import MixMonitor
+from controlplane.drift.mixture_sr import MixtureSR
+from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
 from controlplane.timestamps import utcnow
 
 
 def list_events(*, session: Session, deployment_id: int, state: str | None, limit: int) -> list[DriftEvent]:
     query = select(DriftEvent).where(DriftEvent.deployment_id == deployment_id)
     if state is not None:
-        query = query.where(DriftEvent.state == DriftState(state))
+        try:
+            query = query.where(DriftEvent.state == DriftState(state))
+        except ValueError:
+            raise ValidationProblem(
+                f"unknown drift event state {state[:50]!r}; one of {[s.value for s in DriftState]}"
+            ) from None
     return list(session.scalars(query.order_by(DriftEvent.id.desc()).limit(limit)))
 
 
@@ -53,21 +69,24 @@ def mark_realigning(*, event: DriftEvent, job_id: int) -> None:
     event.evidence = {**(event.evidence or {}), "realign_job_id": job_id}
 
 
-def end_event(
+MAX_REASON_CHARS = 2000
+
+
+def resolve_event(
     *,
     session: Session,
     event: DriftEvent,
     resolution: DriftResolution,
+    reason: str | None = None,
     actor: str = "system",
-    note: str | None = None,
 ) -> None:
-    """End an unanswered event with a named resolution (audited)."""
+    """End an unanswered event with a named resolution and why (audited), and re-arm the
+    deployment's detector once none of its events is left unanswered."""
     before = event.state
     event.state = states.transition(event.state, states.end_state(resolution))
     event.resolution = resolution
     event.resolved_at = utcnow()
-    if note:
-        event.evidence = {**(event.evidence or {}), "resolution_note": note}
+    event.resolution_reason = reason[:MAX_REASON_CHARS] if reason else None
     deployment = session.get_one(Deployment, event.deployment_id)
     record_change(
         session=session,
@@ -79,32 +98,75 @@ def end_event(
         after={
             "state": event.state.value,
             "resolution": resolution.value,
-            **({"note": note} if note else {}),
+            **({"reason": event.resolution_reason} if event.resolution_reason else {}),
         },
     )
+    session.flush()
+    if not unanswered_events(session=session, deployment_id=event.deployment_id):
+        rearm_detector(session=session, deployment_id=event.deployment_id)
+
+
+def rearm_detector(*, session: Session, deployment_id: int) -> bool:
+    """Clear a latched alarm from the deployment's stored detectors (baseline kept); True when
+    it did. A compare-and-set on the monitor's version: when a monitor run advanced the state
+    meanwhile, that run's next pass clears the latch itself (it re-arms whenever it finds an alarm
+    with no unanswered event), so nothing is lost by giving way."""
+    state = session.get(DriftMonitorState, deployment_id)
+    stored = state.detector_state if state is not None else None
+    if state is None or not stored or "main" not in stored:
+        return False
+    main = MixtureSR.from_state(stored["main"])
+    mix = MixMonitor.from_state(stored["mix"]) if "mix" in stored else None
+    if not main.drift_detected and (mix is None or not mix.drift_detected):
+        return False
+    if main.drift_detected:
+        main.reset()
+    if mix is not None and mix.drift_detected:
+        mix.reset()
+    result = session.execute(
+        update(DriftMonitorState)
+        .where(DriftMonitorState.deployment_id == deployment_id, DriftMonitorState.version == state.version)
+        .values(
+            detector_state={**stored, "main": main.to_state(), **({"mix": mix.to_state()} if mix else {})},
+            updated_at=utcnow(),
+            version=state.version + 1,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    session.expire(state)
+    return bool(getattr(result, "rowcount", 0))
 
 
 def end_unanswered_events(
-    *, session: Session, deployment_id: int, resolution: DriftResolution, note: str | None = None
+    *,
+    session: Session,
+    deployment_id: int,
+    resolution: DriftResolution,
+    reason: str | None = None,
+    actor: str = "system",
 ) -> list[int]:
     """End every unanswered event of the deployment (a canary decision or a failed realignment
     answered them); returns their ids."""
     events = unanswered_events(session=session, deployment_id=deployment_id)
     for event in events:
-        end_event(session=session, event=event, resolution=resolution, note=note)
+        resolve_event(session=session, event=event, resolution=resolution, reason=reason, actor=actor)
     return [event.id for event in events]
 
 
 def end_events_of_job(
-    *, session: Session, drift_event_id: int | None, resolution: DriftResolution, note: str | None = None
-) -> None:
-    """A realignment that answered an event ended without a candidate: end that event, so the
-    detector re-arms and a drift that is still there starts a new realignment."""
-    if drift_event_id is None:
-        return
-    event = session.get(DriftEvent, drift_event_id)
-    if event is not None and event.state in states.UNANSWERED:
-        end_event(session=session, event=event, resolution=resolution, note=note)
+    *, session: Session, job: Job, resolution: DriftResolution, reason: str | None = None
+) -> list[int]:
+    """A realignment ended without a candidate: end every event it answered (the one that started
+    it, and any that found it already queued or running and named it), so the detector re-arms
+    and a drift that is still there starts a new realignment. Returns their ids."""
+    answered = [
+        event
+        for event in unanswered_events(session=session, deployment_id=job.deployment_id)
+        if event.id == job.drift_event_id or (event.evidence or {}).get("realign_job_id") == job.id
+    ]
+    for event in answered:
+        resolve_event(session=session, event=event, resolution=resolution, reason=reason)
+    return [event.id for event in answered]
 
 
 def dismiss_event(*, session: Session, deployment_id: int, event_id: int, actor: str) -> DriftEvent:
@@ -115,7 +177,13 @@ def dismiss_event(*, session: Session, deployment_id: int, event_id: int, actor:
             f"drift event {event_id} is {event.state.value}; "
             "only an open or realigning event can be dismissed"
         )
-    end_event(session=session, event=event, resolution=DriftResolution.dismissed, actor=actor)
+    resolve_event(
+        session=session,
+        event=event,
+        resolution=DriftResolution.dismissed,
+        reason=f"dismissed by {actor} as a false alarm",
+        actor=actor,
+    )
     return event
 
 
@@ -124,6 +192,7 @@ def event_summary(event: DriftEvent) -> dict[str, Any]:
         "id": event.id,
         "state": event.state.value,
         "resolution": event.resolution.value if event.resolution else None,
+        "resolution_reason": event.resolution_reason,
         "detected_at": event.detected_at.isoformat(),
         "detector": event.detector,
         "baseline_rate": event.baseline_rate,

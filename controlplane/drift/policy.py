@@ -13,6 +13,9 @@ MAX_ARL0 = 10**9
 # Fewer reference requests than this estimate per-position rates too poorly to be worth arming.
 MIN_REFERENCE_REQUESTS = 50
 MAX_REFERENCE_REQUESTS = 100_000
+MAX_COOLDOWN_S = 7 * 86400
+# A body with thousands of unknown fields gets a short answer, not one line per field.
+MAX_REPORTED_UNKNOWN = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +59,15 @@ def validate_changes(changes: dict[str, Any]) -> dict[str, Any]:
     """Check policy changes; every problem is reported at once."""
     problems = []
     allowed = {"arl0_requests", "min_drop", "cooldown_s", "reference_requests"}
-    for key in changes:
-        if key not in allowed:
-            problems.append({"field": key, "message": f"unknown policy field (allowed: {sorted(allowed)})"})
+    unknown = [key for key in changes if key not in allowed]
+    for key in unknown[:MAX_REPORTED_UNKNOWN]:
+        problems.append(
+            {"field": str(key)[:100], "message": f"unknown policy field (allowed: {sorted(allowed)})"}
+        )
+    if len(unknown) > MAX_REPORTED_UNKNOWN:
+        problems.append(
+            {"field": "(more)", "message": f"{len(unknown) - MAX_REPORTED_UNKNOWN} more unknown fields"}
+        )
     arl0 = changes.get("arl0_requests")
     if arl0 is not None and (
         isinstance(arl0, bool) or not isinstance(arl0, int) or not MIN_ARL0 <= arl0 <= MAX_ARL0
@@ -71,10 +80,13 @@ def validate_changes(changes: dict[str, Any]) -> dict[str, Any]:
         problems.append({"field": "min_drop", "message": "must be a number strictly between 0 and 1"})
     cooldown = changes.get("cooldown_s")
     if cooldown is not None and (
-        isinstance(cooldown, bool) or not isinstance(cooldown, int) or not 0 <= cooldown <= 7 * 86400
+        isinstance(cooldown, bool) or not isinstance(cooldown, int) or not 0 <= cooldown <= MAX_COOLDOWN_S
     ):
         problems.append(
-            {"field": "cooldown_s", "message": "must be an integer number of seconds in [0, 604800]"}
+            {
+                "field": "cooldown_s",
+                "message": f"must be an integer number of seconds in [0, {MAX_COOLDOWN_S}]",
+            }
         )
     reference = changes.get("reference_requests")
     if reference is not None and (

@@ -17,7 +17,7 @@ re-estimates its baseline on a fresh reference window.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -239,6 +239,9 @@ def advance_monitor(
         )
     )
     last_alarm = state.last_alarm_at
+    quiet_until = next_alarm_not_before(
+        session=session, deployment_id=deployment_id, last_alarm_at=last_alarm, cooldown_s=policy.cooldown_s
+    )
     for row in rows:
         if row.arm != MONITORED_ARM:
             continue
@@ -248,11 +251,13 @@ def advance_monitor(
         if detector.drift_detected and open_event is None:
             # The last alarm's event was dismissed or resolved: re-arm on the same baseline.
             detector.reset()
+            if detectors.mix.drift_detected:
+                detectors.mix.reset()
         detectors.update(observation)
         examined += 1
         if not detector.drift_detected:
             continue
-        cooling = last_alarm is not None and as_utc(last_alarm) + timedelta(seconds=policy.cooldown_s) > now
+        cooling = quiet_until is not None and quiet_until > now
         if open_event is not None or cooling:
             continue  # latched: one open event per deployment, and a quiet period after each
         evidence = detectors.evidence()
@@ -277,6 +282,7 @@ def advance_monitor(
         events.append(event.id)
         open_event = event.id
         last_alarm = now
+        quiet_until = now + timedelta(seconds=policy.cooldown_s)
         realign = realign_on_drift(session=session, deployment=deployment, event=event)
         if realign is not None and realign.created:
             realign_jobs.append(realign.job.id)
@@ -302,6 +308,19 @@ def advance_monitor(
     return MonitorOutcome(
         deployment_id, len(rows), events, pending=horizon_now > new_watermark, realign_jobs=realign_jobs
     )
+
+
+def next_alarm_not_before(
+    *, session: Session, deployment_id: int, last_alarm_at: datetime | None, cooldown_s: int
+) -> datetime | None:
+    """When the detector may raise its next event: the policy's cooldown after the later of the
+    last alarm and the end of the last event (a realignment that took an hour and failed does not
+    leave the deployment without a quiet period); None when it never alarmed."""
+    last_end = session.scalar(
+        select(func.max(DriftEvent.resolved_at)).where(DriftEvent.deployment_id == deployment_id)
+    )
+    marks = [as_utc(t) for t in (last_alarm_at, last_end) if t is not None]
+    return max(marks) + timedelta(seconds=cooldown_s) if marks else None
 
 
 def deployments_with_new_records(*, session: Session) -> list[int]:
@@ -369,9 +388,18 @@ def monitor_status(*, session: Session, deployment: Deployment, settings: Settin
     }
     if state is not None and state.detector_state:
         detectors = DetectorPair.from_state(state.detector_state, policy)
+        quiet_until = next_alarm_not_before(
+            session=session,
+            deployment_id=deployment.id,
+            last_alarm_at=state.last_alarm_at,
+            cooldown_s=policy.cooldown_s,
+        )
         status["detector"] = {
             **detectors.evidence(),
             "in_reference_window": detectors.main.in_reference,
             "drift_detected": detectors.main.drift_detected,
+            # Re-armed: no event left unanswered, so the next alarm (after the cooldown) raises one.
+            "armed": not open_events,
+            "next_alarm_not_before": quiet_until.isoformat() if quiet_until is not None else None,
         }
     return status

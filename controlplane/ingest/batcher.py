@@ -6,7 +6,15 @@ transaction therefore caps single-record ingestion at a few hundred requests per
 one writer per process takes whatever requests queued up while the previous flush ran and
 stores them together: under load a flush holds many requests; when idle a request is flushed at
 once, so batching adds no waiting. Each request still gets its own result (inserted and
-duplicate counts); a failed flush fails every request in it and stores none of them.
+duplicate counts).
+
+One request must never fail another, whatever account sent it: records are checked against
+what the database stores before they queue (controlplane.ingest.formats.storage_problems), and a
+flush that fails all the same, with the database still reachable (a value refused, a conflicting
+request id), is split in halves and each half flushed again, down to single requests, so only
+the requests that fail alone fail (a refused value as a 422 naming the database's reason) and
+every other one is stored and acknowledged. With one offender in n requests that costs about
+2·log2(n) more flushes. A database that is away fails every request of the flush at once.
 
 Given an engine, flushes run in lanes, each on a connection it keeps: checking one out of the
 pool per flush cost a liveness ping (a round trip) and the pool's bookkeeping, ~0.25 ms of CPU in
@@ -38,15 +46,16 @@ from dataclasses import dataclass, field
 
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError, StatementError
 from sqlalchemy.orm import Session
 
 from controlplane.db.session import driver_cursor
-from controlplane.errors import UnavailableError
+from controlplane.errors import DomainError, UnavailableError, ValidationProblem
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.service import (
     SMALL_BATCH_RECORDS,
     IngestResult,
+    database_unreachable,
     fold_pending_rollups,
     is_unique_violation,
     rollups_deferrable,
@@ -72,6 +81,14 @@ FOLD_RETRY_S = 1.0
 
 class BatcherClosedError(UnavailableError):
     """The batcher was closed before this request's records were flushed (an HTTP 503)."""
+
+
+class StorageRefusedError(ValidationProblem):
+    """The database refused a value of this request's records, alone (an HTTP 422)."""
+
+
+# The database's reason is quoted to the caller: its first line, cut to this length.
+MAX_REASON_CHARS = 500
 
 
 @dataclass(slots=True)
@@ -126,6 +143,28 @@ class _Lane:
                         if attempt == 1 or not is_unique_violation(exc):
                             raise
             raise AssertionError("unreachable")
+
+    def flush_isolating(
+        self, batches: list[tuple[int, Sequence[AcceptanceRecord]]], defer_rollups: bool = False
+    ) -> list[IngestResult | Exception]:
+        """Flush ``batches``; should that fail with the database reachable, flush each half
+        again (recursively), so each batch gets its own result or the error it fails with alone."""
+        try:
+            return list(self.flush(batches, defer_rollups))
+        except Exception as exc:
+            if database_unreachable(exc):
+                return [exc] * len(batches)
+            if len(batches) == 1:
+                return [_as_request_error(exc)]
+            log.warning(
+                "a flush of %d requests failed (%s); flushing its halves apart",
+                len(batches),
+                type(exc).__name__,
+            )
+        middle = len(batches) // 2
+        return self.flush_isolating(batches[:middle], defer_rollups) + self.flush_isolating(
+            batches[middle:], defer_rollups
+        )
 
     def fold(self) -> int:
         """Fold every pending rollup sum in one transaction; returns the records folded."""
@@ -204,8 +243,14 @@ class IngestBatcher:
         self._worker: asyncio.Task[None] | None = None
         self._in_flight: set[asyncio.Task[None]] = set()
 
-    async def submit(self, deployment_id: int, records: Sequence[AcceptanceRecord]) -> IngestResult:
-        """Store a batch; returns once it is committed (or raises what the flush raised)."""
+    async def submit(
+        self, deployment_id: int, records: Sequence[AcceptanceRecord], *, from_serving_key: bool = False
+    ) -> IngestResult:
+        """Store a batch; returns once it is committed (or raises why this batch, alone, could
+        not be stored). ``from_serving_key``: the caller holds the fleet's serving key."""
+        if from_serving_key:
+            for record in records:
+                record.from_serving_key = True
         loop = asyncio.get_running_loop()
         if self._queue is None or self._worker is None or self._worker.done():
             self._queue = asyncio.Queue()
@@ -287,7 +332,9 @@ class IngestBatcher:
     async def _flush(self, lane: _Lane, group: list[_Pending], free: asyncio.Queue[_Lane]) -> None:
         try:
             results = await run_in_threadpool(
-                lane.flush, [(item.deployment_id, item.records) for item in group], self._defer_rollups
+                lane.flush_isolating,
+                [(item.deployment_id, item.records) for item in group],
+                self._defer_rollups,
             )
         except Exception as exc:  # every request of the flush learns why it failed
             _fail(group, exc)
@@ -297,7 +344,11 @@ class IngestBatcher:
         if self._defer_rollups and _defers_any(group):
             self._want_fold()
         for item, result in zip(group, results, strict=True):
-            if not item.done.done():
+            if item.done.done():
+                continue
+            if isinstance(result, Exception):
+                item.done.set_exception(result)
+            else:
                 item.done.set_result(result)
 
     def _want_fold(self) -> None:
@@ -326,6 +377,27 @@ def _defers_any(group: Sequence[_Pending]) -> bool:
     for item in group:
         counts[item.deployment_id] = counts.get(item.deployment_id, 0) + len(item.records)
     return any(rollups_deferrable(count) for count in counts.values())
+
+
+def _as_request_error(exc: Exception) -> Exception:
+    """What one request that failed alone answers: a domain error as it is (a 409 conflict, a
+    422), a value the database refused as a 422 quoting the database's reason, anything else
+    as it is (a 500)."""
+    if isinstance(exc, DomainError):
+        return exc
+    refused = isinstance(exc, DataError | IntegrityError) or (
+        isinstance(exc, StatementError) and isinstance(exc.orig, OverflowError | ValueError)
+    )
+    if isinstance(exc, OverflowError | ValueError):
+        refused = True
+    if not refused:
+        return exc
+    origin = exc.orig if isinstance(exc, StatementError) and exc.orig is not None else exc
+    reason = (str(origin).strip().splitlines() or [type(origin).__name__])[0][:MAX_REASON_CHARS]
+    return StorageRefusedError(
+        f"the database refused a value of this batch: {reason}; nothing of this batch was stored",
+        details=[{"field": "", "message": reason}],
+    )
 
 
 def _fail(group: Sequence[_Pending], exc: BaseException) -> None:

@@ -44,6 +44,17 @@ MAX_LATENCY_MS: Final = 86_400_000.0  # a day: beyond it a sum over many records
 EARLIEST: Final = datetime(2000, 1, 1, tzinfo=UTC)
 LATEST: Final = datetime(2100, 1, 1, tzinfo=UTC)
 FORMATS: Final = ("native", "fireworks", "vllm", "sglang", "trtllm")
+# A refused batch names its first problems and counts the rest: a reply (and the memory holding
+# it) stays small however broken the body, e.g. megabytes of unknown keys.
+MAX_REPORTED_PROBLEMS: Final = 20
+MAX_KEPT_PROBLEMS: Final = 1000
+# Unknown keys listed one by one per object (with a suggestion each), then counted; only keys
+# this short get a suggestion (difflib's cost grows with the product of the lengths).
+MAX_UNKNOWN_KEYS_LISTED: Final = 5
+MAX_SUGGESTED_KEY_CHARS: Final = 64
+# A verify step accepts at most k <= MAX_K drafts: an acceptance histogram has at most
+# MAX_K + 1 buckets, whatever the object keys ask for.
+MAX_HISTOGRAM_BUCKETS: Final = MAX_K + 1
 BATCH_FORMATS: Final = ("auto", *FORMATS)
 
 NATIVE_FIELDS: Final = (
@@ -77,18 +88,29 @@ class Problem:
 
 
 class BatchValidationError(ValueError):
-    """Every problem found in a batch; nothing in the batch is valid to store (all or nothing)."""
+    """The problems found in a batch (the first MAX_KEPT_PROBLEMS kept, ``total`` counting all);
+    nothing in the batch is valid to store (all or nothing)."""
 
-    def __init__(self, problems: Sequence[Problem]) -> None:
+    def __init__(self, problems: Sequence[Problem], total: int | None = None) -> None:
         self.problems: list[Problem] = list(problems)
+        self.total = len(self.problems) if total is None else total
         first = self.problems[0] if self.problems else Problem(None, "", "invalid batch")
         where = "batch" if first.index is None else f"record {first.index}"
-        more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
+        more = f" (and {self.total - 1} more problems)" if self.total > 1 else ""
         super().__init__(f"{where}: {first.field or '<body>'}: {first.message}{more}")
 
     def as_dicts(self) -> list[dict[str, object]]:
-        """The problems as JSON-able dicts, e.g. for a 422 body."""
-        return [{"index": p.index, "field": p.field, "message": p.message} for p in self.problems]
+        """The first MAX_REPORTED_PROBLEMS problems as JSON-able dicts (e.g. for a 422 body), and
+        one more entry counting the rest, if any."""
+        shown: list[dict[str, object]] = [
+            {"index": p.index, "field": p.field, "message": p.message}
+            for p in self.problems[:MAX_REPORTED_PROBLEMS]
+        ]
+        if self.total > len(shown):
+            shown.append(
+                {"index": None, "field": "", "message": f"and {self.total - len(shown)} more problems"}
+            )
+        return shown
 
 
 class BatchTooLargeError(BatchValidationError):
@@ -121,11 +143,9 @@ def parse_batch(payload: object) -> list[AcceptanceRecord]:
     """Parse ``{"format": ..., "records": [...]}`` into records, or raise with every problem."""
     if not isinstance(payload, dict):
         raise BatchValidationError([Problem(None, "", 'body must be a JSON object {"records": [...]}')])
-    problems: list[Problem] = [
-        Problem(None, str(key), f"unknown field{_did_you_mean(key, _BATCH_KEYS)}")
-        for key in payload
-        if key not in _BATCH_KEYS
-    ]
+    unknown: _Errs = []
+    _unknown_keys(payload, _BATCH_KEYS, unknown)
+    problems: list[Problem] = [Problem(None, f, m) for f, m in unknown]
     fmt = payload.get("format", "auto")
     if fmt is None:
         fmt = "auto"
@@ -200,7 +220,12 @@ def _parse_records(records: list[Any], fmt: str, problems: list[Problem]) -> lis
     seen: dict[str, int] = {}
     errs: _Errs = []
     fixed = None if fmt == "auto" else _ADAPTERS[fmt]
+    dropped = 0
     for index, rec in enumerate(records):
+        if len(problems) > MAX_KEPT_PROBLEMS:
+            # Enough to show: count the rest instead of keeping them.
+            dropped += len(problems) - MAX_KEPT_PROBLEMS
+            del problems[MAX_KEPT_PROBLEMS:]
         if type(rec) is not dict:
             problems.append(Problem(index, "", f"record must be a JSON object, got {_type_name(rec)}"))
             continue
@@ -223,7 +248,7 @@ def _parse_records(records: list[Any], fmt: str, problems: list[Problem]) -> lis
             continue
         out.append(parsed)
     if problems:
-        raise BatchValidationError(problems)
+        raise BatchValidationError(problems[:MAX_KEPT_PROBLEMS], dropped + len(problems))
     return out
 
 
@@ -341,8 +366,16 @@ def _type_name(value: object) -> str:
 
 
 def _did_you_mean(key: object, allowed: Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(key), list(allowed), n=1)
+    text = str(key)
+    if len(text) > MAX_SUGGESTED_KEY_CHARS:
+        return ""
+    close = difflib.get_close_matches(text, list(allowed), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _shown_key(key: object) -> str:
+    text = str(key)
+    return text if len(text) <= MAX_SUGGESTED_KEY_CHARS else text[:MAX_SUGGESTED_KEY_CHARS] + "..."
 
 
 def _count(value: object, field: str, errs: _Errs) -> int | None:
@@ -489,9 +522,16 @@ def _positions(value: object, field: str, errs: _Errs) -> list[int] | None:
 
 
 def _unknown_keys(rec: dict[str, Any], allowed: frozenset[str], errs: _Errs, prefix: str = "") -> None:
+    """The first MAX_UNKNOWN_KEYS_LISTED unknown keys, each a problem, and one more counting the rest."""
+    unknown = 0
     for key in rec:
-        if key not in allowed:
-            errs.append((f"{prefix}{key}", f"unknown field{_did_you_mean(key, allowed)}"))
+        if key in allowed:
+            continue
+        unknown += 1
+        if unknown <= MAX_UNKNOWN_KEYS_LISTED:
+            errs.append((f"{prefix}{_shown_key(key)}", f"unknown field{_did_you_mean(key, allowed)}"))
+    if unknown > MAX_UNKNOWN_KEYS_LISTED:
+        errs.append((prefix.rstrip("."), f"and {unknown - MAX_UNKNOWN_KEYS_LISTED} more unknown fields"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -901,7 +941,16 @@ def _histogram(value: object, field: str, errs: _Errs) -> list[int] | None:
         for key, count in value.items():
             k_str = str(key)
             if not (k_str.isascii() and k_str.isdigit()):
-                errs.append((f"{field}.{key}", "bucket keys must be non-negative integers"))
+                errs.append((f"{field}.{_shown_key(key)}", "bucket keys must be non-negative integers"))
+                ok = False
+                continue
+            if len(k_str) > 3 or int(k_str) >= MAX_HISTOGRAM_BUCKETS:
+                errs.append(
+                    (
+                        f"{field}.{k_str[:10]}",
+                        f"bucket keys must be below {MAX_HISTOGRAM_BUCKETS} (k <= {MAX_K})",
+                    )
+                )
                 ok = False
                 continue
             clean = _count(count, f"{field}.{key}", errs)
@@ -913,6 +962,9 @@ def _histogram(value: object, field: str, errs: _Errs) -> list[int] | None:
             return None
         size = max(dense) + 1 if dense else 0
         return [dense.get(j, 0) for j in range(size)]
+    if type(value) is list and len(value) > MAX_HISTOGRAM_BUCKETS:
+        errs.append((field, f"has {len(value)} buckets; at most {MAX_HISTOGRAM_BUCKETS} (k <= {MAX_K})"))
+        return None
     return _counts(value, field, errs)
 
 
@@ -961,8 +1013,10 @@ def _from_vllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     Takes the whole response (``metrics.speculative_decoding``; older builds put
     ``speculative_decoding_stats`` on ``choices[0]``), a record with a ``speculative_decoding``
     key, or the bare metrics object. Source: docs.vllm.ai features/speculative_decoding/
-    acceptance_metrics. On the ``baseline`` arm (no speculation) a missing or null block is a
-    no-speculation record sized by ``usage``; on any other arm it is a problem.
+    acceptance_metrics. A null block (vLLM's answer when speculation is off) is a no-speculation
+    record (nothing drafted) sized by ``usage``, on any arm, unless the reply has several choices
+    (vLLM reports acceptance only for n == 1). A missing block is a problem naming the flag,
+    except on the ``baseline`` arm (no speculation), where it is a no-speculation record too.
 
     Exact: drafted (``num_draft_tokens``, after grammar-invalidated drafts are subtracted, as
     vLLM counts), accepted, verify steps, k (``num_spec_tokens``), per-position counts (suffix
@@ -1000,9 +1054,29 @@ def _from_vllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
         path, sd_raw = "", rec
     env = _envelope(rec, errs)
     prompt, completion = _usage(rec, errs)
-    if (sd_raw is _MISSING or sd_raw is None) and env is not None and env.arm == ARM_BASELINE:
-        # The no-speculation arm: an engine serving without a drafter reports no acceptance.
-        return _baseline(env, errs, generated=completion, prompt_tokens=prompt)
+    ttft = itl = total = None
+    if timing is not None:
+        ttft = _latency_ms(timing.get("time_to_first_token_ms"), "metrics.time_to_first_token_ms", errs)
+        itl = _latency_ms(timing.get("mean_itl_ms"), "metrics.mean_itl_ms", errs)
+        gen_ms = _latency_ms(timing.get("generation_time_ms"), "metrics.generation_time_ms", errs)
+        queue_ms = _latency_ms(timing.get("queue_time_ms"), "metrics.queue_time_ms", errs)
+        if ttft is not None and gen_ms is not None:
+            total = (queue_ms or 0.0) + ttft + gen_ms
+    choices = rec.get("choices")
+    several = isinstance(choices, list) and len(choices) > 1
+    if (sd_raw is None and not several) or (
+        sd_raw is _MISSING and env is not None and env.arm == ARM_BASELINE
+    ):
+        # Served without speculation (a server without a drafter, or the no-speculation arm).
+        return _baseline(
+            env,
+            errs,
+            generated=completion,
+            prompt_tokens=prompt,
+            ttft_ms=ttft,
+            inter_token_ms=itl,
+            total_ms=total,
+        )
     if sd_raw is _MISSING:
         errs.append((path, "is missing: start vLLM with --per-request-spec-decode-metrics summary|detailed"))
         return None
@@ -1027,14 +1101,6 @@ def _from_vllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
 
     width = k if k is not None else (len(hist) - 1 if hist else 0)
     positions = _positions_from_histogram(hist, width) if hist else []
-    ttft = itl = total = None
-    if timing is not None:
-        ttft = _latency_ms(timing.get("time_to_first_token_ms"), "metrics.time_to_first_token_ms", errs)
-        itl = _latency_ms(timing.get("mean_itl_ms"), "metrics.mean_itl_ms", errs)
-        gen_ms = _latency_ms(timing.get("generation_time_ms"), "metrics.generation_time_ms", errs)
-        queue_ms = _latency_ms(timing.get("queue_time_ms"), "metrics.queue_time_ms", errs)
-        if ttft is not None and gen_ms is not None:
-            total = (queue_ms or 0.0) + ttft + gen_ms
     return _build(
         env,
         errs,
@@ -1085,6 +1151,10 @@ def _vllm_per_step(
             errs.append((f"{p}{name}", f"has {len(arr)} entries but {names.steps} is {steps}"))
         if want_sum is not None and sum(arr) != want_sum:
             errs.append((f"{p}{name}", f"sums to {sum(arr)} but {sum_name} is {want_sum}"))
+    if acc is not None and max(acc, default=0) > MAX_K:
+        errs.append(
+            (f"{p}per_step_accepted", f"has a step accepting more than {MAX_K} drafts (k <= {MAX_K})")
+        )
     if acc is not None and dr is not None:
         for s, (a, d) in enumerate(zip(acc, dr, strict=False)):
             if a > d:
@@ -1145,8 +1215,8 @@ def _from_trtllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     ``acceptance_rate``. Exact: all counts, per-position counts from the histogram, k when
     TensorRT-LLM reports one (else None and the histogram's own depth sets the width), tokens
     from ``usage``. ``avg_decoded_tokens_per_iter`` averages over iterations that drafted
-    nothing too, so it is not used. TensorRT-LLM omits the block for a request that never
-    drafted: that is a problem unless the record's arm is ``baseline``.
+    nothing too, so it is not used. TensorRT-LLM omits the block (or sends null) for a request
+    that never drafted: that is a no-speculation record (nothing drafted), on any arm.
     """
     if "choices" in rec:
         choice = _single_choice(rec, errs)
@@ -1160,10 +1230,7 @@ def _from_trtllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     env = _envelope(rec, errs)
     prompt, completion = _usage(rec, errs)
     if sd_raw is _MISSING or sd_raw is None:
-        if env is not None and env.arm == ARM_BASELINE:
-            return _baseline(env, errs, generated=completion, prompt_tokens=prompt)
-        errs.append((path, "is missing: the request never drafted, or per_request_spec_decode_stats is off"))
-        return None
+        return _baseline(env, errs, generated=completion, prompt_tokens=prompt)
     sd = _obj(sd_raw, path, errs)
     if sd is None:
         return None
@@ -1231,7 +1298,9 @@ def _from_sglang(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     otherwise it is ``drafted / spec_verify_ct`` when that divides (SGLang defines drafted as
     steps × (speculative_num_draft_tokens − 1)), else unknown. ``spec_accept_length`` is
     completion tokens ÷ steps in SGLang (bonus and prefill tokens included) and
-    ``spec_accept_rate`` is accepted ÷ drafted: both derived, both ignored.
+    ``spec_accept_rate`` is accepted ÷ drafted: both derived, both ignored. Without
+    ``spec_verify_ct`` (a server without speculation) or with 0 verify steps the record is a
+    no-speculation record (nothing drafted), on any arm.
     """
     if "meta_info" in rec:
         path, meta_raw = "meta_info", rec["meta_info"]
@@ -1258,10 +1327,11 @@ def _from_sglang(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     completion = completion if completion is not None else usage_completion
 
     if meta.get("spec_verify_ct") is None:
-        if env is not None and env.arm == ARM_BASELINE:
-            return _baseline(env, errs, generated=completion, prompt_tokens=prompt, total_ms=total)
-        errs.append((f"{p}spec_verify_ct", "is missing: is speculative decoding enabled on this server?"))
-        return None
+        if _has_any(meta, (*_SGLANG_ACCEPTED, *_SGLANG_DRAFTED)):
+            errs.append((f"{p}spec_verify_ct", "is missing but draft counts are present"))
+            return None
+        # A server without speculation writes no spec_* field at all.
+        return _baseline(env, errs, generated=completion, prompt_tokens=prompt, total_ms=total)
     steps = _count(meta["spec_verify_ct"], f"{p}spec_verify_ct", errs)
     accepted, accepted_field = _alias_count(meta, _SGLANG_ACCEPTED, p, errs)
     drafted, drafted_field = _alias_count(meta, _SGLANG_DRAFTED, p, errs)

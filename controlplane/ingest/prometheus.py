@@ -28,6 +28,22 @@ A delta between two scrapes becomes one aggregate record per label set: ``verify
 Δper position, ``k`` = number of positions, and ``generated_tokens`` = accepted + verify steps
 (each verify step emits its accepted drafts plus one token sampled by the target; the counters do
 not see prefill tokens or steps without a draft, so this is a lower bound on output tokens).
+
+What is and is not counted, so that nothing is lost or counted twice:
+
+* A label set seen for the first time is a baseline: its values are remembered, not counted. A
+  long-lived engine's counters hold its whole history (past 2^31 on a busy one), which is not
+  the increase of any window; counting starts from that first sight. A delta too large for one
+  record (a counter past 2^31 within one window, which only a long gap between scrapes makes) is
+  a baseline again.
+* A counter that went down, or a new ``_created`` time, is a reset: the new values are the
+  increase since the restart, as Prometheus' ``increase()`` takes them.
+* A label set missing from one scrape (an engine that did not answer, a torn page) stays in the
+  kept snapshot for MAX_MISSED_SCRAPES scrapes (within the label-set cap): when it returns it is
+  diffed against its last values, never counted again from zero.
+* A record's id derives from the scrape id, the label set and the counter values it was made of,
+  so the same scrape applied twice stores once, and a reused scrape id with other counter values
+  still stores its data.
 """
 
 from __future__ import annotations
@@ -37,7 +53,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Final, TypeGuard
 
@@ -45,7 +61,14 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.ingest.formats import BatchValidationError, Problem, record_problems
+from controlplane.ingest.formats import (
+    MAX_COUNT,
+    MAX_K,
+    BatchTooLargeError,
+    BatchValidationError,
+    Problem,
+    record_problems,
+)
 from controlplane.ingest.record import ARM_LIVE, AcceptanceRecord
 
 DRAFTS: Final = "vllm:spec_decode_num_drafts_total"
@@ -54,6 +77,10 @@ ACCEPTED_TOKENS: Final = "vllm:spec_decode_num_accepted_tokens_total"
 ACCEPTED_PER_POS: Final = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 POSITION_LABEL: Final = "position"
 SNAPSHOT_VERSION: Final = 1
+# Label sets (engines) one exposition may carry; the push route takes its limit from Settings.
+MAX_LABEL_SETS: Final = 1000
+# Scrapes a vanished label set is remembered for, so that it is diffed, not re-counted, on return.
+MAX_MISSED_SCRAPES: Final = 120
 
 _TOTALS: Final = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED_TOKENS: "accepted_tokens"}
 # `<name>_created` (the counter's creation time) changes when the server restarts, even when the
@@ -87,6 +114,7 @@ class SeriesCounters:
     accepted_tokens: int
     per_pos: tuple[int, ...] = ()
     created: float | None = None  # the drafts counter's creation time, when exposed
+    missed: int = 0  # scrapes in a row this label set was absent from (kept snapshots only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +135,7 @@ class CounterSnapshot:
                     "accepted_tokens": c.accepted_tokens,
                     "per_pos": list(c.per_pos),
                     "created": c.created,
+                    "missed": c.missed,
                 }
                 for key, c in sorted(self.series.items())
             ],
@@ -141,6 +170,9 @@ class CounterSnapshot:
                 raise ValueError(f"snapshot series[{i}].per_pos has invalid counters")
             if created is not None and not isinstance(created, int | float):
                 raise ValueError(f"snapshot series[{i}].created must be a number or null")
+            missed = item.get("missed", 0)
+            if not _is_count(missed):
+                raise ValueError(f"snapshot series[{i}].missed must be a non-negative integer")
             key = _label_key(labels)
             if key in series:
                 raise ValueError(f"snapshot series[{i}] repeats a label set")
@@ -150,6 +182,7 @@ class CounterSnapshot:
                 counts[2],
                 tuple(per_pos),
                 float(created) if created is not None else None,
+                missed,
             )
         return cls(series)
 
@@ -221,14 +254,17 @@ def _canonical_lines(text: str, *, openmetrics: bool) -> list[str]:
     return lines
 
 
-def parse_exposition(text: str, *, openmetrics: bool | None = None) -> CounterSnapshot:
+def parse_exposition(
+    text: str, *, openmetrics: bool | None = None, max_label_sets: int = MAX_LABEL_SETS
+) -> CounterSnapshot:
     """The spec-decode counters in a Prometheus text or OpenMetrics exposition (other metrics are
     ignored). ``openmetrics=None`` tells the format by the ``# EOF`` line; ``True`` requires it.
 
     Raises ``BatchValidationError`` (a ``ValueError``) listing every problem: malformed lines, a
     missing or misplaced ``# EOF`` in OpenMetrics, counter values that are negative, fractional or
     not finite, a label set missing one of the three total counters, positions that are not
-    0..k-1, or no spec-decode counters at all.
+    0..k-1 (k at most MAX_K), or no spec-decode counters at all; ``BatchTooLargeError`` for more
+    than ``max_label_sets`` label sets.
     """
     if openmetrics is None:
         openmetrics = _EOF_LINE.search(text) is not None
@@ -265,7 +301,16 @@ def parse_exposition(text: str, *, openmetrics: bool | None = None) -> CounterSn
         if name == ACCEPTED_PER_POS:
             raw_pos = labels.get(POSITION_LABEL, "")
             if not (raw_pos.isascii() and raw_pos.isdigit()):
-                problems.append(Problem(None, where, f"position label must be 0, 1, ..., got {raw_pos!r}"))
+                problems.append(
+                    Problem(None, where, f"position label must be 0, 1, ..., got {raw_pos[:20]!r}")
+                )
+                continue
+            if len(raw_pos) > 3 or int(raw_pos) >= MAX_K:
+                problems.append(
+                    Problem(
+                        None, where, f"position label must be below {MAX_K} (at most {MAX_K} draft positions)"
+                    )
+                )
                 continue
             slot = positions.setdefault(key, {})
             if int(raw_pos) in slot:
@@ -277,8 +322,20 @@ def parse_exposition(text: str, *, openmetrics: bool | None = None) -> CounterSn
                 problems.append(Problem(None, where, "sample repeated"))
             slot_totals[_TOTALS[name]] = count
 
+    keys = set(totals) | set(positions)
+    if len(keys) > max_label_sets:
+        raise BatchTooLargeError(
+            [
+                Problem(
+                    None,
+                    "body",
+                    f"{len(keys)} label sets exceed the limit of {max_label_sets} per exposition "
+                    "(CONTROLPLANE_PROMETHEUS_MAX_LABEL_SETS)",
+                )
+            ]
+        )
     series: dict[LabelKey, SeriesCounters] = {}
-    for key in sorted(set(totals) | set(positions)):
+    for key in sorted(keys):
         found = totals.get(key, {})
         missing = [n for n, short in _TOTALS.items() if short not in found]
         if missing:
@@ -304,18 +361,30 @@ def parse_exposition(text: str, *, openmetrics: bool | None = None) -> CounterSn
     return CounterSnapshot(series)
 
 
-def scrape_request_id(key: LabelKey, scrape_id: str) -> str:
-    """Deterministic: the same scrape pushed twice yields the same ids, so the store dedupes it."""
-    digest = hashlib.sha256(json.dumps([scrape_id, list(key)], separators=(",", ":")).encode()).hexdigest()
-    return f"prom:{digest[:40]}"
+def scrape_request_id(
+    key: LabelKey,
+    scrape_id: str,
+    previous: SeriesCounters | None = None,
+    current: SeriesCounters | None = None,
+) -> str:
+    """Deterministic: the same scrape pushed twice yields the same ids, so the store dedupes it;
+    the counter values are part of the id, so a scrape id reused for other counters never makes
+    a new window's record look like a repeat (and be dropped)."""
+    values = [_values(previous), _values(current)]
+    body = json.dumps([scrape_id, list(key), *values], separators=(",", ":"))
+    return f"prom:{hashlib.sha256(body.encode()).hexdigest()[:40]}"
 
 
-def _delta(previous: SeriesCounters | None, current: SeriesCounters) -> SeriesCounters:
+def _values(counters: SeriesCounters | None) -> list[Any] | None:
+    if counters is None:
+        return None
+    c = counters
+    return [c.drafts, c.draft_tokens, c.accepted_tokens, list(c.per_pos), c.created]
+
+
+def _delta(previous: SeriesCounters, current: SeriesCounters) -> SeriesCounters:
     """``increase`` semantics: after a reset (any counter went down, or a new creation time) the
-    current values are the increase since the reset; a label set not seen before counts from zero.
-    """
-    if previous is None:
-        return current
+    current values are the increase since the reset."""
     reset = (
         current.drafts < previous.drafts
         or current.draft_tokens < previous.draft_tokens
@@ -344,7 +413,25 @@ def _delta(previous: SeriesCounters | None, current: SeriesCounters) -> SeriesCo
     )
 
 
-def records_from_scrapes(
+def _fits_one_record(delta: SeriesCounters) -> bool:
+    generated = delta.accepted_tokens + delta.drafts
+    return (
+        max(delta.drafts, delta.draft_tokens, delta.accepted_tokens, generated, *delta.per_pos) <= MAX_COUNT
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CounterDeltas:
+    """What one scrape adds: its records, the label sets taken as baselines (remembered, not
+    counted), and the snapshot to keep for the next scrape (this one's counters plus label sets
+    that vanished recently)."""
+
+    records: list[AcceptanceRecord]
+    baselines: list[LabelKey]
+    snapshot: CounterSnapshot
+
+
+def counter_deltas(
     previous: CounterSnapshot | None,
     current: CounterSnapshot,
     scrape_id: str,
@@ -353,29 +440,37 @@ def records_from_scrapes(
     drafter_version: int | None = None,
     category: str | None = None,
     scraped_at: datetime | None = None,
-) -> list[AcceptanceRecord]:
+    max_label_sets: int = MAX_LABEL_SETS,
+) -> CounterDeltas:
     """One aggregate record per label set whose counters moved since ``previous``.
 
-    A label set with no previous value (first push, or a new engine) counts from zero, the same
-    assumption a reset makes. Windows with no drafts and no tokens yield no record. Raises
-    ``BatchValidationError`` when a delta breaks a count identity (e.g. more accepted than drafted,
-    which only a scrape torn between counter updates produces), so no inconsistent row is stored.
+    Windows with no drafts and no tokens yield no record. Raises ``BatchValidationError`` when a
+    delta breaks a count identity (e.g. more accepted than drafted, which only a scrape torn
+    between counter updates produces), so no inconsistent row is stored.
     """
     records: list[AcceptanceRecord] = []
+    baselines: list[LabelKey] = []
     problems: list[Problem] = []
     for key in sorted(current.series):
+        now = current.series[key]
         before = previous.series.get(key) if previous is not None else None
-        delta = _delta(before, current.series[key])
+        if before is None:
+            baselines.append(key)
+            continue
+        delta = _delta(before, now)
         if not (delta.drafts or delta.draft_tokens or delta.accepted_tokens or any(delta.per_pos)):
             continue
+        if not _fits_one_record(delta):
+            baselines.append(key)
+            continue
         record = AcceptanceRecord(
-            request_id=scrape_request_id(key, scrape_id),
+            request_id=scrape_request_id(key, scrape_id, before, now),
             drafted_tokens=delta.draft_tokens,
             accepted_tokens=delta.accepted_tokens,
             verify_steps=delta.drafts,
             generated_tokens=delta.accepted_tokens + delta.drafts,
             accepted_per_position=list(delta.per_pos),
-            k=len(current.series[key].per_pos) or None,
+            k=len(now.per_pos) or None,
             arm=arm,
             drafter_version=drafter_version,
             category=category,
@@ -388,4 +483,42 @@ def records_from_scrapes(
         records.append(record)
     if problems:
         raise BatchValidationError(problems)
-    return records
+    return CounterDeltas(records, baselines, _kept_snapshot(previous, current, max_label_sets))
+
+
+def _kept_snapshot(previous: CounterSnapshot | None, current: CounterSnapshot, limit: int) -> CounterSnapshot:
+    """``current`` plus the label sets of ``previous`` it lacks, each remembered for at most
+    MAX_MISSED_SCRAPES scrapes and, most recently seen first, within ``limit`` label sets in all."""
+    series = dict(current.series)
+    if previous is None:
+        return current
+    vanished = sorted(
+        (c.missed, key, c)
+        for key, c in previous.series.items()
+        if key not in series and c.missed + 1 < MAX_MISSED_SCRAPES
+    )
+    for _, key, counters in vanished[: max(limit - len(series), 0)]:
+        series[key] = replace(counters, missed=counters.missed + 1)
+    return CounterSnapshot(series)
+
+
+def records_from_scrapes(
+    previous: CounterSnapshot | None,
+    current: CounterSnapshot,
+    scrape_id: str,
+    *,
+    arm: str = ARM_LIVE,
+    drafter_version: int | None = None,
+    category: str | None = None,
+    scraped_at: datetime | None = None,
+) -> list[AcceptanceRecord]:
+    """The records of ``counter_deltas`` alone."""
+    return counter_deltas(
+        previous,
+        current,
+        scrape_id,
+        arm=arm,
+        drafter_version=drafter_version,
+        category=category,
+        scraped_at=scraped_at,
+    ).records

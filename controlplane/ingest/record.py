@@ -39,6 +39,9 @@ class AcceptanceRecord:
     drafter_version: int | None = None
     category: str | None = None
     created_at: datetime | None = None  # None: the server stamps the ingest time
+    # Provenance, not content: set by the write path when the caller holds the fleet's serving
+    # key (only such records steer a canary); no format sets it, and idempotency ignores it.
+    from_serving_key: bool = False
 
 
 class RecordError(ValueError):

@@ -32,12 +32,13 @@ from sqlalchemy.orm import Session
 
 from controlplane.db.models import Deployment, ScrapeTarget
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
-from controlplane.ingest.formats import BatchValidationError
+from controlplane.ingest.formats import MAX_COUNT, BatchValidationError
 from controlplane.ingest.prometheus import (
+    MAX_LABEL_SETS,
     CounterSnapshot,
+    counter_deltas,
     is_openmetrics_media_type,
     parse_exposition,
-    records_from_scrapes,
 )
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
 from controlplane.ingest.service import store_records
@@ -135,8 +136,10 @@ def validate_target(
                 clean_urls.append(url)
     version: int | None = None
     if drafter_version is not None:
-        if type(drafter_version) is not int or drafter_version < 1:
-            problems.append({"field": "drafter_version", "message": "must be a positive integer or null"})
+        if type(drafter_version) is not int or not 1 <= drafter_version <= MAX_COUNT:
+            problems.append(
+                {"field": "drafter_version", "message": f"must be an integer in 1..{MAX_COUNT} or null"}
+            )
         else:
             version = drafter_version
     clean_arm = ARM_LIVE
@@ -145,7 +148,13 @@ def validate_target(
         if arm == ARM_BASELINE and version is not None:
             problems.append({"field": "drafter_version", "message": "the baseline arm serves no drafter"})
     elif (
-        isinstance(arm, str) and arm.startswith(ARM_CANARY_PREFIX) and arm[len(ARM_CANARY_PREFIX) :].isdigit()
+        isinstance(arm, str)
+        and arm.startswith(ARM_CANARY_PREFIX)
+        and arm[len(ARM_CANARY_PREFIX) :].isascii()
+        and arm[len(ARM_CANARY_PREFIX) :].isdigit()
+        # canary:<n> names a drafter version: an INTEGER column (and a 40-character arm).
+        and len(arm[len(ARM_CANARY_PREFIX) :]) <= 10
+        and int(arm[len(ARM_CANARY_PREFIX) :]) <= MAX_COUNT
     ):
         arm_version = int(arm[len(ARM_CANARY_PREFIX) :])
         clean_arm = f"{ARM_CANARY_PREFIX}{arm_version}"
@@ -157,7 +166,8 @@ def validate_target(
         problems.append(
             {
                 "field": "arm",
-                "message": f'must be "live", "baseline" or "canary:<drafter version>", got {arm!r}',
+                "message": f'must be "live", "baseline" or "canary:<drafter version up to {MAX_COUNT}>", '
+                f"got {str(arm)[:60]!r}",
             }
         )
     if not isinstance(enabled, bool):
@@ -282,6 +292,7 @@ class ScrapeOutcome:
     url: str | None = None
     format: str | None = None  # "openmetrics" or "prometheus"
     label_sets: int = 0
+    baseline_label_sets: int = 0
     inserted: int = 0
     duplicates: int = 0
     error: str | None = None
@@ -295,6 +306,7 @@ class ScrapeOutcome:
             "url": self.url,
             "format": self.format,
             "label_sets": self.label_sets,
+            "baseline_label_sets": self.baseline_label_sets,
             "inserted": self.inserted,
             "duplicates": self.duplicates,
             "error": self.error,
@@ -303,7 +315,7 @@ class ScrapeOutcome:
         }
 
 
-def _read_one(url: str, fetch: Fetch) -> tuple[CounterSnapshot, str]:
+def _read_one(url: str, fetch: Fetch, max_label_sets: int) -> tuple[CounterSnapshot, str]:
     """The counters one URL exposes and the format they came in; raises with a readable reason."""
     status, content_type, text = fetch(url)
     if not 200 <= status < 300:
@@ -311,7 +323,8 @@ def _read_one(url: str, fetch: Fetch) -> tuple[CounterSnapshot, str]:
     openmetrics = is_openmetrics_media_type(content_type)
     # Declared OpenMetrics requires its `# EOF` (a truncated body must not pass for Prometheus
     # text); otherwise the body is the classic text format, whatever else it claims to be.
-    return parse_exposition(text, openmetrics=openmetrics), "openmetrics" if openmetrics else "prometheus"
+    snapshot = parse_exposition(text, openmetrics=openmetrics, max_label_sets=max_label_sets)
+    return snapshot, "openmetrics" if openmetrics else "prometheus"
 
 
 def _lock(session: Session, target_id: int) -> ScrapeTarget | None:
@@ -325,10 +338,15 @@ def _lock(session: Session, target_id: int) -> ScrapeTarget | None:
     )
 
 
-def scrape_target(session: Session, target: ScrapeTarget, fetch: Fetch) -> ScrapeOutcome:
+def scrape_target(
+    session: Session, target: ScrapeTarget, fetch: Fetch, *, max_label_sets: int = MAX_LABEL_SETS
+) -> ScrapeOutcome:
     """Scrape one target into the caller's transaction; the caller commits.
 
-    On success the delta records, the new snapshot and the counters go in together; on failure
+    The targets are the serving fleet itself, so the records count as the fleet's own
+    (``from_serving_key``: they may steer a canary). A label set's first scrape is a baseline
+    (see controlplane.ingest.prometheus). On success the delta records, the new snapshot and
+    the counters go in together; on failure
     only ``last_error`` (and the attempt) is written and the snapshot is kept. Raises
     ``ConflictError`` when another scraper moved the target on meanwhile (the caller rolls back;
     nothing of this attempt counts), ``NotFoundError`` when the target was deleted.
@@ -342,7 +360,7 @@ def scrape_target(session: Session, target: ScrapeTarget, fetch: Fetch) -> Scrap
     current: CounterSnapshot | None = None
     for url in target.urls:
         try:
-            current, outcome.format = _read_one(url, fetch)
+            current, outcome.format = _read_one(url, fetch, max_label_sets)
         except BatchValidationError as exc:
             outcome.url_errors.append(_short(f"{url}: not a usable vLLM spec-decode exposition: {exc}"))
             continue
@@ -354,6 +372,7 @@ def scrape_target(session: Session, target: ScrapeTarget, fetch: Fetch) -> Scrap
     now = utcnow()
     outcome.scraped_at = now
     records = []
+    kept: CounterSnapshot | None = None
     if current is None:
         outcome.error = _short("no URL answered with a usable exposition: " + "; ".join(outcome.url_errors))
     else:
@@ -364,14 +383,19 @@ def scrape_target(session: Session, target: ScrapeTarget, fetch: Fetch) -> Scrap
             log.warning("scrape target %s: stored snapshot ignored: %s", target.id, exc)
             previous = None
         try:
-            records = records_from_scrapes(
+            deltas = counter_deltas(
                 previous,
                 current,
                 scrape_id_for(target.id, sequence, previous, current),
                 arm=target.arm,
                 drafter_version=target.drafter_version,
                 scraped_at=now,
+                max_label_sets=max_label_sets,
             )
+            records, kept = deltas.records, deltas.snapshot
+            outcome.baseline_label_sets = len(deltas.baselines)
+            for record in records:
+                record.from_serving_key = True
         except BatchValidationError as exc:
             # E.g. a baseline target whose engine drafts, or a scrape torn between counter updates.
             outcome.error = _short(f"{outcome.url}: counter deltas are inconsistent: {exc}")
@@ -379,8 +403,8 @@ def scrape_target(session: Session, target: ScrapeTarget, fetch: Fetch) -> Scrap
     # Compare-and-set on the attempt count: should a second scraper have moved the target on since
     # this one read it (possible on SQLite, which has no row lock), this attempt is dropped whole.
     values: dict[str, Any] = {"scrapes": sequence + 1, "last_scraped_at": now, "last_error": outcome.error}
-    if current is not None:
-        values["snapshot"] = current.to_dict()
+    if current is not None and kept is not None:
+        values["snapshot"] = kept.to_dict()
     claimed = session.execute(
         update(ScrapeTarget)
         .where(ScrapeTarget.id == target.id, ScrapeTarget.scrapes == sequence)

@@ -1,5 +1,11 @@
 """Writing acceptance records: idempotent by request id, all or nothing per batch, fast.
 
+Idempotency compares content: a request id already stored with the same values is a duplicate
+(skipped and reported), the same id with different values is a conflict (409 naming the ids)
+and nothing of that batch is stored. The rollup fold never stops on one record: a stored row
+whose sums it cannot take (a value from before the ingest limits) is moved aside to
+``quarantined_rollup_records`` with the reason, and counted in the stats and ``/metrics``.
+
 PostgreSQL takes large batches through binary COPY (an order of magnitude faster than INSERTs)
 and small ones through one INSERT ... ON CONFLICT DO NOTHING RETURNING, a single round trip
 that also names the rows it stored; SQLite takes every batch through one executemany. The
@@ -12,21 +18,26 @@ reader of rollups runs it first).
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Engine, insert, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Engine, func, insert, select
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import AcceptanceRecordRow
+from controlplane.db.models import AcceptanceRecordRow, QuarantinedRollupRecord
 from controlplane.db.session import driver_cursor, json_dumps
-from controlplane.errors import ValidationProblem
+from controlplane.errors import ConflictError, ValidationProblem
+from controlplane.ingest.formats import MAX_COUNT, MAX_K, MAX_LATENCY_MS
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import RollupDelta, RollupKey, aggregate, apply_deltas
 from controlplane.timestamps import as_utc, utcnow
+
+log = logging.getLogger(__name__)
 
 # Duplicate ids echoed back to the caller are capped so a huge retried batch stays a small reply.
 MAX_ECHOED_DUPLICATES = 100
@@ -53,6 +64,7 @@ COPY_COLUMNS = (
     "inter_token_ms",
     "total_ms",
     "category",
+    "from_serving_key",
 )
 COPY_TYPES = (
     "int4",
@@ -71,6 +83,7 @@ COPY_TYPES = (
     "float8",
     "float8",
     "text",
+    "bool",
 )
 COPY_SQL = f"COPY acceptance_records ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
 
@@ -107,7 +120,7 @@ _INSERT_NEW_DEFERRING_ROLLUPS_SQL = f"""
 # into the fold's deltas at once, so memory holds one chunk of rows whatever the backlog.
 FOLD_CHUNK_RECORDS = 5_000
 # A fold reads the columns every write path stores (aggregate() reads most of them by name).
-_FOLDED_COLUMNS = ", ".join(f"r.{name}" for name in COPY_COLUMNS)
+_FOLDED_COLUMNS = ", ".join(["r.id", *(f"r.{name}" for name in COPY_COLUMNS)])
 # Pending rows are taken, and so locked, in record order by every fold, whatever its filter,
 # and each fold runs in a transaction of its own that locks rollup rows only after it holds
 # every pending row it takes: a transaction waiting for pending rows then never holds a rollup
@@ -204,6 +217,7 @@ def _row(deployment_id: int, rec: AcceptanceRecord, now: datetime) -> tuple[Any,
         rec.inter_token_ms,
         rec.total_ms,
         rec.category,
+        rec.from_serving_key,
     )
 
 
@@ -261,16 +275,32 @@ def rollups_deferrable(record_count: int) -> bool:
 def fold_pending_rollups(*, session: Session, deployment_ids: Sequence[int] | None = None) -> int:
     """Add the rollup sums of records stored with deferred rollups (of the given deployments,
     or all) in the caller's transaction, which must hold no rollup row yet (a fresh one: see
-    _FOLD_SQL_TEMPLATE); returns how many records were folded. A no-op on SQLite, which never
-    defers.
+    _FOLD_SQL_TEMPLATE); returns how many records were folded (quarantined ones included). A
+    no-op on SQLite, which never defers.
 
     Each pending row is deleted in the statement that reads its record, so a record is summed
     once whichever of several concurrent folds takes it: a fold waits for rows another one
     holds and then skips them (gone once that one commits), and a fold that fails leaves them
     for the next. Every pending row is taken before any rollup row is locked.
+
+    A record whose sums cannot be stored (see unfoldable_reason) is quarantined instead of
+    summed. Should the fold fail for a reason no check foresaw (the database still reachable),
+    it is undone and run again record by record, each in a savepoint, and the records that fail
+    alone are quarantined: no row can stop the folds after it.
     """
     if session.get_bind().dialect.name != "postgresql":
         return 0
+    try:
+        with session.begin_nested():
+            return _fold(session, deployment_ids, one_by_one=False)
+    except Exception as exc:
+        if database_unreachable(exc):
+            raise
+        log.warning("rollup fold failed (%s: %s); folding record by record", type(exc).__name__, exc)
+    return _fold(session, deployment_ids, one_by_one=True)
+
+
+def _fold(session: Session, deployment_ids: Sequence[int] | None, *, one_by_one: bool) -> int:
     params: dict[str, Any] = {"limit": FOLD_CHUNK_RECORDS}
     if deployment_ids is None:
         sql = _FOLD_ALL_SQL
@@ -280,27 +310,119 @@ def fold_pending_rollups(*, session: Session, deployment_ids: Sequence[int] | No
     deltas: dict[int, dict[RollupKey, RollupDelta]] = {}
     folded = 0
     now = utcnow()
-    with driver_cursor(session) as cursor:
-        while True:
+    while True:
+        with driver_cursor(session) as cursor:
             cursor.execute(sql, params, prepare=True)
             rows = cursor.fetchall()
-            by_deployment: dict[int, list[Any]] = {}
-            for row in rows:
+        by_deployment: dict[int, list[Any]] = {}
+        quarantine: list[tuple[Any, str]] = []
+        for row in rows:
+            reason = unfoldable_reason(row)
+            if reason is None:
                 by_deployment.setdefault(row.deployment_id, []).append(row)
-            for deployment_id, records in by_deployment.items():
-                # The rows carry every attribute aggregate() reads, under the record's names.
-                into = deltas.setdefault(deployment_id, {})
-                for key, delta in aggregate(cast(list[AcceptanceRecord], records), when_default=now).items():
-                    if key in into:
-                        into[key].add(delta)
-                    else:
-                        into[key] = delta
-            folded += len(rows)
-            if len(rows) < FOLD_CHUNK_RECORDS:
-                break
+            else:
+                quarantine.append((row, reason))
+        for deployment_id, records in by_deployment.items():
+            if one_by_one:
+                for record in records:
+                    try:
+                        with session.begin_nested():
+                            apply_deltas(
+                                session=session,
+                                deployment_id=deployment_id,
+                                deltas=aggregate([record], when_default=now),
+                            )
+                    except Exception as exc:
+                        if database_unreachable(exc):
+                            raise
+                        quarantine.append((record, f"{type(exc).__name__}: {exc}"))
+                continue
+            # The rows carry every attribute aggregate() reads, under the record's names.
+            into = deltas.setdefault(deployment_id, {})
+            for key, delta in aggregate(cast(list[AcceptanceRecord], records), when_default=now).items():
+                if key in into:
+                    into[key].add(delta)
+                else:
+                    into[key] = delta
+        _quarantine(session, quarantine)
+        folded += len(rows)
+        if len(rows) < FOLD_CHUNK_RECORDS:
+            break
     for deployment_id, summed in sorted(deltas.items()):
         apply_deltas(session=session, deployment_id=deployment_id, deltas=summed)
     return folded
+
+
+def unfoldable_reason(record: Any) -> str | None:
+    """Why a stored record's values cannot be added to the rollups, or None when they can.
+
+    The ingest limits (controlplane.ingest.formats.storage_problems) keep such values out; a
+    row stored before them (or written around the API) may still hold one, e.g. a latency whose
+    log-histogram bucket or running sum is not a finite number.
+    """
+    for name in ("ttft_ms", "inter_token_ms", "total_ms"):
+        value = getattr(record, name)
+        if value is not None and not (math.isfinite(value) and 0.0 <= value <= MAX_LATENCY_MS):
+            return f"{name} is {value!r}: outside 0..{MAX_LATENCY_MS:.0f} ms"
+    for name in ("drafted_tokens", "accepted_tokens", "verify_steps", "generated_tokens"):
+        value = getattr(record, name)
+        if not 0 <= value <= MAX_COUNT:
+            return f"{name} is {value}: outside 0..{MAX_COUNT}"
+    positions = record.accepted_per_position
+    if positions is None:
+        return None
+    if not isinstance(positions, list) or len(positions) > MAX_K:
+        return f"accepted_per_position is not a list of at most {MAX_K} counts"
+    if not all(type(count) is int and 0 <= count <= MAX_COUNT for count in positions):
+        return f"accepted_per_position holds a value that is not a count in 0..{MAX_COUNT}"
+    return None
+
+
+# Reasons are stored for people to read; the column holds 500 characters.
+_MAX_REASON_CHARS = 500
+
+
+def _quarantine(session: Session, rows: Sequence[tuple[Any, str]]) -> None:
+    if not rows:
+        return
+    now = utcnow()
+    for row, reason in rows:
+        log.warning(
+            "rollup fold quarantined record %s of deployment %s: %s", row.id, row.deployment_id, reason
+        )
+    session.execute(
+        insert(QuarantinedRollupRecord),
+        [
+            {
+                "deployment_id": row.deployment_id,
+                "record_id": row.id,
+                "reason": reason[:_MAX_REASON_CHARS],
+                "quarantined_at": now,
+            }
+            for row, reason in rows
+        ],
+    )
+
+
+def quarantined_counts(*, session: Session, deployment_ids: Sequence[int]) -> dict[int, int]:
+    """How many records the rollup fold set aside, per deployment (absent: none)."""
+    if not deployment_ids:
+        return {}
+    q = QuarantinedRollupRecord
+    rows = session.execute(
+        select(q.deployment_id, func.count())
+        .where(q.deployment_id.in_(list(deployment_ids)))
+        .group_by(q.deployment_id)
+    )
+    return {int(deployment_id): int(count) for deployment_id, count in rows}
+
+
+def database_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database (or the connection to it) is away, rather than that it
+    refused what one statement asked: then retrying piece by piece cannot help."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
 def fold_before_reading(*, session: Session, deployment_ids: Sequence[int]) -> None:
@@ -353,17 +475,22 @@ def store_batches(
     # Per deployment: the records to write, in batch order, with in-call repeats set aside.
     planned: dict[int, list[AcceptanceRecord]] = {}
     repeated: list[set[str]] = []
-    claimed: dict[int, set[str]] = {}
+    claimed: dict[int, dict[str, AcceptanceRecord]] = {}
+    conflicts: list[tuple[str, str]] = []
     for deployment_id, records in batches:
-        taken = claimed.setdefault(deployment_id, set())
+        taken = claimed.setdefault(deployment_id, {})
         repeats = set()
         for rec in records:
             if rec.created_at is not None:
                 rec.created_at = as_utc(rec.created_at)
-            if rec.request_id in taken:
+            first = taken.get(rec.request_id)
+            if first is not None:
                 repeats.add(rec.request_id)
+                difference = content_difference(first, rec)
+                if difference is not None:
+                    conflicts.append((rec.request_id, difference))
             else:
-                taken.add(rec.request_id)
+                taken[rec.request_id] = rec
                 planned.setdefault(deployment_id, []).append(rec)
         repeated.append(repeats)
     stored_before: dict[int, set[str]] = {}
@@ -375,11 +502,17 @@ def store_batches(
             fresh, existing = _store_postgres(session, deployment_id, candidates, now, defer_rollups=deferred)
         else:
             fresh, existing = _store_sqlite(session, deployment_id, candidates, now)
+        if existing:
+            conflicts += _stored_differently(session, deployment_id, claimed[deployment_id], existing)
+        if conflicts:
+            break  # the transaction is undone: nothing more to write
         if fresh and not deferred:
             apply_deltas(
                 session=session, deployment_id=deployment_id, deltas=aggregate(fresh, when_default=now)
             )
         stored_before[deployment_id] = existing
+    if conflicts:
+        raise ConflictingRecordsError(conflicts)
     results = []
     for (deployment_id, records), repeats in zip(batches, repeated, strict=True):
         existing = stored_before.get(deployment_id, set())
@@ -393,6 +526,84 @@ def store_batches(
             )
         )
     return results
+
+
+# Conflicting ids named in a 409, like the duplicates echoed in a 200: a small reply whatever
+# the batch.
+MAX_ECHOED_CONFLICTS = 100
+
+
+class ConflictingRecordsError(ConflictError):
+    """Request ids already stored (or repeated by a batch of the same flush) with different
+    values: a 409 naming them; the caller's transaction must be rolled back (nothing stored)."""
+
+    def __init__(self, conflicts: Sequence[tuple[str, str]]) -> None:
+        shown = [{"field": "request_id", "request_id": rid, "message": why} for rid, why in conflicts]
+        more = len(conflicts) - MAX_ECHOED_CONFLICTS
+        super().__init__(
+            f"{len(conflicts)} request id(s) already stored with different content; nothing of this "
+            "batch was stored (a retry must resend the same values; new data needs new request ids)",
+            details=shown[:MAX_ECHOED_CONFLICTS]
+            + ([{"field": "request_id", "message": f"and {more} more"}] if more > 0 else []),
+        )
+        self.request_ids = [rid for rid, _ in conflicts]
+
+
+# The record's values a retry must repeat exactly (created_at too, when the retry carries one).
+_CONTENT_FIELDS = (
+    "drafted_tokens",
+    "accepted_tokens",
+    "verify_steps",
+    "generated_tokens",
+    "accepted_per_position",
+    "k",
+    "prompt_tokens",
+    "ttft_ms",
+    "inter_token_ms",
+    "total_ms",
+    "arm",
+    "drafter_version",
+    "category",
+)
+
+
+def content_difference(stored: Any, sent: AcceptanceRecord) -> str | None:
+    """The first value in which ``sent`` differs from ``stored`` (a record or a stored row), as a
+    message; None when ``sent`` repeats it. A ``sent`` record without ``created_at`` (stamped by
+    the server) matches any stored time."""
+    for name in _CONTENT_FIELDS:
+        before, now = getattr(stored, name), getattr(sent, name)
+        if name == "accepted_per_position":
+            before, now = list(before or []), list(now or [])
+        if before != now:
+            return f"{name} is {before!r} in the stored record but {now!r} in this one"
+    if sent.created_at is not None and stored.created_at is not None:
+        if as_utc(stored.created_at) != as_utc(sent.created_at):
+            return (
+                f"created_at is {as_utc(stored.created_at).isoformat()} in the stored record but "
+                f"{as_utc(sent.created_at).isoformat()} in this one"
+            )
+    return None
+
+
+def _stored_differently(
+    session: Session, deployment_id: int, sent: dict[str, AcceptanceRecord], ids: set[str]
+) -> list[tuple[str, str]]:
+    """(request id, difference) for each of ``ids`` stored with other values than ``sent``."""
+    r = AcceptanceRecordRow
+    columns = [r.request_id, r.created_at, *(getattr(r, name) for name in _CONTENT_FIELDS)]
+    ordered = sorted(ids)
+    conflicts: list[tuple[str, str]] = []
+    for start in range(0, len(ordered), _LOOKUP_CHUNK):
+        chunk = ordered[start : start + _LOOKUP_CHUNK]
+        rows = session.execute(
+            select(*columns).where(r.deployment_id == deployment_id, r.request_id.in_(chunk))
+        )
+        for row in rows:
+            difference = content_difference(row, sent[row.request_id])
+            if difference is not None:
+                conflicts.append((row.request_id, difference))
+    return conflicts
 
 
 def _request_id(record: AcceptanceRecord) -> str:

@@ -28,10 +28,11 @@ from controlplane.db.models import (
 from controlplane.drafters import service as drafters
 from controlplane.drafters.serving import incumbent_location, target_location
 from controlplane.ingest.record import ARM_LIVE
-from controlplane.jobs.service import finish_job, start_job
+from controlplane.jobs.service import finish_job, start_attempt, start_job
 from controlplane.jobs.states import TERMINAL
 from controlplane.messaging import SHADOW_REPLAY, TaskMessage
 from controlplane.models.location import ModelLocation
+from controlplane.timestamps import as_utc, parse_utc, utcnow
 from controlplane.traces.holdout import trace_key
 
 # Traces from a little before the alarm count as post-drift: detection lags the change itself.
@@ -46,19 +47,26 @@ DRIFT_POINT_EXTRA_RECORDS = 10
 @dataclass(frozen=True, slots=True)
 class Claim:
     """The outcome of claiming a job: ``done`` says why there is nothing to run (the task returns
-    it as its result); otherwise the job is running under this delivery."""
+    it as its result); otherwise the job is running its attempt number ``attempt`` under this
+    delivery, holding a lease the worker must renew."""
 
     done: dict[str, Any] | None
     after_drift: bool = False
+    attempt: int = 0
 
 
-def claim_job(*, session: Session, job_id: int, delivery_id: str | None) -> Claim:
-    """Start the job for this delivery, or say why not: no such job, a version is already
-    registered (a redelivery after the commit), finished, or running under another delivery.
+def claim_job(
+    *, session: Session, job_id: int, delivery_id: str | None, lease_s: float, now: datetime | None = None
+) -> Claim:
+    """Start the job's next attempt for this delivery, or say why not: no such job, a version is
+    already registered (a redelivery after the commit), finished, running (under a live lease:
+    a duplicate or redelivered message; a lapsed one is the sweep's to recover, with its backoff
+    and attempt cap), its retry is not due yet, or another delivery started it first.
 
-    A redelivery after a worker died carries the same delivery id as the run it replaces, and does
-    restart: training is minutes, and a restart needs no checkpoint to trust.
+    Only a ``queued`` job starts, by a compare-and-set on its state and attempt count: however many
+    messages name the job, one attempt runs at a time.
     """
+    now = now or utcnow()
     job = session.get(Job, job_id)
     if job is None:
         return Claim({"job_id": job_id, "skipped": "no such job"})
@@ -68,17 +76,19 @@ def claim_job(*, session: Session, job_id: int, delivery_id: str | None) -> Clai
         )
     if job.state in TERMINAL:
         return Claim({"job_id": job_id, "skipped": f"job is {job.state.value}"})
-    if (
-        job.state == JobState.running
-        and job.celery_task_id
-        and delivery_id
-        and job.celery_task_id != delivery_id
-    ):
-        # A second message for a job another delivery runs (the sweeper re-sent it while the first
-        # waited in the queue).
-        return Claim({"job_id": job_id, "skipped": "running under another delivery"})
-    start_job(session=session, job_id=job_id, celery_task_id=delivery_id)
-    return Claim(None, after_drift=job.drift_event_id is not None)
+    if job.state == JobState.running:
+        return Claim({"job_id": job_id, "skipped": f"attempt {job.attempts} is running"})
+    if job.next_attempt_at is not None and as_utc(job.next_attempt_at) > now:
+        return Claim(
+            {
+                "job_id": job_id,
+                "skipped": f"next attempt not before {as_utc(job.next_attempt_at).isoformat()}",
+            }
+        )
+    attempt = start_attempt(session=session, job=job, delivery_id=delivery_id, lease_s=lease_s, now=now)
+    if attempt is None:
+        return Claim({"job_id": job_id, "skipped": "started by another delivery"})
+    return Claim(None, after_drift=job.drift_event_id is not None, attempt=attempt)
 
 
 def _succeed_with(session: Session, job: Job, version: DrafterVersion) -> dict[str, Any]:
@@ -124,7 +134,7 @@ def traffic_since(session: Session, job: Job) -> datetime | None:
     """The start of the traffic a job trains on: its ``since`` parameter, else the drift point."""
     params = dict(job.params or {})
     if params.get("since"):
-        return datetime.fromisoformat(str(params["since"]))
+        return parse_utc(str(params["since"]))
     if job.drift_event_id is not None:
         event = session.get(DriftEvent, job.drift_event_id)
         if event is not None:
@@ -229,15 +239,21 @@ def register_trained(
     artifact_sha256: str,
     manifest_sha256: str,
     metrics: dict[str, Any],
+    attempt: int | None = None,
 ) -> Registered:
     """Register the job's drafter as a candidate, finish the job and, on a deployment with
     ``auto_realign``, open its canary. Under a lock on the job row, and only if the job has no
-    version yet: never two versions for one job."""
+    version yet and ``attempt`` is still its running one: never two versions for one job, and
+    never the work of an attempt that was given up."""
     job = session.get_one(Job, job_id, with_for_update=True)
     if (existing := drafters.version_of_job(session=session, job_id=job_id)) is not None:
         return Registered({"job_id": job_id, **_succeed_with(session, job, existing)}, [])
     if job.state != JobState.running:
         return Registered({"job_id": job_id, "skipped": f"job became {job.state.value} while training"}, [])
+    if attempt is not None and job.attempts != attempt:
+        return Registered(
+            {"job_id": job_id, "skipped": f"attempt {attempt} was superseded by attempt {job.attempts}"}, []
+        )
     version = drafters.register_candidate(
         session=session,
         trained=drafters.TrainedDrafter(

@@ -1,25 +1,30 @@
 """Job services: request a realignment (one active per deployment), read, cancel, and the
-worker-side transitions (start, progress, finish, fail), each checked by the state machine.
+worker-side transitions (start an attempt, renew its lease, progress, finish, fail or retry), each
+checked by the state machine, and the sweep that recovers attempts whose worker died.
 
 The database is the arbiter of "one queued or running realignment per deployment" (a partial
 unique index): a request simply tries to insert, and when the index refuses, the job that won
 is returned instead. No check-then-insert race is possible, whichever process asks.
 
-Worker-side writes are conditional updates (``... WHERE state = 'running'``) so that a cancel that
-lands between two progress reports is seen at the next one instead of being overwritten.
+Worker-side writes are compare-and-sets on the state and the attempt number (``... WHERE state =
+'running' AND attempts = n``): a cancel that lands between two progress reports is seen at the next
+one instead of being overwritten, and a worker whose attempt was given up (its lease lapsed, the
+job was queued again) can neither renew, report, finish nor fail the attempt that replaced it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import record_change
+from controlplane.config import Settings
 from controlplane.db.models import (
     Account,
     Deployment,
@@ -33,8 +38,9 @@ from controlplane.db.models import (
 from controlplane.deployments.lookup import resource_name
 from controlplane.drift.events import end_events_of_job, mark_realigning
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
+from controlplane.jobs import recovery
 from controlplane.jobs.states import ACTIVE, TERMINAL, IllegalTransitionError, transition
-from controlplane.timestamps import utcnow
+from controlplane.timestamps import as_utc, parse_utc, utcnow
 
 MAX_PAGE_SIZE = 500
 # Job params a caller may set by hand; everything else is chosen by the trainer.
@@ -64,19 +70,103 @@ def active_realign_job(*, session: Session, deployment_id: int) -> Job | None:
     )
 
 
-def validate_realign_params(params: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(params) - REALIGN_PARAM_KEYS)
+# Bounds of the params a caller may set (the time budget's upper bound comes from Settings).
+MIN_TIME_BUDGET_S = 1.0
+MAX_TIME_BUDGET_S = 24 * 3600.0
+MAX_SEED = 2**32 - 1
+MIN_MAX_TRACES = 1
+MAX_MAX_TRACES = 50_000
+MAX_SINCE_CHARS = 64
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def validate_realign_params(params: dict[str, Any], *, settings: Settings | None = None) -> dict[str, Any]:
+    """Check hand-set realign params; every problem is reported at once (422).
+
+    With ``settings``, the time budget must also leave the trace wait and a margin below the
+    broker's visibility timeout (``Settings.realign_budget_ceiling_s``): a task still running when
+    it passes is handed to a second worker.
+    """
+    if not isinstance(params, dict):
+        raise ValidationProblem("params must be an object")
+    problems: list[dict[str, str]] = []
+    unknown = sorted(str(key)[:100] for key in params if key not in REALIGN_PARAM_KEYS)
     if unknown:
-        raise ValidationProblem(
-            f"unknown realign parameter(s) {unknown}; allowed: {sorted(REALIGN_PARAM_KEYS)}"
+        problems.append(
+            {
+                "field": "params",
+                "message": (
+                    f"unknown realign parameter(s) {unknown[:10]}; allowed: {sorted(REALIGN_PARAM_KEYS)}"
+                ),
+            }
         )
-    budget = params.get("time_budget_s")
-    if budget is not None and not (isinstance(budget, int | float) and 1 <= budget <= 24 * 3600):
-        raise ValidationProblem("time_budget_s must be a number of seconds between 1 and 86400")
-    share = params.get("replay_share")
-    if share is not None and not (isinstance(share, int | float) and 0 <= share < 1):
-        raise ValidationProblem("replay_share must be in [0, 1)")
-    return dict(params)
+    clean = {k: v for k, v in params.items() if k in REALIGN_PARAM_KEYS and v is not None}
+    budget = clean.get("time_budget_s")
+    if budget is not None:
+        ceiling = MAX_TIME_BUDGET_S
+        if settings is not None:
+            ceiling = min(ceiling, settings.realign_budget_ceiling_s)
+        if not _is_number(budget) or not MIN_TIME_BUDGET_S <= budget <= MAX_TIME_BUDGET_S:
+            problems.append(
+                {
+                    "field": "time_budget_s",
+                    "message": (
+                        f"must be a number of seconds between {MIN_TIME_BUDGET_S:g} and {MAX_TIME_BUDGET_S:g}"
+                    ),
+                }
+            )
+        elif budget > ceiling and settings is not None:
+            problems.append(
+                {
+                    "field": "time_budget_s",
+                    "message": (
+                        f"{budget:g} s does not fit below the broker's visibility timeout "
+                        f"(celery_visibility_timeout_s = {settings.celery_visibility_timeout_s} s) less "
+                        f"the trace wait (realign_max_wait_s = {settings.realign_max_wait_s:g} s) and a "
+                        f"margin of {settings.realign_margin_s:g} s: at most {ceiling:g} s"
+                    ),
+                }
+            )
+    seed = clean.get("seed")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
+    ):
+        problems.append({"field": "seed", "message": f"must be an integer in [0, {MAX_SEED}]"})
+    share = clean.get("replay_share")
+    if share is not None and not (_is_number(share) and 0 <= share < 1):
+        problems.append({"field": "replay_share", "message": "must be a number in [0, 1)"})
+    max_traces = clean.get("max_traces")
+    if max_traces is not None and (
+        isinstance(max_traces, bool)
+        or not isinstance(max_traces, int)
+        or not MIN_MAX_TRACES <= max_traces <= MAX_MAX_TRACES
+    ):
+        problems.append(
+            {"field": "max_traces", "message": f"must be an integer in [{MIN_MAX_TRACES}, {MAX_MAX_TRACES}]"}
+        )
+    since = clean.get("since")
+    if since is not None:
+        parsed = None
+        if isinstance(since, str) and len(since) <= MAX_SINCE_CHARS:
+            try:
+                parsed = parse_utc(since)
+            except ValueError:
+                parsed = None
+        if parsed is None:
+            problems.append(
+                {"field": "since", "message": "must be an ISO-8601 time such as 2026-01-31T12:00:00Z"}
+            )
+        elif parsed > utcnow():
+            problems.append({"field": "since", "message": "must not be in the future"})
+        else:
+            clean["since"] = parsed.isoformat()
+    if problems:
+        fields = ", ".join(dict.fromkeys(p["field"] for p in problems))
+        raise ValidationProblem(f"invalid realign parameters: {fields}", details=problems)
+    return clean
 
 
 def request_realign(
@@ -86,8 +176,12 @@ def request_realign(
     actor: str = "system",
     drift_event_id: int | None = None,
     params: dict[str, Any] | None = None,
+    settings: Settings | None = None,
 ) -> RealignRequest:
-    """Create a queued realignment job, or return the one already queued or running."""
+    """Create a queued realignment job, or return the one already queued or running.
+
+    ``settings`` bounds the time budget by the broker's visibility timeout (the API passes them).
+    """
     job = Job(
         deployment_id=deployment.id,
         kind=JobKind.realign,
@@ -97,7 +191,7 @@ def request_realign(
         attempts=0,
         progress=0.0,
         progress_message="queued",
-        params=validate_realign_params(params or {}),
+        params=validate_realign_params(params or {}, settings=settings),
         result={},
         # The caller sends the message right after its commit (see controlplane.jobs.queue).
         enqueued_at=utcnow(),
@@ -147,19 +241,24 @@ def realign_on_drift(*, session: Session, deployment: Deployment, event: DriftEv
     return outcome
 
 
-def claim_stale_queued_realigns(*, session: Session, older_than: datetime, limit: int = 100) -> list[int]:
-    """Realign jobs still queued whose last message was sent before ``older_than``: the message
-    was lost (the send after commit failed, or the broker dropped it). Each is claimed by moving
-    its ``enqueued_at`` to now, with a compare-and-set so two sweepers never both take one; the
-    caller commits, then sends ``realign.run`` for the returned ids.
+def claim_stale_queued_realigns(
+    *, session: Session, older_than: datetime, limit: int = 100, now: datetime | None = None
+) -> list[int]:
+    """Realign jobs waiting in ``queued`` that need a message: one whose retry is due and was not
+    sent since (``enqueued_at`` cleared when it was queued again), or one whose last message was
+    sent before ``older_than`` (the message was lost: the send after commit failed, or the broker
+    dropped it). A retry not yet due waits. Each is claimed by moving its ``enqueued_at`` to now,
+    with a compare-and-set so two sweepers never both take one; the caller commits, then sends
+    ``realign.run`` for the returned ids.
     """
+    now = now or utcnow()
     stale = (
         Job.kind == JobKind.realign,
         Job.state == JobState.queued,
+        or_(Job.next_attempt_at.is_(None), Job.next_attempt_at <= now),
         or_(Job.enqueued_at.is_(None), Job.enqueued_at < older_than),
     )
     job_ids = session.scalars(select(Job.id).where(*stale).order_by(Job.id).limit(limit)).all()
-    now = utcnow()
     claimed: list[int] = []
     for job_id in job_ids:
         # Still stale at the update: another sweeper that claimed it first moved enqueued_at.
@@ -172,6 +271,50 @@ def claim_stale_queued_realigns(*, session: Session, older_than: datetime, limit
         if getattr(result, "rowcount", 0) == 1:
             claimed.append(int(job_id))
     return claimed
+
+
+@dataclass(slots=True)
+class LeaseSweep:
+    """What a sweep of lapsed leases did: jobs queued again for another attempt, jobs failed."""
+
+    requeued: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+
+
+def recover_lapsed_leases(
+    *, session: Session, settings: Settings, now: datetime | None = None, limit: int = 100
+) -> LeaseSweep:
+    """Running realign jobs whose lease lapsed: their worker died (killed, out of memory, its host
+    gone) or hung. Each goes back to ``queued`` after the backoff, or fails once its attempts are
+    spent, so a job that kills its worker every time ends instead of holding the gpu queue. The
+    caller commits; the due retries go out with the next sweep's messages."""
+    now = now or utcnow()
+    lapsed = (
+        Job.kind == JobKind.realign,
+        Job.state == JobState.running,
+        or_(Job.lease_expires_at.is_(None), Job.lease_expires_at <= now),
+    )
+    rows = session.execute(
+        select(Job.id, Job.attempts, Job.lease_expires_at).where(*lapsed).order_by(Job.id).limit(limit)
+    ).all()
+    sweep = LeaseSweep()
+    for job_id, attempts, expired_at in rows:
+        lapse = (
+            f"attempt {attempts} lost its worker: no heartbeat renewed its lease "
+            f"(expired {as_utc(expired_at).isoformat() if expired_at else 'never set'})"
+        )
+        job = end_failed_attempt(
+            session=session,
+            job_id=int(job_id),
+            attempt=int(attempts),
+            error=lapse,
+            settings=settings,
+            now=now,
+        )
+        if job is None:
+            continue  # renewed, cancelled or finished since it was read
+        (sweep.requeued if job.state == JobState.queued else sweep.failed).append(job.id)
+    return sweep
 
 
 def get_job(*, session: Session, deployment_id: int, job_id: int) -> Job:
@@ -202,6 +345,8 @@ def cancel_job(*, session: Session, deployment: Deployment, job_id: int, actor: 
     except IllegalTransitionError as exc:
         raise ConflictError(str(exc)) from exc
     job.finished_at = utcnow()
+    job.lease_expires_at = None
+    job.next_attempt_at = None
     job.progress_message = f"cancelled by {actor}"
     record_change(
         session=session,
@@ -215,9 +360,9 @@ def cancel_job(*, session: Session, deployment: Deployment, job_id: int, actor: 
     if job.kind == JobKind.realign:
         end_events_of_job(
             session=session,
-            drift_event_id=job.drift_event_id,
+            job=job,
             resolution=DriftResolution.realignment_failed,
-            note=f"realign job {job.id} cancelled by {actor}",
+            reason=f"realign job {job.id} cancelled by {actor}",
         )
     session.flush()
     return job
@@ -229,7 +374,8 @@ def cancel_job(*, session: Session, deployment: Deployment, job_id: int, actor: 
 def start_job(*, session: Session, job_id: int, celery_task_id: str | None = None) -> Job:
     """queued -> running (or a redelivered running job restarting): one more attempt.
 
-    Raises IllegalTransitionError for a finished job (the caller drops the message).
+    Raises IllegalTransitionError for a finished job (the caller drops the message). Realign
+    jobs start through ``start_attempt`` instead, which holds a lease.
     """
     job = session.get(Job, job_id, with_for_update=True)
     if job is None:
@@ -244,13 +390,81 @@ def start_job(*, session: Session, job_id: int, celery_task_id: str | None = Non
     return job
 
 
-def report_progress(*, session: Session, job_id: int, fraction: float, message: str) -> bool:
-    """Record progress on a running job; False when it is no longer running (cancelled: stop)."""
-    fraction = min(1.0, max(0.0, float(fraction)))
+def start_attempt(
+    *, session: Session, job: Job, delivery_id: str | None, lease_s: float, now: datetime | None = None
+) -> int | None:
+    """queued -> running for one delivery, holding a lease of ``lease_s``: the number of the
+    attempt it starts, or None when another delivery started it first (compare-and-set on the
+    state and the attempt count, so two deliveries of one job never both run it)."""
+    now = now or utcnow()
+    seen = job.attempts
+    transition(job.state, JobState.running)  # refuses a finished job
+    attempt = seen + 1
     result = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.state == JobState.running)
-        .values(progress=fraction, progress_message=message[:500])
+        .where(
+            Job.id == job.id,
+            Job.state == JobState.queued,
+            Job.attempts == seen,
+            or_(Job.next_attempt_at.is_(None), Job.next_attempt_at <= now),
+        )
+        .values(
+            state=JobState.running,
+            attempts=attempt,
+            started_at=func.coalesce(Job.started_at, now),
+            celery_task_id=delivery_id or job.celery_task_id,
+            progress=0.0,
+            progress_message=f"attempt {attempt} started",
+            heartbeat_at=now,
+            lease_expires_at=now + timedelta(seconds=lease_s),
+            next_attempt_at=None,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    session.expire(job)
+    return attempt if getattr(result, "rowcount", 0) == 1 else None
+
+
+def _attempt_is(job_id: int, attempt: int | None) -> tuple[Any, ...]:
+    conditions: tuple[Any, ...] = (Job.id == job_id, Job.state == JobState.running)
+    return conditions if attempt is None else (*conditions, Job.attempts == attempt)
+
+
+def renew_lease(
+    *, session: Session, job_id: int, attempt: int, lease_s: float, now: datetime | None = None
+) -> bool:
+    """The running attempt's heartbeat: extend its lease. False when the attempt is no longer the
+    job's running one (cancelled, finished, or given up after its lease lapsed): stop."""
+    now = now or utcnow()
+    result = session.execute(
+        update(Job)
+        .where(*_attempt_is(job_id, attempt))
+        .values(heartbeat_at=now, lease_expires_at=now + timedelta(seconds=lease_s))
+        .execution_options(synchronize_session=False)
+    )
+    return bool(getattr(result, "rowcount", 0))
+
+
+def report_progress(
+    *,
+    session: Session,
+    job_id: int,
+    fraction: float,
+    message: str,
+    attempt: int | None = None,
+    lease_s: float | None = None,
+) -> bool:
+    """Record progress on a running job (renewing the attempt's lease when ``lease_s`` is given);
+    False when it is no longer running, or ``attempt`` is no longer the running one: stop."""
+    fraction = min(1.0, max(0.0, float(fraction)))
+    values: dict[str, Any] = {"progress": fraction, "progress_message": message[:500]}
+    if lease_s is not None:
+        now = utcnow()
+        values |= {"heartbeat_at": now, "lease_expires_at": now + timedelta(seconds=lease_s)}
+    result = session.execute(
+        update(Job)
+        .where(*_attempt_is(job_id, attempt))
+        .values(**values)
         .execution_options(synchronize_session=False)
     )
     return bool(getattr(result, "rowcount", 0))
@@ -264,8 +478,25 @@ def finish_job(*, session: Session, job_id: int, result: dict[str, Any]) -> Job:
     job.progress = 1.0
     job.progress_message = "succeeded"
     job.finished_at = utcnow()
+    job.lease_expires_at = None
+    job.next_attempt_at = None
     session.flush()
     return job
+
+
+def _audit_job(
+    session: Session, job: Job, action: str, before: dict[str, Any], after: dict[str, Any]
+) -> None:
+    deployment = session.get_one(Deployment, job.deployment_id)
+    record_change(
+        session=session,
+        account_id=deployment.account_id,
+        actor=f"job:{job.id}",
+        action=action,
+        resource=_resource(session, deployment, job.id),
+        before=before,
+        after=after,
+    )
 
 
 def fail_job(
@@ -274,24 +505,89 @@ def fail_job(
     job_id: int,
     error: str,
     resolution: DriftResolution = DriftResolution.realignment_failed,
+    attempt: int | None = None,
 ) -> Job:
-    """queued | running -> failed, keeping the error for the humans.
+    """queued | running -> failed, keeping the error for the humans (audited).
 
-    A failed realignment ends the drift event it answered with ``resolution`` (too little
-    post-drift traffic is ``not_enough_data``), so the detector re-arms instead of staying
-    latched on an event nothing will answer.
+    A failed realignment ends the drift events it answered with ``resolution`` and the error as
+    the reason (too little post-drift traffic is ``not_enough_data``), so the detector re-arms
+    instead of staying latched on an event nothing will answer. With ``attempt``, only that
+    attempt, still running, can be failed (a superseded worker changes nothing).
     """
     job = session.get_one(Job, job_id, with_for_update=True)
     if job.state in TERMINAL:
         return job  # cancelled while failing: the cancel stands
+    if attempt is not None and (job.state != JobState.running or job.attempts != attempt):
+        return job  # that attempt was given up; the job has moved on without it
+    before = job.state
     job.state = transition(job.state, JobState.failed)
     job.error = error[:10_000]
     job.progress_message = "failed"
     job.finished_at = utcnow()
+    job.lease_expires_at = None
+    job.next_attempt_at = None
+    _audit_job(
+        session,
+        job,
+        "job.fail",
+        {"state": before.value},
+        {"state": job.state.value, "attempts": job.attempts, "error": job.error[:500]},
+    )
     if job.kind == JobKind.realign:
-        end_events_of_job(
-            session=session, drift_event_id=job.drift_event_id, resolution=resolution, note=error[:500]
+        end_events_of_job(session=session, job=job, resolution=resolution, reason=error)
+    session.flush()
+    return job
+
+
+def end_failed_attempt(
+    *,
+    session: Session,
+    job_id: int,
+    attempt: int,
+    error: str,
+    settings: Settings,
+    now: datetime | None = None,
+) -> Job | None:
+    """A running attempt failed (it raised, or its lease lapsed): queue the job again after the
+    backoff (``realign_retry_backoff_s`` * 2^(attempts-1)) while attempts remain, else fail it
+    and end its drift events as ``realignment_failed`` with the reason. None when ``attempt`` is
+    not the job's running one any more (nothing to do)."""
+    now = now or utcnow()
+    job = session.get(Job, job_id, with_for_update=True)
+    if job is None or job.state != JobState.running or job.attempts != attempt:
+        return None
+    step = recovery.after_failed_attempt(
+        attempts=attempt,
+        max_attempts=settings.realign_max_attempts,
+        backoff_base_s=settings.realign_retry_backoff_s,
+    )
+    if not step.retry:
+        return fail_job(
+            session=session,
+            job_id=job_id,
+            attempt=attempt,
+            error=f"{error} (attempt {attempt} of {settings.realign_max_attempts}: no attempts left)",
         )
+    job.state = transition(job.state, JobState.queued)
+    job.error = error[:10_000]
+    job.next_attempt_at = recovery.next_attempt_time(now, step)
+    job.enqueued_at = None  # the sweep sends it once it is due
+    job.lease_expires_at = None
+    job.progress_message = (
+        f"attempt {attempt} failed; attempt {attempt + 1} of {settings.realign_max_attempts} "
+        f"after {step.delay_s:g} s"
+    )[:500]
+    _audit_job(
+        session,
+        job,
+        "job.retry",
+        {"state": JobState.running.value, "attempts": attempt},
+        {
+            "state": job.state.value,
+            "error": job.error[:500],
+            "next_attempt_at": job.next_attempt_at.isoformat(),
+        },
+    )
     session.flush()
     return job
 
@@ -314,4 +610,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "enqueued_at": job.enqueued_at.isoformat() if job.enqueued_at else None,
         "started_at": job.started_at.isoformat() if job.started_at else None,
         "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        "heartbeat_at": job.heartbeat_at.isoformat() if job.heartbeat_at else None,
+        "lease_expires_at": job.lease_expires_at.isoformat() if job.lease_expires_at else None,
+        "next_attempt_at": job.next_attempt_at.isoformat() if job.next_attempt_at else None,
     }

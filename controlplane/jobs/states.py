@@ -1,9 +1,11 @@
 """The job state machine, pure: which state may follow which, and nothing else.
 
 ``queued -> running -> succeeded | failed | cancelled``; a queued job may also be cancelled or fail
-(it could not be enqueued), and ``running -> running`` is the restart of a task that the broker
-redelivered after its worker died (acks_late), which counts one more attempt. Terminal states
-have no way out: a finished job is history, and a new run is a new job.
+(it could not be enqueued). ``running -> queued`` is a realign attempt that failed or lost its
+worker (its lease lapsed) going back to wait for its next attempt (see ``jobs.recovery``), and
+``running -> running`` the restart of a task that the broker redelivered after its worker died
+(acks_late), which counts one more attempt. Terminal states have no way out: a finished job is
+history, and a new run is a new job.
 
 >>> transition(JobState.queued, JobState.running).value
 'running'
@@ -27,7 +29,7 @@ JOBS = Lifecycle(
     {
         JobState.queued: frozenset({JobState.running, JobState.failed, JobState.cancelled}),
         JobState.running: frozenset(
-            {JobState.running, JobState.succeeded, JobState.failed, JobState.cancelled}
+            {JobState.queued, JobState.running, JobState.succeeded, JobState.failed, JobState.cancelled}
         ),
         JobState.succeeded: frozenset(),
         JobState.failed: frozenset(),

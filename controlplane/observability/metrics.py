@@ -29,6 +29,7 @@ from prometheus_client.exposition import generate_latest
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
+from controlplane.canary.service import evaluation_error_count
 from controlplane.config import Settings
 from controlplane.db.models import (
     AcceptanceRollupRow,
@@ -43,7 +44,7 @@ from controlplane.db.models import (
 from controlplane.deployments.lookup import resource_name
 from controlplane.drafters.service import active_drafter
 from controlplane.drift.service import monitor_status
-from controlplane.ingest.service import fold_before_reading
+from controlplane.ingest.service import fold_before_reading, quarantined_counts
 from controlplane.timestamps import as_utc
 
 DAY = 86400
@@ -89,6 +90,7 @@ def account_metrics(
     families: list[Metric] = []
     families += _acceptance_totals(session, account_name, names)
     families += _acceptance_recent(session, account_name, names, now)
+    families.append(_rollup_quarantine(session, account_name, names))
     families += _drafters_and_drift(session, account_name, deployments, settings)
     families += _jobs(session, account_name, names, now)
     families += _canaries(session, account_name, names)
@@ -140,6 +142,18 @@ def _acceptance_totals(session: Session, account: str, names: dict[int, str]) ->
         accepted.add_metric(key, float(accept or 0))
         generated.add_metric(key, float(gen or 0))
     return families
+
+
+def _rollup_quarantine(session: Session, account: str, names: dict[int, str]) -> Metric:
+    quarantined = CounterMetricFamily(
+        "specctl_rollup_records_quarantined",
+        "Stored acceptance records the rollup fold could not sum and set aside (in no figure).",
+        labels=["account", "deployment"],
+    )
+    counts = quarantined_counts(session=session, deployment_ids=list(names))
+    for deployment_id, name in names.items():
+        quarantined.add_metric([account, name], float(counts.get(deployment_id, 0)))
+    return quarantined
 
 
 def _acceptance_recent(session: Session, account: str, names: dict[int, str], now: datetime) -> list[Metric]:
@@ -199,8 +213,14 @@ def _drafters_and_drift(
         "specctl_drift_events_open", "Drift events not yet resolved or dismissed.", labels=labels
     )
     raised = CounterMetricFamily("specctl_drift_events", "Drift events raised.", labels=labels)
+    resolved = CounterMetricFamily(
+        "specctl_drift_events_resolved",
+        "Drift events ended, by resolution (realignment_failed, not_enough_data, promoted, ...).",
+        labels=[*labels, "resolution"],
+    )
     ids = [d.id for d in deployments]
     counts: dict[tuple[int, DriftState], int] = {}
+    by_resolution: dict[int, dict[str, int]] = defaultdict(dict)
     if ids:
         for deployment_id, state, count in session.execute(
             select(DriftEvent.deployment_id, DriftEvent.state, func.count())
@@ -208,6 +228,13 @@ def _drafters_and_drift(
             .group_by(DriftEvent.deployment_id, DriftEvent.state)
         ):
             counts[(deployment_id, state)] = int(count)
+        for deployment_id, ending, count in session.execute(
+            select(DriftEvent.deployment_id, DriftEvent.resolution, func.count())
+            .where(DriftEvent.deployment_id.in_(ids), DriftEvent.resolution.is_not(None))
+            .group_by(DriftEvent.deployment_id, DriftEvent.resolution)
+        ):
+            if ending is not None:
+                by_resolution[deployment_id][ending.value] = int(count)
     for deployment in deployments:
         key = [account, deployment.name]
         active = active_drafter(session=session, deployment_id=deployment.id)
@@ -222,7 +249,9 @@ def _drafters_and_drift(
         mine = {state: n for (d, state), n in counts.items() if d == deployment.id}
         opened.add_metric(key, float(mine.get(DriftState.open, 0) + mine.get(DriftState.realigning, 0)))
         raised.add_metric(key, float(sum(mine.values())))
-    return [version, statistic, threshold, opened, raised]
+        for ending_name, count in sorted(by_resolution.get(deployment.id, {}).items()):
+            resolved.add_metric([*key, ending_name], float(count))
+    return [version, statistic, threshold, opened, raised, resolved]
 
 
 def _jobs(session: Session, account: str, names: dict[int, str], now: datetime) -> list[Metric]:
@@ -239,17 +268,43 @@ def _jobs(session: Session, account: str, names: dict[int, str], now: datetime) 
         "Run time of finished jobs, from start to finish.",
         labels=["account", "deployment", "kind", "state"],
     )
+    attempts_total = CounterMetricFamily(
+        "specctl_job_attempts",
+        "Attempts started, over all jobs (more than one per job: retries and lost workers).",
+        labels=["account", "deployment", "kind"],
+    )
+    retrying = GaugeMetricFamily(
+        "specctl_jobs_awaiting_retry",
+        "Queued jobs waiting out the backoff after a failed or lost attempt.",
+        labels=["account", "deployment", "kind"],
+    )
+    families: list[Metric] = [jobs, progress, duration, attempts_total, retrying]
     if not names:
-        return [jobs, progress, duration]
+        return families
     counted: dict[tuple[int, str, str], int] = defaultdict(int)
     durations: dict[tuple[int, str, str], list[float]] = defaultdict(list)
+    attempts_by: dict[tuple[int, str], int] = defaultdict(int)
+    retrying_by: dict[tuple[int, str], int] = defaultdict(int)
     rows = session.execute(
-        select(Job.id, Job.deployment_id, Job.kind, Job.state, Job.progress, Job.started_at, Job.finished_at)
+        select(
+            Job.id,
+            Job.deployment_id,
+            Job.kind,
+            Job.state,
+            Job.progress,
+            Job.started_at,
+            Job.finished_at,
+            Job.attempts,
+            Job.next_attempt_at,
+        )
         .where(Job.deployment_id.in_(list(names)))
         .order_by(Job.id)
     )
-    for job_id, deployment_id, kind, state, fraction, started, finished in rows:
+    for job_id, deployment_id, kind, state, fraction, started, finished, attempts, next_attempt in rows:
         counted[(deployment_id, kind.value, state.value)] += 1
+        attempts_by[(deployment_id, kind.value)] += int(attempts or 0)
+        if state == JobState.queued and next_attempt is not None:
+            retrying_by[(deployment_id, kind.value)] += 1
         if state == JobState.running:
             progress.add_metric([account, names[deployment_id], kind.value, str(job_id)], float(fraction))
         if started is not None and finished is not None:
@@ -263,7 +318,11 @@ def _jobs(session: Session, account: str, names: dict[int, str], now: datetime) 
         ]
         cumulative.append(("+Inf", float(len(runs))))
         duration.add_metric([account, names[deployment_id], kind_name, state_name], cumulative, sum(runs))
-    return [jobs, progress, duration]
+    for (deployment_id, kind_name), count in sorted(attempts_by.items()):
+        attempts_total.add_metric([account, names[deployment_id], kind_name], float(count))
+    for (deployment_id, kind_name), count in sorted(retrying_by.items()):
+        retrying.add_metric([account, names[deployment_id], kind_name], float(count))
+    return families
 
 
 def _canaries(session: Session, account: str, names: dict[int, str]) -> list[Metric]:
@@ -277,8 +336,16 @@ def _canaries(session: Session, account: str, names: dict[int, str]) -> list[Met
         "Canaries still running (no decision yet).",
         labels=["account", "deployment"],
     )
+    errors = CounterMetricFamily(
+        "specctl_canary_evaluation_errors",
+        "Canary judge ticks that failed on a deployment (rolled back; the other deployments went on).",
+        labels=["account", "deployment"],
+    )
     if not names:
-        return [decisions, running]
+        return [decisions, running, errors]
+    failed: dict[int, int] = defaultdict(int)
+    for canary in session.scalars(select(Canary).where(Canary.deployment_id.in_(list(names)))):
+        failed[canary.deployment_id] += evaluation_error_count(canary)
     undecided: dict[int, int] = defaultdict(int)
     for deployment_id, decision, count in session.execute(
         select(Canary.deployment_id, Canary.decision, func.count())
@@ -291,7 +358,8 @@ def _canaries(session: Session, account: str, names: dict[int, str]) -> list[Met
             decisions.add_metric([account, names[deployment_id], decision], float(count))
     for deployment_id, name in names.items():
         running.add_metric([account, name], float(undecided.get(deployment_id, 0)))
-    return [decisions, running]
+        errors.add_metric([account, name], float(failed.get(deployment_id, 0)))
+    return [decisions, running, errors]
 
 
 def _drafter_moves(session: Session, account_id: int, account: str, names: dict[int, str]) -> list[Metric]:

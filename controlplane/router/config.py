@@ -6,7 +6,7 @@ deployment's backend pools.
     [control_plane]
     url = "http://127.0.0.1:8600"
     account = "default"
-    api_key_file = "/run/secrets/router-key"       # else CONTROLPLANE_ROUTER_API_KEY
+    api_key_file = "/run/secrets/router-key"       # a serving key; else CONTROLPLANE_ROUTER_API_KEY
 
     [router]
     spool_dir = "var/router-spool"     # records and traces wait here while the control plane is away
@@ -105,7 +105,8 @@ class DeploymentRoutes(_Strict):
 class ControlPlaneLink(_Strict):
     url: str
     account: str = "default"
-    # A file holding the key (role ingest is enough); None: the CONTROLPLANE_ROUTER_API_KEY setting.
+    # A file holding the key, role serving: only serving keys read serving-config, and only the
+    # records a serving key writes steer a canary. None: the CONTROLPLANE_ROUTER_API_KEY setting.
     api_key_file: str | None = None
     # Serving-config is polled this often (conditionally, by ETag): changes apply within it.
     poll_interval_s: float = Field(default=1.0, gt=0.0, le=5.0)

@@ -30,7 +30,7 @@ from controlplane.ingest.rollups import (
     merge_positions,
     row_percentiles,
 )
-from controlplane.ingest.service import fold_before_reading
+from controlplane.ingest.service import fold_before_reading, quarantined_counts
 from controlplane.timestamps import as_utc
 
 MAX_BUCKETS = 10_000
@@ -393,4 +393,9 @@ def acceptance_series(
         "drafter_version": drafter_version,
         "buckets": series,
         "total": summarise(total, bucket_seconds=max(span, 1)),
+        # Records the rollup fold set aside (values it could not sum), whatever the range: they
+        # are in no bucket, and a non-zero count says the figures above miss them.
+        "quarantined_records": quarantined_counts(session=session, deployment_ids=[deployment_id]).get(
+            deployment_id, 0
+        ),
     }

@@ -63,6 +63,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from controlplane.traces.recognizers import Kind, phone_spans, presidio_spans, secret_spans
+
 
 class Entity(enum.StrEnum):
     """A kind of personal data; its placeholder is its upper-cased name in angle brackets."""
@@ -72,6 +74,8 @@ class Entity(enum.StrEnum):
     credit_card = "credit_card"
     ip_address = "ip_address"
     secret = "secret"
+    iban = "iban"
+    national_id = "national_id"
 
     @property
     def placeholder(self) -> str:
@@ -145,7 +149,7 @@ _ASSIGNMENT = re.compile(
     r"|(?<=a)(?:pi[_-]?key|pikey|ccess[_-]?key|uth[_-]?(?:token|key))|(?<=c)redentials?"
     r")(?i:[_-](?:key|token))?"
     r"(?P<sep>[\"']?\s*[:=]\s*)"
-    r"(?:(?P<q>[\"'])(?P<quoted>[^\"'\s]{3,200})(?P=q)"
+    r"(?:(?P<q>[\"'])(?P<quoted>[^\"'\n]{3,200})(?P=q)"
     r"|(?P<bare>[^\s\"'`,;&()\[\]{}<>]{3,200}))",
     _A,
 )
@@ -161,6 +165,52 @@ _PLACEHOLDER_VALUE = re.compile(r"[$%{<]|[*x.\u2022]+$|\.\.\.", _AI)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", _A)
 _DOTTED_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+", _A)
 _PLAIN_WORD = re.compile(r"[A-Za-z_]+", _A)
+_SECRET_WORD = re.compile(r"pass|pwd|secret|token|key|cred", _AI)
+# Environment variables glue the secret word to a prefix (PGPASSWORD, MYSQLPWD, REDISCLI_AUTH):
+# upper case, the word at the end of the name, then '='.
+_ENV_SECRET = re.compile(
+    r"[A-Z](?<![A-Za-z0-9_].)[A-Z0-9_]*?"
+    r"(?:PASSWORD|PASSWD|PASSPHRASE|PWD|_PASS|SECRET|TOKEN|APIKEY|_AUTH|CREDENTIALS?)"
+    r"(?P<sep>\s*=\s*)"
+    r"(?:(?P<q>[\"'])(?P<quoted>[^\"'\n]{3,200})(?P=q)|(?P<bare>[^\s\"'`,;&()\[\]{}<>]{3,200}))",
+    _A,
+)
+# "the password is X", "passphrase: a few plain words": prose and notes rather than code.
+_PASSWORD_IS = re.compile(
+    r"[PpSs](?<![A-Za-z0-9].)"  # first letter by class (fast scan), then the word by that letter
+    r"(?i:(?:(?<=p)(?:ass\s?words?|asscodes?|ins?|wd)|(?<=s)ecret(?:\s+(?:key|word))?)\s+(?:is|was|=)\s*:?\s*)"
+    r"(?:(?P<q>[\"'\u201c])(?P<quoted>[^\"'\u201d\n]{1,200})[\"'\u201d]"
+    r"|(?P<bare>[^\s\"'`,;()\[\]{}<>]{3,200}))"
+)
+_PASSPHRASE = re.compile(
+    r"(?i:\b(?:pass[ -]?phrase|seed[ -]phrase|mnemonic|recovery[ -]phrase)s?\s*(?P<sep>is\b|was\b|[:=])\s*)"
+    r"(?P<q>[\"'\u201c]?)(?P<value>[^\"'\u201d\n.;,()]{2,160})"
+)
+# user:password outside URLs (curl -u, .netrc-style notes, "creds admin:S3cret!"). Trusted only
+# after a credential word, or when the password part mixes a digit and a symbol: key:value pairs,
+# host:port, image:tag and times are far more common than credentials.
+# Found from the colon and extended backwards over the user name, as e-mail addresses are from '@'.
+_USER_PASSWORD = re.compile(r":(?<=[\w.+-]:)(?P<pw>[^\s:/'\"`<>(){}\[\],;]{4,128})(?![\w:@/])", _A)
+_USER_BEFORE = re.compile(r"(?<![\w:/.@$%-])[A-Za-z][\w.+-]{0,63}$", _A)
+_CREDENTIAL_WORD_BEFORE = re.compile(
+    r"(?:-u|--user|\buser(?:name)?|\blogin|\bcred(?:ential)?s?|\bauth|\baccount|\bbasic|\bhtpasswd"
+    r"|\bpassword|\buser/pass(?:word)?)\b[\s:=\"']*$",
+    _AI,
+)
+_PASSWORD_SYMBOL = re.compile(r"[!#$%^&*+=?~]", _A)
+_NOT_USERS: Final = frozenset(
+    {
+        "http", "https", "ftp", "file", "mailto", "tel", "urn", "data", "ws", "wss", "git", "ssh",
+        "sha1", "sha256", "sha512", "md5", "image", "docker", "localhost", "std", "note", "warning",
+        "error", "info", "debug", "todo", "fixme", "type", "arn", "s3", "gs",
+    }
+)  # fmt: skip
+# Webhook URLs carry their secret in the path: everything after the hook segment goes.
+_WEBHOOK = re.compile(
+    r"https?://[A-Za-z0-9.-]+(?::\d+)?/(?:[^\s?#/]+/)*?"
+    r"(?:hooks?|webhooks?|webhookb2|services|triggers?|incoming|catch)/(?P<value>[^\s\"'<>)\]`]+)",
+    _A,
+)
 
 # ---- emails, IP addresses ----------------------------------------------------------------------
 
@@ -183,6 +233,10 @@ _IPV6_CANDIDATE = re.compile(
 )
 _IPV4 = re.compile(r"\d(?<![\w.].)\d{0,2}\.\d{1,3}\.\d{1,3}\.\d{1,3}(?!\w)(?!\.\d)", _A)
 _IPV4_OCTET = re.compile(r"25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d", _A)
+# Address blocks reserved for documentation (RFC 5737, RFC 3849): nobody's address, and what
+# examples and docs are full of, like the reserved e-mail domains.
+_DOCUMENTATION_V4: Final = frozenset({(192, 0, 2), (198, 51, 100), (203, 0, 113)})
+_DOCUMENTATION_V6: Final = ipaddress.IPv6Network("2001:db8::/32")
 # A dotted quad right after one of these words is a version or a section number.
 _VERSION_BEFORE = re.compile(
     r"(?:\bv|\bversions?|\bver\.?|\brelease|\bbuild|\bsection|\bchapter|\bstep|\u00a7)\s*[:=#]?\s*$", _AI
@@ -190,28 +244,30 @@ _VERSION_BEFORE = re.compile(
 
 # ---- card and phone numbers: searched only inside runs of 7+ digits ---------------------------
 
-_NUMBER_RUN = re.compile(r"\d(?:[ ().+-]{0,2}\d){6,}+", _A)
-_CARD = re.compile(r"[2-6](?<![\w.+-].)\d{3}(?:[ -]?\d){9,15}(?![\w-])(?!\.\d)", _A)
-_CARD_SEPARATOR = re.compile(r"[ -]", _A)
+# Between digit groups people write spaces (also no-break and thin ones), hyphens, en dashes, dots.
+_SEP = " .\u00a0\u2009\u202f\u2010\u2011\u2013-"
+_NUMBER_RUN = re.compile(rf"\d(?:[+(){_SEP}]{{0,2}}\d){{6,}}+", _A)
+_CARD = re.compile(rf"[2-6](?<![\w.+-].)\d{{3}}(?:[{_SEP}]?\d){{9,15}}(?![\w-])(?!\.\d)", _A)
+_CARD_SEPARATOR = re.compile(rf"[{_SEP}]", _A)
 
 # Phone rules share their edges: never inside a word, a decimal or a longer run of digit groups
 # (a card number with one bad digit must not come out as a phone number). A '+' or '(' marks a
 # start by itself, so "+1 415 555 2671 +44 20 7946 0958" is two numbers.
-_PHONE_START = r"(?<![\w.+/-])(?:(?=[+(])|(?<!\d[ .-]))"
-_PHONE_END = r"(?![\w-])(?!\.\d)(?![ .-]\d)"
+_PHONE_START = rf"(?<![\w.+/-])(?:(?=[+(])|(?<!\d[{_SEP}]))"
+_PHONE_END = rf"(?![\w-])(?!\.\d)(?![{_SEP}]\d)"
 _PHONE_INTERNATIONAL = re.compile(
-    _PHONE_START + r"(?P<prefix>\+|00(?=[1-9]))\d(?:[ .()-]{0,2}\d){6,16}" + _PHONE_END, _A
+    _PHONE_START + rf"(?P<prefix>\+|00(?=[1-9]))\d(?:[(){_SEP}]{{0,2}}\d){{6,16}}" + _PHONE_END, _A
 )
 _PHONE_NANP = re.compile(
     _PHONE_START
-    + r"(?:\+?1[ .-]?)?(?:\(\s?[2-9]\d{2}\s?\)[ .-]?|[2-9]\d{2}[ .-])[2-9]\d{2}[ .-]\d{4}"
+    + rf"(?:\+?1[{_SEP}]?)?(?:\(\s?[2-9]\d{{2}}\s?\)[{_SEP}]?|[2-9]\d{{2}}[{_SEP}])[2-9]\d{{2}}[{_SEP}]\d{{4}}"
     + _PHONE_END,
     _A,
 )
 _PHONE_TRUNK = re.compile(
-    _PHONE_START + r"(?:\(0[1-9]\d{0,3}\)|0[1-9]\d{0,3})(?:[ .-]?\d{2,4}){2,4}" + _PHONE_END, _A
+    _PHONE_START + rf"(?:\(0[1-9]\d{{0,3}}\)|0[1-9]\d{{0,3}})(?:[{_SEP}]?\d{{2,4}}){{2,4}}" + _PHONE_END, _A
 )
-_PHONE_AFTER_WORD = re.compile(_PHONE_START + r"\+?\d(?:[ .()-]{0,2}\d){6,14}" + _PHONE_END, _A)
+_PHONE_AFTER_WORD = re.compile(_PHONE_START + rf"\+?\d(?:[(){_SEP}]{{0,2}}\d){{6,14}}" + _PHONE_END, _A)
 _PHONE_WORD_BEFORE = re.compile(
     r"\b(?:phone|telephone|tel|mobile|cell|fax|whatsapp|sms"
     r"|call(?:\s+me)?(?:\s+(?:at|on))?|text(?:\s+me)?(?:\s+(?:at|on))?)"
@@ -345,12 +401,83 @@ def _assignment(match: re.Match[str]) -> _Span | None:
             return None
         return match.start(group), match.end(group), Entity.secret.placeholder
     bare = match["bare"]
-    if match.string[match.end("bare") : match.end("bare") + 1] in ("(", "["):
+    after = match.string[match.end("bare") : match.end("bare") + 1]
+    if after in ("(", "["):
         return None  # a call or subscript: password=get_password(...)
+    if _IDENTIFIER.fullmatch(bare) and (after in (",", ")") or _SECRET_WORD.search(bare)):
+        return None  # a variable passed on: connect(password=password), token=db_token
     value = bare.rstrip(".")  # a sentence's full stop is not part of the value
     if not _is_secret_value(value, word=word, spaced_or_colon=spaced_or_colon, quoted=False):
         return None
     start = match.start("bare")
+    return start, start + len(value), Entity.secret.placeholder
+
+
+def _env_secret(match: re.Match[str]) -> _Span | None:
+    group = "quoted" if match["quoted"] is not None else "bare"
+    value = match[group] if group == "quoted" else match[group].rstrip(".")
+    if not _is_secret_value(value, word="", spaced_or_colon=False, quoted=group == "quoted"):
+        return None
+    start = match.start(group)
+    return start, start + len(value), Entity.secret.placeholder
+
+
+def _password_is(match: re.Match[str]) -> _Span | None:
+    if match["quoted"] is not None:
+        value, group = match["quoted"], "quoted"
+        if value.lower() in _NOT_SECRET_VALUES or _PLACEHOLDER_VALUE.match(value) or not value.strip():
+            return None
+    else:
+        value, group = match["bare"].rstrip(".!?"), "bare"
+        # Prose says "the password is required": only values with a digit or a symbol count.
+        if _PLAIN_WORD.fullmatch(value) or not (_DIGIT.search(value) or _PASSWORD_SYMBOL.search(value)):
+            return None
+        if value.lower() in _NOT_SECRET_VALUES or _PLACEHOLDER_VALUE.match(value):
+            return None
+    start = match.start(group)
+    return start, start + len(value), Entity.secret.placeholder
+
+
+def _passphrase(match: re.Match[str]) -> _Span | None:
+    value = match["value"].rstrip()
+    if not match["q"]:
+        if match["sep"] in ":=":
+            # "passphrase: correct horse battery staple"; one plain word is a type or a name.
+            if len(value.split()) < 2 and not (_DIGIT.search(value) or _PASSWORD_SYMBOL.search(value)):
+                return None
+        else:
+            # "the passphrase is never logged" is prose: unquoted, only a token with a digit or
+            # a symbol counts.
+            value = value.split()[0]
+            if not (_DIGIT.search(value) or _PASSWORD_SYMBOL.search(value)):
+                return None
+    if value.lower() in _NOT_SECRET_VALUES or _PLACEHOLDER_VALUE.match(value) or "(" in value:
+        return None
+    start = match.start("value")
+    return start, start + len(value), Entity.secret.placeholder
+
+
+def _user_password(match: re.Match[str]) -> _Span | None:
+    colon = match.start()
+    found = _USER_BEFORE.search(match.string, max(0, colon - 64), colon)
+    if found is None:
+        return None
+    user, password = found.group(), match["pw"]
+    if user.lower() in _NOT_USERS or password.isdigit() or _HEX_OR_UUID.fullmatch(password):
+        return None
+    start = found.start()
+    if _CREDENTIAL_WORD_BEFORE.search(match.string, max(0, start - 24), start):
+        return start, match.end(), Entity.secret.placeholder
+    if _PASSWORD_SYMBOL.search(password) and _DIGIT.search(password) and not password.endswith("="):
+        return start, match.end(), Entity.secret.placeholder
+    return None
+
+
+def _webhook(match: re.Match[str]) -> _Span | None:
+    value = match["value"].rstrip(".,")
+    if len(value) < 12 or not _DIGIT.search(value):
+        return None  # documentation paths such as /webhooks/creating-webhooks
+    start = match.start("value")
     return start, start + len(value), Entity.secret.placeholder
 
 
@@ -375,7 +502,7 @@ def _ipv6(match: re.Match[str]) -> _Span | None:
         address = ipaddress.IPv6Address(candidate)
     except ValueError:
         return None  # times 12:30:45, MAC addresses
-    if address.is_loopback or address.is_unspecified:
+    if address.is_loopback or address.is_unspecified or address in _DOCUMENTATION_V6:
         return None
     return match.start(), match.end(), Entity.ip_address.placeholder
 
@@ -385,7 +512,7 @@ def _ipv4(match: re.Match[str]) -> _Span | None:
     if not all(_IPV4_OCTET.fullmatch(part) for part in parts):
         return None  # an octet over 255 or with a leading zero: not an address
     octets = [int(part) for part in parts]
-    if octets[0] == 127 or octets == [0, 0, 0, 0]:
+    if octets[0] == 127 or octets == [0, 0, 0, 0] or tuple(octets[:3]) in _DOCUMENTATION_V4:
         return None
     inverted = ~int(ipaddress.IPv4Address(match.group())) & 0xFFFFFFFF
     if octets[0] == 255 and inverted & (inverted + 1) == 0:
@@ -421,7 +548,7 @@ def _phone_international(match: re.Match[str]) -> _Span | None:
         digits -= 1  # the national trunk zero written as +44 (0)20 ...
     if not 8 <= digits <= 15:
         return None
-    if match["prefix"] == "00" and not any(c in text for c in " .-("):
+    if match["prefix"] == "00" and not _CARD_SEPARATOR.search(text) and "(" not in text:
         return None  # 0044207946... without any grouping reads as a constant, not a number
     return match.start(), match.end(), Entity.phone.placeholder
 
@@ -460,12 +587,19 @@ class _Rule:
     needs_digit: bool = False
 
 
-_TEXT_RULES: Final = (
+_SECRET_RULES: Final = (
     _Rule(Entity.secret, _PEM, _whole(Entity.secret), hints=("PRIVATE KEY",)),
     _Rule(Entity.secret, _URL_CREDENTIALS, _value_only, hints=("://",)),
+    _Rule(Entity.secret, _WEBHOOK, _webhook, hints=("hook", "services/", "trigger", "incoming", "catch/")),
     _Rule(Entity.secret, _VENDOR_TOKEN, _whole(Entity.secret), hints=_VENDOR_HINTS),
     _Rule(Entity.secret, _AUTH_SCHEME, _auth_scheme, hints=("bearer", "basic", "token"), fold=True),
     _Rule(Entity.secret, _ASSIGNMENT, _assignment, hints=_ASSIGNMENT_HINTS, fold=True),
+    _Rule(Entity.secret, _ENV_SECRET, _env_secret, hints=("PASS", "PWD", "SECRET", "TOKEN", "KEY", "AUTH", "CRED")),
+    _Rule(Entity.secret, _PASSPHRASE, _passphrase, hints=("phrase", "mnemonic"), fold=True),
+    _Rule(Entity.secret, _PASSWORD_IS, _password_is, hints=("pass", "pin", "pwd", "secret"), fold=True),
+    _Rule(Entity.secret, _USER_PASSWORD, _user_password, hints=(":",)),
+)
+_TEXT_RULES: Final = (
     _Rule(Entity.email, _EMAIL_DOMAIN, _email, hints=("@",)),
     _Rule(Entity.ip_address, _IPV6_CANDIDATE, _ipv6, hints=(":",), needs_digit=True),
     _Rule(Entity.ip_address, _IPV4, _ipv4, hints=(".",), needs_digit=True),
@@ -555,22 +689,54 @@ def _apply_numbers(text: str, counts: dict[Entity, int]) -> str:
     return _splice(text, spans, counts) if spans else text
 
 
+_LIBRARY_KINDS: Final = {
+    Kind.email: Entity.email,
+    Kind.phone: Entity.phone,
+    Kind.iban: Entity.iban,
+    Kind.national_id: Entity.national_id,
+    Kind.secret: Entity.secret,
+}
+
+
+def _apply_library(spans: list[tuple[int, int, Kind]], text: str, counts: dict[Entity, int]) -> str:
+    kept = []
+    for start, end, kind in spans:
+        if kind is Kind.email and _RESERVED_EMAIL_DOMAIN.search(text, start, end):
+            continue  # a documentation or test address: kept, as by the e-mail rule
+        entity = _LIBRARY_KINDS[kind]
+        kept.append((start, end, entity.placeholder, entity))
+    # Longest first among spans starting together; a span overlapping an earlier one is dropped.
+    kept.sort(key=lambda span: (span[0], -span[1]))
+    return _splice(text, kept, counts) if kept else text
+
+
+def _phone_word_before(text: str, start: int) -> bool:
+    return _PHONE_WORD_BEFORE.search(text, max(0, start - 40), start) is not None
+
+
+def _run(rules: tuple[_Rule, ...], text: str, original: str, folded: str, has_digit: bool, counts: dict[Entity, int]) -> str:
+    for rule in rules:
+        if rule.needs_digit and not has_digit:
+            continue
+        haystack = folded if rule.fold else original
+        if rule.hints and not any(hint in haystack for hint in rule.hints):
+            continue
+        text = _apply(rule, text, counts)
+    return text
+
+
 def scrub(text: str) -> Scrubbed:
     """Replace personal data in ``text`` with typed placeholders; count what was replaced."""
     counts: dict[Entity, int] = {}
     has_digit = _DIGIT.search(text) is not None
     # Hints are looked up in the original text: replacements only ever remove candidates.
-    original, folded = text, ""
-    for rule in _TEXT_RULES:
-        if rule.needs_digit and not has_digit:
-            continue
-        if rule.fold and not folded:
-            folded = original.lower()
-        haystack = folded if rule.fold else original
-        if rule.hints and not any(hint in haystack for hint in rule.hints):
-            continue
-        text = _apply(rule, text, counts)
+    original, folded = text, text.lower()
+    text = _run(_SECRET_RULES, text, original, folded, has_digit, counts)
+    text = _apply_library(secret_spans(text), text, counts)
+    text = _apply_library(presidio_spans(text), text, counts)
+    text = _run(_TEXT_RULES, text, original, folded, has_digit, counts)
     if has_digit:
         text = _apply_numbers(text, counts)
+        text = _apply_library(phone_spans(text, phone_word_before=_phone_word_before), text, counts)
         text = _apply(_LONG_TOKEN_RULE, text, counts)
     return Scrubbed(text, counts)

@@ -55,17 +55,23 @@ class ControlPlaneProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = clean_env(CONTROLPLANE_API_PORT=str(self.port), CONTROLPLANE_API_URL=self.url, **env)
         self.process: subprocess.Popen[bytes] | None = None
+        # Appended to across restarts: a fault test shows what the server said around each one.
+        self.log = workdir / "api.log"
 
     def start(self) -> ControlPlaneProcess:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "controlplane", "serve"],
-            cwd=self.workdir,
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        with self.log.open("ab") as sink:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "controlplane", "serve"],
+                cwd=self.workdir,
+                env=self.env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
         wait_http(f"{self.url}/readyz", self.process)
         return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
     @property
     def admin_key(self) -> str:

@@ -27,8 +27,9 @@ from tests.conftest import Database, Tenant
 
 ADMIN = {Role.admin}
 READ = {Role.admin, Role.viewer}
-WRITE_DATA = {Role.admin, Role.ingest}
-SERVING = {Role.admin, Role.viewer, Role.ingest}  # the serving fleet reads its config with an ingest key
+WRITE_DATA = {Role.admin, Role.ingest, Role.serving}
+# What to serve names the live arms: only the fleet's own serving key (and admin) reads it.
+SERVING = {Role.admin, Role.serving}
 
 RECORD = {
     "request_id": "r1",
@@ -97,7 +98,7 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/serving-config", SERVING, None),
-    ("GET", "/v1/accounts/{account}/deployments/{deployment}/serving-config/export", READ, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/serving-config/export", SERVING, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/drafter-versions", READ, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/drafter-versions/{version}", READ, None),
     (

@@ -186,7 +186,7 @@ def test_a_canary_waits_for_its_pool_then_goes_live_and_each_event_is_delivered_
     assert client.patch(f"{BASE}/canary-policy", json=policy, headers=admin).status_code == 200
 
     canary_id, deployment_id = _shadow_passes(db, settings)
-    config = client.get(f"{BASE}/serving-config", headers=viewer).json()
+    config = client.get(f"{BASE}/serving-config", headers=acme.headers(Role.serving)).json()
     assert [a["arm"] for a in config["arms"]] == ["live"]
     assert [b["name"] for b in config["backends"]] == ["cand-0", "inc-0"]
     pool = client.get(f"{BASE}/canaries/{canary_id}", headers=viewer).json()["arms"]["pool"]
@@ -209,7 +209,8 @@ def test_a_canary_waits_for_its_pool_then_goes_live_and_each_event_is_delivered_
     )
     assert _evaluate(db, settings, deployment_id)["pool"] == "ready"
     arms = {
-        a["arm"]: a["weight"] for a in client.get(f"{BASE}/serving-config", headers=viewer).json()["arms"]
+        a["arm"]: a["weight"]
+        for a in client.get(f"{BASE}/serving-config", headers=acme.headers(Role.serving)).json()["arms"]
     }
     assert arms == {"live": 0.4, "canary:1": 0.3, "baseline": 0.3}
 
@@ -301,7 +302,10 @@ def test_a_pool_that_never_becomes_ready_ends_the_canary_inconclusive(
     assert got["routing_weights"] == {}
     versions = client.get(f"{BASE}/drafter-versions", headers=viewer).json()["drafter_versions"]
     assert [v["state"] for v in versions] == ["candidate"]  # back to candidate; the incumbent serves
-    assert [a["arm"] for a in client.get(f"{BASE}/serving-config", headers=viewer).json()["arms"]] == ["live"]
+    assert [
+        a["arm"]
+        for a in client.get(f"{BASE}/serving-config", headers=acme.headers(Role.serving)).json()["arms"]
+    ] == ["live"]
 
 
 def test_the_ready_callback_takes_the_webhook_signature_or_an_admin_key(
@@ -384,7 +388,7 @@ def test_backends_are_validated_unique_and_listed_in_the_serving_config(
     acme = tenants[0]
     admin, viewer = acme.headers(Role.admin), acme.headers(Role.viewer)
     _deployment(client, acme)
-    before = client.get(f"{BASE}/serving-config", headers=viewer).json()
+    before = client.get(f"{BASE}/serving-config", headers=acme.headers(Role.serving)).json()
     good = {"name": "b-1", "pool": "baseline", "url": "https://10.0.0.7:8000"}
     for bad, field in (
         ({**good, "name": "Bad_Name"}, "name"),
@@ -400,7 +404,7 @@ def test_backends_are_validated_unique_and_listed_in_the_serving_config(
     assert client.post(f"{BASE}/backends", json=good, headers=viewer).status_code == 403
     assert client.post(f"{BASE}/backends", json=good, headers=admin).status_code == 201
     assert client.post(f"{BASE}/backends", json=good, headers=admin).status_code == 409
-    after = client.get(f"{BASE}/serving-config", headers=viewer).json()
+    after = client.get(f"{BASE}/serving-config", headers=acme.headers(Role.serving)).json()
     assert after["backends"] == [{**good, "drafter_version": None, "readiness_url": None}]
     assert after["config_version"] != before["config_version"]
     assert client.delete(f"{BASE}/backends/b-1", headers=admin).status_code == 204

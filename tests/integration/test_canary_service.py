@@ -77,7 +77,7 @@ def test_promote_then_rollback_restores_the_previous_version_and_its_k(
     _add_version(db, 1)
     _add_version(db, 2)
 
-    config = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.ingest)).json()
+    config = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.serving)).json()
     assert [a["arm"] for a in config["arms"]] == ["live"]
     assert config["arms"][0]["drafter_version"] is None
     drafter = config["arms"][0]["drafter"]  # the registered drafter, by folder and per-file sha256
@@ -104,7 +104,7 @@ def test_promote_then_rollback_restores_the_previous_version_and_its_k(
         for v in client.get(f"{BASE}/svc/drafter-versions", headers=viewer).json()["drafter_versions"]
     }
     assert states == {1: "retired", 2: "active"}
-    config = client.get(f"{BASE}/svc/serving-config", headers=viewer).json()
+    config = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.serving)).json()
     assert (
         config["arms"][0]["drafter_version"] == 2
         and config["arms"][0]["drafter"]["uri"] == "file:///artifacts/v2"
@@ -119,7 +119,7 @@ def test_promote_then_rollback_restores_the_previous_version_and_its_k(
         for v in client.get(f"{BASE}/svc/drafter-versions", headers=viewer).json()["drafter_versions"]
     }
     assert states == {1: "active", 2: "rejected"}
-    config = client.get(f"{BASE}/svc/serving-config", headers=viewer).json()
+    config = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.serving)).json()
     assert config["arms"][0]["drafter_version"] == 1
     actions = [
         e["action"]
@@ -346,6 +346,7 @@ def _records(
     hit: float,
     version: int | None,
     start: int,
+    from_serving_key: bool = True,
 ) -> None:
     rng = random.Random(start)
     with db.new_session() as session:
@@ -373,6 +374,7 @@ def _records(
                     inter_token_ms=ms * rng.uniform(0.9, 1.1),
                     total_ms=None,
                     ttft_ms=None,
+                    from_serving_key=from_serving_key,
                 )
             )
         session.commit()
@@ -406,8 +408,10 @@ def test_a_live_canary_that_wins_is_promoted_and_serving_follows(
         == 200
     )
     canary_id, deployment_id = _live_canary(db, settings, _shadow(3.0, 1.3))
+    serving = acme.headers(Role.serving)
     arms = {
-        a["arm"]: a["weight"] for a in client.get(f"{BASE}/svc/serving-config", headers=viewer).json()["arms"]
+        a["arm"]: a["weight"]
+        for a in client.get(f"{BASE}/svc/serving-config", headers=serving).json()["arms"]
     }
     assert arms == {"live": 0.4, "canary:1": 0.3, "baseline": 0.3}
     # Too few requests: the rule waits.
@@ -432,7 +436,7 @@ def test_a_live_canary_that_wins_is_promoted_and_serving_follows(
     if figures["draft_length"]["best_k"] != 4:
         # The watch compares the live hit rate with what the new k should give, not the canary's k.
         assert got["arms"]["watch"]["expected_hit_rate"] == figures["expected_hit_rate_at_new_k"]
-    live = client.get(f"{BASE}/svc/serving-config", headers=viewer).json()["arms"]
+    live = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.serving)).json()["arms"]
     assert [a["arm"] for a in live] == ["live"] and live[0]["drafter_version"] == 1
     assert (
         client.get(f"{BASE}/svc", headers=viewer).json()["draft_token_count"]

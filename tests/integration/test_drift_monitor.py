@@ -262,7 +262,7 @@ def test_a_failed_realignment_ends_its_event_and_the_detector_alarms_again(
         session.commit()
     ended = client.get(f"{base}/drift-events/{first}", headers=viewer).json()
     assert ended["state"] == "resolved" and ended["resolution"] == "realignment_failed"
-    assert "out of memory" in ended["evidence"]["resolution_note"]
+    assert "out of memory" in ended["resolution_reason"]
     # Nothing is left latched: the drop is still there, so the detector re-arms and alarms again,
     # and that event starts a new realignment.
     _ingest(client, acme, [request_record(9000 + i, rng, 0.55) for i in range(400)])

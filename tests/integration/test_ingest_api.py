@@ -77,11 +77,46 @@ def test_batch_is_stored_once_even_when_retried(
     assert (again.json()["inserted"], again.json()["duplicates"]) == (0, 500)
     assert again.json()["duplicate_request_ids"][:2] == ["req-0", "req-1"]
     assert _counts(db) == (500, 500)
-    # A batch mixing new and already-stored ids stores only the new ones.
-    mixed = {"records": [native_record(i, rng) for i in range(490, 510)]}
+    # A batch mixing new and already-stored ids (same values: a retry) stores only the new ones.
+    mixed = {"records": batch["records"][490:] + [native_record(i, rng) for i in range(500, 510)]}
     response = client.post(f"{base}/acceptance", json=mixed, headers=headers).json()
     assert (response["inserted"], response["duplicates"]) == (10, 10)
     assert _counts(db) == (510, 510)
+
+
+def test_a_reused_request_id_with_other_values_is_a_conflict(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    rng = random.Random(2)
+    headers = acme.headers(Role.ingest)
+    sent = [native_record(i, rng) for i in range(5)]
+    assert client.post(f"{base}/acceptance", json={"records": sent}, headers=headers).status_code == 200
+    changed = dict(sent[3], generated_tokens=sent[3]["generated_tokens"] + 1)
+    # Same id, other values, next to a new record: 409 naming the id, and nothing of the batch
+    # is stored (all or nothing, as for a 422).
+    reply = client.post(
+        f"{base}/acceptance", json={"records": [sent[2], changed, native_record(7, rng)]}, headers=headers
+    )
+    assert reply.status_code == 409, reply.text
+    details = reply.json()["error"]["details"]
+    assert [d.get("request_id") for d in details] == ["req-3"]
+    assert "generated_tokens" in details[0]["message"]
+    assert _counts(db) == (5, 5)
+    # The same batch without the changed record goes in: the conflict stored nothing earlier.
+    reply = client.post(
+        f"{base}/acceptance", json={"records": [sent[2], native_record(8, rng)]}, headers=headers
+    )
+    assert (reply.json()["inserted"], reply.json()["duplicates"]) == (1, 1)
+    assert _counts(db) == (6, 6)
+    # The server stamps a record sent without created_at: a retry of it is a duplicate.
+    stamped = {k: v for k, v in native_record(9, rng).items() if k != "created_at"}
+    for _ in range(2):
+        again = client.post(f"{base}/acceptance", json={"records": [stamped]}, headers=headers)
+        assert again.status_code == 200, again.text
+    assert again.json()["duplicates"] == 1
+    assert _counts(db) == (7, 7)
 
 
 def test_invalid_records_reject_the_whole_batch(
@@ -254,6 +289,7 @@ def test_prometheus_pushes_become_counter_deltas(
     url = f"{base}/acceptance/prometheus"
     first = client.post(url, content=_exposition(10, 40, 25, [9, 8, 5, 3]), headers=headers)
     assert first.status_code == 200, first.text
+    assert (first.json()["inserted"], first.json()["baseline_label_sets"]) == (0, 1)  # the baseline
     second = client.post(url, content=_exposition(15, 60, 33, [13, 10, 7, 3]), headers=headers)
     assert second.json()["inserted"] == 1
     repeat = client.post(url, content=_exposition(15, 60, 33, [13, 10, 7, 3]), headers=headers)
@@ -264,7 +300,7 @@ def test_prometheus_pushes_become_counter_deltas(
     rows = session.scalars(select(AcceptanceRecordRow).order_by(AcceptanceRecordRow.id)).all()
     deltas = [(r.verify_steps, r.drafted_tokens, r.accepted_tokens, r.accepted_per_position) for r in rows]
     session.close()
-    assert deltas == [(10, 40, 25, [9, 8, 5, 3]), (5, 20, 8, [4, 2, 2, 0]), (2, 8, 5, [2, 2, 1, 0])]
+    assert deltas == [(5, 20, 8, [4, 2, 2, 0]), (2, 8, 5, [2, 2, 1, 0])]
     garbage = client.post(url, content="this is not prometheus {{{", headers=headers)
     assert garbage.status_code == 422
 
@@ -309,3 +345,28 @@ def test_stored_rows_equal_what_was_sent(
             )
         when = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
         assert when == datetime.fromisoformat(record["created_at"])
+
+
+def test_records_sent_under_the_serving_key_are_marked_as_the_fleets(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database
+) -> None:
+    acme, _ = tenants
+    base = _deployment(client, acme)
+    rng = random.Random(3)
+    # One record (PostgreSQL's one-statement insert) and 100 (its COPY) under each role.
+    sizes = {Role.serving: 0, Role.ingest: 1000, Role.admin: 2000}
+    for role, offset in sizes.items():
+        for start, count in ((offset, 1), (offset + 1, 100)):
+            batch = {"records": [native_record(i, rng) for i in range(start, start + count)]}
+            reply = client.post(f"{base}/acceptance", json=batch, headers=acme.headers(role))
+            assert reply.status_code == 200, reply.text
+    session = db.new_session()
+    try:
+        rows = session.execute(
+            select(AcceptanceRecordRow.request_id, AcceptanceRecordRow.from_serving_key)
+        ).all()
+    finally:
+        session.close()
+    marked = {int(request_id.removeprefix("req-")) // 1000 for request_id, flag in rows if flag}
+    unmarked = {int(request_id.removeprefix("req-")) // 1000 for request_id, flag in rows if not flag}
+    assert len(rows) == 303 and marked == {0} and unmarked == {1, 2}

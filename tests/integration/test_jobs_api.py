@@ -44,6 +44,7 @@ def test_state_machine_refuses_illegal_transitions() -> None:
         (JobState.queued, JobState.running),
         (JobState.queued, JobState.failed),
         (JobState.queued, JobState.cancelled),
+        (JobState.running, JobState.queued),  # an attempt failed or lost its worker: retried later
         (JobState.running, JobState.running),  # redelivered after a worker crash
         (JobState.running, JobState.succeeded),
         (JobState.running, JobState.failed),

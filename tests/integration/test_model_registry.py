@@ -215,7 +215,7 @@ def test_default_drafters_and_what_a_deployment_says_about_them(
         "reference-drafter",
         "target_default",
     )
-    config = client.get(f"{deployments}/inherit/serving-config", headers=acme.headers(Role.ingest)).json()
+    config = client.get(f"{deployments}/inherit/serving-config", headers=acme.headers(Role.serving)).json()
     assert config["arms"][0]["speculation"] == "draft_model"
     assert config["arms"][0]["drafter"]["name"] == "reference-drafter"
 
@@ -226,7 +226,7 @@ def test_default_drafters_and_what_a_deployment_says_about_them(
     ).json()
     assert bare["registered_drafter"] is None and bare["registered_drafter_source"] == "none"
     assert "running without speculation" in bare["speculation_note"]
-    config = client.get(f"{deployments}/bare/serving-config", headers=acme.headers(Role.ingest)).json()
+    config = client.get(f"{deployments}/bare/serving-config", headers=acme.headers(Role.serving)).json()
     assert config["arms"][0]["speculation"] == "disabled" and config["arms"][0]["drafter"] is None
 
     # A drafter serves only the targets it was registered for.

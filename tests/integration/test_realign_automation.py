@@ -2,8 +2,8 @@
 
 - a drift event on an ``auto_realign`` deployment queues a job in the event's transaction; the
   worker trains it into a candidate version whose artifact matches its checksum;
-- a worker SIGKILLed mid-job, then a new worker: the message is re-delivered (acks_late, a short
-  visibility timeout for the test workers) and the job ends with exactly one candidate;
+- a worker SIGKILLed mid-job, then a new worker: the attempt's lease lapses, the sweep queues the
+  job again and sends it, and the job ends with exactly one candidate (its second attempt's);
 - two simultaneous drift events start one job;
 - a lost message is re-sent by the beat sweeper, and a cancel during training ends the job
   cancelled with no version;
@@ -79,8 +79,8 @@ from workers.training.realign import verify_artifact
 BROKER = "redis://127.0.0.1:6379/9"
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "workers" / "models" / "reference"
-# Redis hands a dead worker's task to another after this long (production: hours).
-VISIBILITY_TIMEOUT_S = 3
+# A dead worker's attempt is given up once its lease lapses (production: a minute).
+LEASE_S = 2
 LINES = [
     "def add(a, b):\n    return a + b\n",
     "for i in range(10):\n    total += i\n",
@@ -267,7 +267,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> Iterato
         "CONTROLPLANE_SECRET_KEY": TEST_SECRET,
         "CONTROLPLANE_ENVIRONMENT": "test",
         "CONTROLPLANE_ARTIFACT_DIR": str(tmp / "artifacts"),
-        "CONTROLPLANE_CELERY_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S),
+        "CONTROLPLANE_REALIGN_LEASE_S": str(LEASE_S),
+        "CONTROLPLANE_REALIGN_RETRY_BACKOFF_S": "0.5",
         # Jobs started by drift events carry no params: keep their training short.
         "CONTROLPLANE_REALIGN_TIME_BUDGET_S": "4",
         # The traces are all there before the event: no waiting for post-drift traffic.
@@ -412,10 +413,22 @@ def test_a_worker_killed_mid_job_leaves_exactly_one_candidate(stack: Stack) -> N
     )
     stack.worker.kill()
     assert stack.job(job_id).state == JobState.running and not stack.versions(job_id)
-    stack.worker.start()  # Redis re-delivers the unacknowledged message to it
-    done = stack.wait_for("the redelivered job", lambda: (j := stack.job(job_id)).finished_at and j, 90)
+    stack.worker.start()
+
+    def sweep_until_restarted() -> bool:
+        # As beat would: the sweep gives up the dead worker's attempt once its lease lapsed,
+        # and sends the job again once its backoff is over.
+        if stack.job(job_id).attempts >= 2:
+            return True
+        stack.producer.send_task("jobs.resend_stale_queued", queue="default")
+        time.sleep(1.0)
+        return False
+
+    stack.wait_for("the second attempt", sweep_until_restarted, 90)
+    done = stack.wait_for("the restarted job", lambda: (j := stack.job(job_id)).finished_at and j, 90)
     assert done.state == JobState.succeeded, (done.error, stack.worker.log_tail())
     assert done.attempts == 2  # the killed run, then the restart
+    assert "attempt 1 lost its worker" in (done.error or "")
     versions = stack.versions(job_id)
     assert len(versions) == 1 and versions[0].state == DrafterState.canary  # handed to its canary
     load_hf_folder(stack.local_artifact(versions[0]), expected_sha256=versions[0].artifact_sha256)

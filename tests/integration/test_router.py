@@ -102,8 +102,8 @@ pool = "baseline"
 url = "http://127.0.0.1:{ports["base"]}"
 """
         )
-        # An ingest key is all the router needs: it reads serving-config and writes records.
-        key = cp.api("POST", "/v1/accounts/default/api-keys", {"role": "ingest", "name": "router"})
+        # A serving key is what the router needs: it reads serving-config and writes records.
+        key = cp.api("POST", "/v1/accounts/default/api-keys", {"role": "serving", "name": "router"})
         assert key.status_code == 201, key.text
         router_port = free_port()
         processes["router"] = start_router(

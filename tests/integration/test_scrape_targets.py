@@ -1,5 +1,6 @@
 """Pull scraping against real HTTP servers: what a target's scrapes store equals the engine's true
-counter increases, across Prometheus text, OpenMetrics, restarts, fail-over and bad answers."""
+counter increases since its first scrape (a baseline), across Prometheus text, OpenMetrics,
+restarts, fail-over and bad answers; scraped records count as the fleet's own."""
 
 from __future__ import annotations
 
@@ -250,6 +251,9 @@ def test_scrapes_store_the_true_increases_across_formats_and_restarts(
     server = _start(servers, engine)
     target = _register(client, acme, base, {"name": "engine-0", "urls": [server.url], "arm": "canary:2"})
     assert (target["arm"], target["drafter_version"], target["scrapes"]) == ("canary:2", 2, 0)
+    # The first scrape is the baseline: what the engine counted before it is not a window.
+    baseline = _scrape(client, acme, base, "engine-0")
+    assert (baseline["ok"], baseline["inserted"], baseline["baseline_label_sets"]) == (True, 0, 1)
 
     engine.serve(10, 40, 25, [9, 8, 5, 3])
     first = _scrape(client, acme, base, "engine-0")
@@ -286,8 +290,13 @@ def test_scrapes_store_the_true_increases_across_formats_and_restarts(
         (20, 80, 50, [18, 14, 11, 7]),
     ]
     assert {(r[4], r[5]) for r in stored} == {("canary:2", 2)}
+    session = db.new_session()
+    try:  # the scraped engines are the fleet itself
+        assert set(session.scalars(select(AcceptanceRecordRow.from_serving_key))) == {True}
+    finally:
+        session.close()
     shown = client.get(f"{base}/engine-0", headers=acme.headers(Role.viewer)).json()
-    assert (shown["scrapes"], shown["records_stored"], shown["label_sets"]) == (5, 4, 1)
+    assert (shown["scrapes"], shown["records_stored"], shown["label_sets"]) == (6, 4, 1)
     assert shown["last_error"] is None
     assert shown["last_scraped_at"].endswith("+00:00") and shown["created_at"].endswith("+00:00")
     listed = client.get(base, headers=acme.headers(Role.viewer)).json()["scrape_targets"]
@@ -295,7 +304,7 @@ def test_scrapes_store_the_true_increases_across_formats_and_restarts(
 
     audit = client.get(f"/v1/accounts/{acme.name}/audit", headers=acme.headers(Role.viewer)).json()["entries"]
     actions = [e["action"] for e in audit if e["resource"].endswith("/scrape-targets/engine-0")]
-    assert actions.count("scrape_target.scrape") == 5 and "scrape_target.register" in actions
+    assert actions.count("scrape_target.scrape") == 6 and "scrape_target.register" in actions
 
 
 def test_api_servers_of_one_engine_count_once_and_fail_over(
@@ -307,6 +316,7 @@ def test_api_servers_of_one_engine_count_once_and_fail_over(
     front_a, front_b = _start(servers, engine), _start(servers, engine)
     dead = _closed_port_url()
     _register(client, acme, base, {"name": "engine-0", "urls": [dead, front_a.url, front_b.url]})
+    assert _scrape(client, acme, base, "engine-0")["baseline_label_sets"] == 1
 
     engine.serve(10, 40, 25, [9, 8, 5, 3])
     first = _scrape(client, acme, base, "engine-0")
@@ -330,6 +340,7 @@ def test_a_bad_answer_records_the_error_stores_nothing_and_loses_nothing(
     engine = Engine(mode="openmetrics")
     server = _start(servers, engine)
     _register(client, acme, base, {"name": "engine-0", "urls": [server.url]})
+    assert _scrape(client, acme, base, "engine-0")["baseline_label_sets"] == 1
     engine.serve(10, 40, 25, [9, 8, 5, 3])
     assert _scrape(client, acme, base, "engine-0")["inserted"] == 1
 
@@ -354,7 +365,7 @@ def test_a_bad_answer_records_the_error_stores_nothing_and_loses_nothing(
     assert (recovered["ok"], recovered["inserted"]) == (True, 1)
     assert _totals(_stored(db)) == (13, 52, 31, [12, 10, 6, 3])
     shown = client.get(f"{base}/engine-0", headers=acme.headers(Role.viewer)).json()
-    assert (shown["last_error"], shown["scrapes"], shown["records_stored"]) == (None, 5, 2)
+    assert (shown["last_error"], shown["scrapes"], shown["records_stored"]) == (None, 6, 2)
 
 
 def test_registration_is_validated_and_names_are_unique(
@@ -372,6 +383,11 @@ def test_registration_is_validated_and_names_are_unique(
         ({"name": "Engine_0", "urls": [url]}, "name"),
         ({"name": "engine-0", "urls": [url], "arm": "shadow"}, "arm"),
         ({"name": "engine-0", "urls": [url], "arm": "canary:3", "drafter_version": 2}, "drafter_version"),
+        # Values the database could not store: an INTEGER drafter version, a 40-character arm.
+        ({"name": "engine-0", "urls": [url], "drafter_version": 2**31}, "drafter_version"),
+        ({"name": "engine-0", "urls": [url], "arm": "canary:" + "9" * 40}, "arm"),
+        ({"name": "engine-0", "urls": [url], "arm": "canary:2147483648"}, "arm"),
+        ({"name": "engine-0", "urls": [url], "arm": "canary:²"}, "arm"),
     ]
     for body, field_name in bad:
         response = client.post(base, json=body, headers=admin)
@@ -420,8 +436,6 @@ def test_scrape_all_with_the_real_fetcher(
     globex_base = _deployment(client, globex)
     gone_base = _deployment(client, acme, "gone")
     engines = [Engine(), Engine(mode="openmetrics"), Engine()]
-    for engine in engines:
-        engine.serve(10, 40, 25, [9, 8, 5, 3])
     live = [_start(servers, e) for e in engines]
     _register(client, acme, acme_base, {"name": "good", "urls": [live[0].url]})
     _register(client, acme, acme_base, {"name": "down", "urls": [_closed_port_url()]})
@@ -435,6 +449,10 @@ def test_scrape_all_with_the_real_fetcher(
         < 300
     )
 
+    baselines = scrape_all(db.new_session, http_fetch)
+    assert (baselines["ok"], baselines["failed"], baselines["inserted"]) == (2, 1, 0)
+    for engine in engines:
+        engine.serve(10, 40, 25, [9, 8, 5, 3])
     summary = scrape_all(db.new_session, http_fetch)
     assert (summary["targets"], summary["ok"], summary["failed"], summary["inserted"]) == (3, 1, 2, 1)
     errors = list(summary["errors"].values())
@@ -477,7 +495,6 @@ def test_the_beat_task_scrapes_through_the_configured_database(
     shutil.copy(sqlite_template, path)
     url = f"sqlite:///{path}"
     engine = Engine(mode="openmetrics")
-    engine.serve(10, 40, 25, [9, 8, 5, 3])
     server = _start(servers, engine)
     with unit_of_work(url) as session:
         deployment = add_deployment(session, "acme")
@@ -486,6 +503,8 @@ def test_the_beat_task_scrapes_through_the_configured_database(
     monkeypatch.setenv("CONTROLPLANE_DATABASE_URL", url)
     get_settings.cache_clear()
     try:
+        assert scrape_all_targets()["inserted"] == 0  # the baseline
+        engine.serve(10, 40, 25, [9, 8, 5, 3])
         summary = scrape_all_targets()
         assert (summary["targets"], summary["ok"], summary["inserted"]) == (1, 1, 1)
         assert scrape_all_targets()["inserted"] == 0  # unchanged counters: nothing twice

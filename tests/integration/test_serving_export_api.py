@@ -13,7 +13,7 @@ BASE = "/v1/accounts/acme/deployments"
 
 def test_export_litellm_and_httproute(client: TestClient, tenants: tuple[Tenant, Tenant]) -> None:
     acme = tenants[0]
-    admin, viewer = acme.headers(Role.admin), acme.headers(Role.viewer)
+    admin, serving = acme.headers(Role.admin), acme.headers(Role.serving)
     created = client.post(
         BASE,
         json={
@@ -26,7 +26,7 @@ def test_export_litellm_and_httproute(client: TestClient, tenants: tuple[Tenant,
     )
     assert created.status_code == 201, created.text
     url = f"{BASE}/svc/serving-config/export"
-    empty = client.get(url, params={"format": "httproute"}, headers=viewer)
+    empty = client.get(url, params={"format": "httproute"}, headers=serving)
     assert empty.status_code == 200 and yaml.safe_load(empty.text)["spec"]["rules"][0]["backendRefs"] == []
 
     for name in ("engine-a", "engine-b"):
@@ -34,7 +34,7 @@ def test_export_litellm_and_httproute(client: TestClient, tenants: tuple[Tenant,
         added = client.post(f"{BASE}/svc/backends", json=backend, headers=admin)
         assert added.status_code == 201, added.text
 
-    litellm = client.get(url, params={"format": "litellm"}, headers=viewer)
+    litellm = client.get(url, params={"format": "litellm"}, headers=serving)
     assert litellm.status_code == 200 and litellm.headers["content-type"].startswith("application/yaml")
     doc = yaml.safe_load(litellm.text)
     assert [e["litellm_params"]["api_base"] for e in doc["model_list"]] == [
@@ -44,7 +44,7 @@ def test_export_litellm_and_httproute(client: TestClient, tenants: tuple[Tenant,
     assert [e["litellm_params"]["weight"] for e in doc["model_list"]] == [5000, 5000]
 
     route = client.get(
-        url, params={"format": "httproute", "as": "json", "namespace": "serving"}, headers=viewer
+        url, params={"format": "httproute", "as": "json", "namespace": "serving"}, headers=serving
     )
     assert route.status_code == 200 and route.headers["content-type"].startswith("application/json")
     refs = route.json()["spec"]["rules"][0]["backendRefs"]
@@ -53,6 +53,6 @@ def test_export_litellm_and_httproute(client: TestClient, tenants: tuple[Tenant,
         {"name": "engine-b", "port": 8000, "weight": 5000},
     ]
 
-    bad = client.get(url, params={"format": "nginx"}, headers=viewer)
+    bad = client.get(url, params={"format": "nginx"}, headers=serving)
     assert bad.status_code == 422 and "format" in bad.text
-    assert client.get(url, params={"as": "xml"}, headers=viewer).status_code == 422
+    assert client.get(url, params={"as": "xml"}, headers=serving).status_code == 422

@@ -317,7 +317,7 @@ def test_task_stops_when_the_job_is_cancelled(task_db: tuple[str, int], monkeypa
     real = service.report_progress
     calls = {"n": 0}
 
-    def cancel_midway(*, session: Any, job_id: int, fraction: float, message: str) -> bool:
+    def cancel_midway(*, session: Any, job_id: int, fraction: float, message: str, **attempt: Any) -> bool:
         calls["n"] += 1
         if calls["n"] == 2:
             with get_sessionmaker(url)() as other:
@@ -329,7 +329,7 @@ def test_task_stops_when_the_job_is_cancelled(task_db: tuple[str, int], monkeypa
                     actor="t",
                 )
                 other.commit()
-        return real(session=session, job_id=job_id, fraction=fraction, message=message)
+        return real(session=session, job_id=job_id, fraction=fraction, message=message, **attempt)
 
     monkeypatch.setattr(workers.tasks, "report_progress", cancel_midway)
     out = workers.tasks.run_realign(job_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from controlplane.canary.policy import (
     ARMS,
     CanaryPolicy,
+    CanaryPolicyError,
     Decision,
     GuardrailThresholds,
     decide,
@@ -20,6 +22,7 @@ from controlplane.canary.policy import (
     rollback_check,
 )
 from controlplane.canary.statistics import ArmAccumulator
+from controlplane.canary.tally import ArmTally
 
 STEP_MS = 25.0  # target step time
 SPEC_STEP = 1.5  # speculative step (verify + drafting) relative to a plain step
@@ -167,6 +170,49 @@ def test_policy_from_service_mapping_and_validation() -> None:
         CanaryPolicy(min_samples_per_arm=1)
     with pytest.raises(ValueError):
         decide({"mystery": ArmAccumulator()}, policy)
+
+
+# Values no settable field takes: each must be refused with the field's name and its range.
+OUT_OF_RANGE = (-1, 1e12, math.nan, math.inf, -math.inf, "x", None, [1])
+
+
+@pytest.mark.parametrize("field", sorted(CanaryPolicy.SETTABLE))
+def test_every_settable_field_is_bounded_and_named(field: str) -> None:
+    for value in OUT_OF_RANGE:
+        with pytest.raises(CanaryPolicyError) as refused:
+            CanaryPolicy.validate_changes({field: value})
+        message = str(refused.value)
+        assert field in message, (field, value, message)
+        assert any(word in message for word in ("must be", "must leave")), message
+
+
+def test_a_policy_that_could_never_judge_every_arm_is_refused() -> None:
+    with pytest.raises(CanaryPolicyError, match="max_requests must be at least 3 x min_samples_per_arm"):
+        CanaryPolicy.validate_changes({"min_samples_per_arm": 5_000, "max_requests": 10_000})
+    with pytest.raises(CanaryPolicyError, match="max_requests"):
+        CanaryPolicy.validate_changes({"min_samples_per_arm": 10_000})  # over the default 20 000 / 3
+    assert CanaryPolicy.validate_changes({"min_samples_per_arm": 5_000, "max_requests": 15_000})
+
+
+def test_the_tally_spread_is_request_level_spread_exactly() -> None:
+    rng = np.random.default_rng(11)
+    tally = ArmTally()
+    per_request = []
+    for _ in range(300):
+        drafted = int(rng.integers(0, 60))
+        accepted = int(rng.binomial(drafted, rng.uniform(0.2, 0.9))) if drafted else 0
+        per_request.append((drafted, accepted))
+        tally.add(SimpleNamespace(
+            generated_tokens=accepted + 5, verify_steps=5, drafted_tokens=drafted,
+            accepted_tokens=accepted, accepted_per_position=[], inter_token_ms=3.0, total_ms=None,
+            ttft_ms=None,
+        ))  # fmt: skip
+    se, effect = tally.hit_rate_spread()
+    expected_se, expected_effect = request_level_spread(per_request)
+    assert se == pytest.approx(expected_se, rel=1e-12) and effect == pytest.approx(expected_effect, rel=1e-12)
+    restored = ArmTally.from_state(json.loads(json.dumps(tally.to_state())))
+    assert restored.to_state() == tally.to_state()
+    assert ArmTally().hit_rate_spread() == (None, None)
 
 
 # ------------------------------------------------------------------------------------ guardrails

@@ -220,3 +220,54 @@ def test_the_router_fronts_the_serving_container_with_a_valid_config() -> None:
         and backend.pool == "follower"
         and backend.url == "http://serve:8601"
     )
+
+
+PUBLISH_LOCAL_OVERRIDE = DEPLOY / "compose.publish-local.yml"
+# Services that authenticate no one (or hold the data): never on a network with a way out.
+INTERNAL_ONLY = {"postgres", "redis", "router", "prometheus", "grafana", "flower", "beat"}
+
+
+def test_only_the_api_publishes_a_port_and_the_rest_talk_on_an_internal_network() -> None:
+    spec = yaml.safe_load(COMPOSE.read_text())
+    services = spec["services"]
+    assert {name for name, service in services.items() if service.get("ports")} == {"api"}
+    assert services["api"]["ports"] == ["8600:8600"]
+    assert spec["networks"]["internal"] == {"internal": True}
+    for name, service in services.items():
+        networks = set(service.get("networks") or spec["x-app"]["networks"])
+        assert "internal" in networks, name
+        assert networks <= set(spec["networks"]), name
+        if name in INTERNAL_ONLY:
+            assert networks == {"internal"}, name
+    # The reference server and the router are reached by name on the internal network.
+    assert services["serve"]["expose"] == ["8601"] and services["router"]["expose"] == ["8700"]
+    # The opt-in override publishes on the host's loopback only, and only what asks for a password
+    # or fronts the fleet.
+    override = yaml.safe_load(PUBLISH_LOCAL_OVERRIDE.read_text())["services"]
+    assert set(override) == {"router", "grafana", "flower"}
+    for name, service in override.items():
+        assert all(port.startswith("127.0.0.1:") for port in service["ports"]), name
+    assert f"-f {PUBLISH_LOCAL_OVERRIDE.relative_to(COMPOSE.parent)}" in COMPOSE.read_text()
+
+
+def test_redis_requires_a_password_that_every_client_presents() -> None:
+    spec = yaml.safe_load(COMPOSE.read_text())
+    redis = spec["services"]["redis"]
+    command = redis["command"]
+    password = command[command.index("--requirepass") + 1]
+    assert password.startswith("${REDIS_PASSWORD:?")
+    assert _environment(redis)["REDISCLI_AUTH"].startswith("${REDIS_PASSWORD:?")
+    text = COMPOSE.read_text()
+    urls = [word for word in text.replace('"', " ").split() if "redis://" in word]
+    assert len(urls) >= 3  # broker, results, Flower
+    for url in urls:
+        assert "redis://:${REDIS_PASSWORD:?" in url, url
+
+
+def test_flower_and_grafana_ask_for_passwords() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert _environment(services["flower"])["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
+    grafana = _environment(services["grafana"])
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert grafana["GF_USERS_ALLOW_SIGN_UP"] == "false"

@@ -93,6 +93,8 @@ def test_native_round_trip_through_json_shape() -> None:
     (record,) = parse_batch({"records": [native()]})
     as_json = dataclasses.asdict(record)
     as_json["created_at"] = record.created_at.isoformat() if record.created_at else None
+    # Provenance, set from the caller's key by the write path: never a field of the body.
+    assert as_json.pop("from_serving_key") is False
     assert set(as_json) == set(NATIVE_FIELDS)
     assert parse_batch({"records": [as_json]}) == [record]
 
@@ -480,10 +482,21 @@ def test_vllm_by_draft_length_with_variable_drafts() -> None:
     assert record.drafted_tokens == 126
 
 
-def test_vllm_null_for_n_greater_than_one() -> None:
+def test_vllm_null_is_no_speculation_unless_several_choices() -> None:
     null_sd = copy.deepcopy(VLLM_RESPONSE)
     null_sd["metrics"]["speculative_decoding"] = None
-    (problem,) = problems_of({"records": [null_sd]})
+    # vLLM's answer when speculation is off: stored as a request that drafted nothing.
+    (record,) = parse_batch({"records": [null_sd]})
+    assert (record.drafted_tokens, record.accepted_tokens, record.verify_steps, record.arm) == (
+        0,
+        0,
+        0,
+        "live",
+    )
+    assert record.generated_tokens == VLLM_RESPONSE["usage"]["completion_tokens"]
+    assert record.ttft_ms == VLLM_RESPONSE["metrics"]["time_to_first_token_ms"]
+    several = {**null_sd, "choices": [{"index": 0}, {"index": 1}]}
+    (problem,) = problems_of({"format": "vllm", "records": [several]})
     assert problem.field == "metrics.speculative_decoding" and "n == 1" in problem.message
     null_metrics = {**VLLM_RESPONSE, "metrics": None}
     (problem,) = problems_of({"format": "vllm", "records": [null_metrics]})
@@ -567,13 +580,21 @@ def test_trtllm_malformed(changes: dict[str, Any], field: str) -> None:
     assert (0, field) in fields_of({"format": "trtllm", "records": [wrapped]})
 
 
-def test_trtllm_block_absent_only_for_baseline() -> None:
+def test_trtllm_without_the_block_is_a_request_that_drafted_nothing() -> None:
     no_block = copy.deepcopy(TRTLLM_RESPONSE)
     del no_block["choices"][0]["speculative_decoding"]
-    (problem,) = problems_of({"format": "trtllm", "records": [no_block]})
-    assert problem.field == "choices[0].speculative_decoding"
+    (record,) = parse_batch({"format": "trtllm", "records": [no_block]})
+    assert (record.drafted_tokens, record.verify_steps, record.generated_tokens, record.arm) == (
+        0,
+        0,
+        50,
+        "live",
+    )
     (record,) = parse_batch({"format": "trtllm", "records": [{**no_block, "arm": "baseline"}]})
     assert (record.drafted_tokens, record.generated_tokens, record.arm) == (0, 50, "baseline")
+    # Beside speculating requests in one batch: nothing fails.
+    records = parse_batch({"format": "trtllm", "records": [TRTLLM_RESPONSE, {**no_block, "id": "other"}]})
+    assert [r.drafted_tokens for r in records] == [60, 0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -662,10 +683,14 @@ def test_sglang_no_verify_step_and_no_speculation() -> None:
         3,
     )
     plain = {"request_id": "p", "meta_info": {"completion_tokens": 3}}
-    (problem,) = problems_of({"format": "sglang", "records": [plain]})
-    assert problem.field == "meta_info.spec_verify_ct"
+    (record,) = parse_batch({"format": "sglang", "records": [plain]})
+    assert (record.drafted_tokens, record.verify_steps, record.generated_tokens) == (0, 0, 3)
     (record,) = parse_batch({"format": "sglang", "records": [{**plain, "arm": "baseline"}]})
     assert record.verify_steps == 0
+    # Draft counts without the verify-step count are a broken record, not a plain one.
+    broken = {"request_id": "b", "meta_info": {"completion_tokens": 3, "spec_num_correct_drafts": 2}}
+    (problem,) = problems_of({"format": "sglang", "records": [broken]})
+    assert problem.field == "meta_info.spec_verify_ct"
 
 
 # ------------------------------------------------------------------------------------------
@@ -896,9 +921,13 @@ def test_a_vllm_reply_without_acceptance_on_the_baseline_arm_is_a_no_speculation
         12,
         "baseline",
     )
-    # On a speculating arm a missing block is still a problem: it hides lost acceptance.
-    (problem,) = problems_of({"format": "vllm", "records": [{**reply, "arm": "live"}]})
-    assert problem.field == "metrics.speculative_decoding" and "n == 1" in problem.message
+    # On a speculating arm too: a server without speculation answers null.
+    (record,) = parse_batch({"format": "vllm", "records": [{**reply, "arm": "live"}]})
+    assert (record.drafted_tokens, record.arm) == (0, "live")
+    # A missing block (the metrics flag off) is still a problem there: it hides lost acceptance.
+    missing = {**reply, "arm": "live", "metrics": {}}
+    (problem,) = problems_of({"format": "vllm", "records": [missing]})
+    assert problem.field == "metrics.speculative_decoding" and "--per-request" in problem.message
 
 
 @pytest.mark.parametrize(
@@ -916,6 +945,11 @@ def test_a_vllm_reply_without_acceptance_on_the_baseline_arm_is_a_no_speculation
         ({"created_at": "9999-12-31T00:00:00+00:00"}, "created_at"),
         ({"total_ms": 1e307}, "total_ms"),
         ({"accepted_per_position": [0] * 65, "k": None}, "accepted_per_position"),
+        ({"request_id": "r" * 201}, "request_id"),
+        ({"drafter_version": 2**31}, "drafter_version"),
+        ({"ttft_ms": 1e307}, "ttft_ms"),
+        ({"inter_token_ms": 1e307}, "inter_token_ms"),
+        ({"total_ms": float("inf")}, "total_ms"),
     ],
 )
 def test_values_the_database_cannot_store_are_refused_before_they_join_a_shared_write(
@@ -928,3 +962,93 @@ def test_values_the_database_cannot_store_are_refused_before_they_join_a_shared_
     sglang = copy.deepcopy(SGLANG_RESPONSE)
     sglang["meta_info"]["completion_tokens"] = 2**33
     assert "generated_tokens" in {p.field for p in problems_of({"records": [{**sglang, "request_id": "s"}]})}
+
+
+@pytest.mark.parametrize(
+    ("record", "fmt", "field"),
+    [
+        # Per-position arrays are capped at 64 even when k is not given.
+        (
+            {
+                "request_id": "v",
+                "num_draft_tokens": 0,
+                "num_accepted_draft_tokens": 0,
+                "num_spec_steps": 1,
+                "acceptance_histogram": [1] + [0] * 80,
+            },
+            "vllm",
+            "acceptance_histogram",
+        ),
+        (
+            {
+                "request_id": "v",
+                "num_draft_tokens": 0,
+                "num_accepted_draft_tokens": 0,
+                "num_spec_steps": 1,
+                "acceptance_histogram": {"0": 1, "1000000000": 0},
+            },
+            "vllm",
+            "acceptance_histogram.1000000000",
+        ),
+        (
+            {
+                "request_id": "v",
+                "num_draft_tokens": 10**9,
+                "num_accepted_draft_tokens": 10**9,
+                "num_spec_steps": 1,
+                "per_step_accepted": [10**9],
+            },
+            "vllm",
+            "per_step_accepted",
+        ),
+        (
+            {
+                "request_id": "s",
+                "meta_info": {
+                    "spec_verify_ct": 1,
+                    "spec_num_correct_drafts": 0,
+                    "spec_num_proposed_drafts": 65,
+                    "spec_num_proposed_drafts_by_position": [1] * 65,
+                },
+            },
+            "sglang",
+            "k",
+        ),
+        (
+            {"request_id": "f", "perf_metrics": {"speculation-acceptance": ",".join(["1/1"] * 65)}},
+            "fireworks",
+            "accepted_per_position",
+        ),
+        # Seconds scaled to milliseconds must stay finite and within a day.
+        (
+            {
+                "request_id": "f",
+                "perf_metrics": {"speculation-acceptance": "1/1", "server-processing-time": 1e306},
+            },
+            "fireworks",
+            "total_ms",
+        ),
+    ],
+)
+def test_engine_formats_obey_the_storage_limits(record: dict[str, Any], fmt: str, field: str) -> None:
+    fields = {p.field for p in problems_of({"format": fmt, "records": [record]})}
+    assert any(f.endswith(field) for f in fields), fields
+
+
+def test_a_body_of_unknown_keys_is_answered_fast_with_a_capped_list() -> None:
+    import time
+
+    record = {**native(), **{f"unknown_key_{i}": i for i in range(100_000)}}
+    started = time.perf_counter()
+    with pytest.raises(BatchValidationError) as info:
+        parse_batch({"records": [record] * 10 + [{"x": 1}] * 2000})
+    with pytest.raises(BatchValidationError) as top:
+        parse_batch({"records": [], **{f"top_level_{i}": i for i in range(100_000)}})
+    elapsed = time.perf_counter() - started
+    assert elapsed < 5.0, elapsed  # a suggestion per key took minutes
+    error = info.value
+    assert len(error.problems) <= 1001 and error.total == 10 * 6 + 2000
+    shown = error.as_dicts()
+    assert len(shown) == 21 and shown[-1]["message"] == f"and {error.total - 20} more problems"
+    assert shown[5] == {"index": 0, "field": "", "message": "and 99995 more unknown fields"}
+    assert [p.field for p in top.value.problems][-1] == "" and top.value.total == 6

@@ -16,13 +16,24 @@ from controlplane.config import Settings
 from controlplane.db.models import DrafterState, DriftResolution, DriftState, JobState
 from controlplane.drafters import states as drafter_states
 from controlplane.drift import states as drift_states
+from controlplane.jobs import recovery as job_recovery
 from controlplane.jobs import states as job_states
 from controlplane.traces import holdout
 
 
 @pytest.mark.parametrize(
     "module",
-    [job_states, drafter_states, drift_states, phases, lifecycle, messaging, timestamps, holdout],
+    [
+        job_states,
+        job_recovery,
+        drafter_states,
+        drift_states,
+        phases,
+        lifecycle,
+        messaging,
+        timestamps,
+        holdout,
+    ],
     ids=lambda m: m.__name__,
 )
 def test_doctests(module: ModuleType) -> None:

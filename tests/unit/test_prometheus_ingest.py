@@ -18,10 +18,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.openmetrics.exposition import generate_latest
 
-from controlplane.ingest.formats import BatchValidationError
+from controlplane.ingest.formats import MAX_COUNT, BatchTooLargeError, BatchValidationError
 from controlplane.ingest.prometheus import (
+    MAX_MISSED_SCRAPES,
     CounterSnapshot,
     SeriesCounters,
+    counter_deltas,
     is_openmetrics_media_type,
     parse_exposition,
     records_from_scrapes,
@@ -182,7 +184,7 @@ def test_delta_becomes_one_aggregate_record() -> None:
         "code",
         when,
     )
-    assert record.request_id == scrape_request_id(KEY0, "scrape-2")
+    assert record.request_id == scrape_request_id(KEY0, "scrape-2", before.series[KEY0], after.series[KEY0])
 
 
 def test_request_ids_are_deterministic_and_distinct() -> None:
@@ -201,14 +203,86 @@ def test_re_pushing_the_stored_scrape_yields_nothing() -> None:
     assert records_from_scrapes(snapshot, snapshot, "same") == []
 
 
-def test_first_push_counts_from_zero() -> None:
-    snapshot = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
-    (record,) = records_from_scrapes(None, snapshot, "first")
-    assert (record.verify_steps, record.drafted_tokens, record.accepted_per_position) == (
-        100,
-        300,
-        [80, 55, 35],
+def test_first_push_is_a_baseline_even_past_two_to_the_31() -> None:
+    # A vLLM up for weeks: its counters hold its whole history, far beyond an INTEGER column.
+    big = 3 * 2**31
+    snapshot = parse_exposition(exposition(big, 3 * big, 2 * big, [big, big // 2, big // 2]))
+    deltas = counter_deltas(None, snapshot, "first")
+    assert deltas.records == [] and deltas.baselines == [KEY0]
+    assert deltas.snapshot == snapshot
+    # The next push counts only what happened since.
+    later = parse_exposition(
+        exposition(big + 10, 3 * big + 30, 2 * big + 17, [big + 8, big // 2 + 5, big // 2 + 4])
     )
+    nxt = counter_deltas(deltas.snapshot, later, "second")
+    (record,) = nxt.records
+    assert (record.verify_steps, record.drafted_tokens, record.accepted_tokens) == (10, 30, 17)
+    assert record.accepted_per_position == [8, 5, 4] and nxt.baselines == []
+
+
+def test_a_delta_too_large_for_one_record_is_a_new_baseline() -> None:
+    before = CounterSnapshot({KEY0: SeriesCounters(10, 30, 10, (6, 4))})
+    after = CounterSnapshot({KEY0: SeriesCounters(10 + 2**31, 30 + 2**32, 10 + 2**31, (6 + 2**31, 4))})
+    deltas = counter_deltas(before, after, "gap")
+    assert deltas.records == [] and deltas.baselines == [KEY0]
+    assert deltas.snapshot.series[KEY0] == after.series[KEY0]
+    assert MAX_COUNT == 2**31 - 1
+
+
+def test_a_reused_scrape_id_with_other_counters_still_stores_its_window() -> None:
+    first = CounterSnapshot({KEY0: SeriesCounters(10, 20, 10, (6, 4))})
+    second = CounterSnapshot({KEY0: SeriesCounters(20, 40, 20, (12, 8))})
+    third = CounterSnapshot({KEY0: SeriesCounters(30, 60, 30, (18, 12))})
+    (a,) = records_from_scrapes(first, second, "fixed")
+    (b,) = records_from_scrapes(second, third, "fixed")
+    assert a.request_id != b.request_id  # two windows, two records, whatever the scrape id
+    (again,) = records_from_scrapes(first, second, "fixed")
+    assert again.request_id == a.request_id  # the same window applied twice stores once
+
+
+def test_a_vanished_label_set_is_diffed_against_its_last_values_when_it_returns() -> None:
+    both = CounterSnapshot(
+        {KEY0: SeriesCounters(100, 200, 150, (90, 60)), KEY1: SeriesCounters(50, 100, 70, (40, 30))}
+    )
+    only0 = CounterSnapshot({KEY0: SeriesCounters(110, 220, 165, (99, 66))})
+    gap = counter_deltas(both, only0, "s2")
+    assert [r.verify_steps for r in gap.records] == [10]
+    assert gap.snapshot.series[KEY1] == SeriesCounters(50, 100, 70, (40, 30), missed=1)
+    back = CounterSnapshot(
+        {KEY0: SeriesCounters(120, 240, 180, (108, 72)), KEY1: SeriesCounters(60, 120, 84, (48, 36))}
+    )
+    returned = counter_deltas(gap.snapshot, back, "s3")
+    assert sorted((r.verify_steps, r.accepted_tokens) for r in returned.records) == [(10, 14), (10, 15)]
+    assert returned.baselines == [] and returned.snapshot.series[KEY1].missed == 0
+    # Remembered through JSON too (the snapshot is stored between pushes).
+    assert CounterSnapshot.from_dict(json.loads(json.dumps(gap.snapshot.to_dict()))) == gap.snapshot
+
+
+def test_vanished_label_sets_are_remembered_for_a_bounded_time_and_number() -> None:
+    previous = CounterSnapshot({KEY1: SeriesCounters(5, 15, 5, (3, 2), missed=MAX_MISSED_SCRAPES - 1)})
+    current = CounterSnapshot({KEY0: SeriesCounters(1, 3, 1, (1, 0))})
+    assert list(counter_deltas(previous, current, "x").snapshot.series) == [KEY0]  # forgotten
+    previous = CounterSnapshot({KEY1: SeriesCounters(5, 15, 5, (3, 2))})
+    assert list(counter_deltas(previous, current, "x", max_label_sets=1).snapshot.series) == [KEY0]
+    assert set(counter_deltas(previous, current, "x", max_label_sets=2).snapshot.series) == {KEY0, KEY1}
+
+
+def test_label_sets_per_exposition_are_capped() -> None:
+    text = "".join(exposition(1.0, 3.0, 1.0, [1.0], engine=str(i)) for i in range(5))
+    assert len(parse_exposition(text, max_label_sets=5).series) == 5
+    with pytest.raises(BatchTooLargeError) as info:
+        parse_exposition(text, max_label_sets=4)
+    assert "limit of 4" in info.value.problems[0].message
+
+
+def test_positions_beyond_the_draft_limit_are_refused() -> None:
+    text = exposition(1.0, 3.0, 1.0, [1.0]).replace('position="0"', 'position="64"')
+    with pytest.raises(BatchValidationError) as info:
+        parse_exposition(text)
+    assert any("below 64" in p.message for p in info.value.problems)
+    huge = exposition(1.0, 3.0, 1.0, [1.0]).replace('position="0"', 'position="' + "9" * 5000 + '"')
+    with pytest.raises(BatchValidationError):
+        parse_exposition(huge)
 
 
 def test_counter_reset_takes_current_values_as_the_increase() -> None:
@@ -234,15 +308,14 @@ def test_reset_of_one_position_counter_resets_the_series() -> None:
     assert record.verify_steps == 110  # never a negative delta
 
 
-def test_new_label_set_counts_from_zero_and_vanished_ones_are_ignored() -> None:
+def test_a_new_label_set_is_a_baseline_and_a_vanished_one_counts_nothing() -> None:
     before = parse_exposition(exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0]))
     after = parse_exposition(
         exposition(100.0, 300.0, 170.0, [80.0, 55.0, 35.0])
         + exposition(5.0, 15.0, 4.0, [3.0, 1.0, 0.0], engine="1")
     )
-    (record,) = records_from_scrapes(before, after, "y")
-    assert record.request_id == scrape_request_id(KEY1, "y")
-    assert (record.verify_steps, record.accepted_per_position) == (5, [3, 1, 0])
+    deltas = counter_deltas(before, after, "y")
+    assert deltas.records == [] and deltas.baselines == [KEY1]
     assert records_from_scrapes(after, before, "z") == []
 
 

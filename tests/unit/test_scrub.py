@@ -1,23 +1,33 @@
 """The personal-data scrubber on a table of real-looking inputs, near misses that must survive
-verbatim, and inputs built to make a regex scanner go quadratic.
+verbatim, inputs built to make a regex scanner go quadratic, and the labelled corpus
+(tests/data/scrub_corpus.jsonl) its recall and false-positive rate are measured on.
 
 Each near miss is a decision, not an accident (see controlplane/traces/scrub.py's docstring):
 hex strings (git SHAs, digests, 0x constants) and UUIDs are identifiers, not secrets; Luhn
-failures are not cards; loopback addresses and netmasks are not personal; unseparated national
-numbers without a phone word are indistinguishable from constants.
+failures are not cards; loopback addresses, netmasks and the documentation address blocks are
+not personal; unseparated national numbers without a phone word are indistinguishable from
+constants.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import socket
 import string
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from controlplane.traces import recognizers
 from controlplane.traces.scrub import Entity, looks_random, luhn_ok, scrub
 
 E, P, C, IP, S = "<EMAIL>", "<PHONE>", "<CREDIT_CARD>", "<IP_ADDRESS>", "<SECRET>"
+IBAN, ID = "<IBAN>", "<NATIONAL_ID>"
+NBSP, EN_DASH = "\u00a0", "\u2013"
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "scrub_corpus.jsonl"
 
 # (input, expected output)
 SCRUBBED: list[tuple[str, str]] = [
@@ -27,6 +37,9 @@ SCRUBBED: list[tuple[str, str]] = [
     ("cc: a@b.io, c.d@e.org", f"cc: {E}, {E}"),
     ("git clone git@github.com:org/repo.git", f"git clone {E}:org/repo.git"),
     ("Grüße an müller@example.de.", f"Grüße an {E}."),
+    # internationalised domains (Presidio's e-mail recognizer, suffixes from tldextract's snapshot)
+    ("Schreib an info@bücher.de bitte", f"Schreib an {E} bitte"),
+    ("пишите olga@почта.рф", f"пишите {E}"),
     # Only the reserved names themselves are kept: look-alikes are somebody's domain.
     ("bob@example.community and eve@example.com.evil.io", f"{E} and {E}"),
     # phone numbers, international
@@ -36,6 +49,15 @@ SCRUBBED: list[tuple[str, str]] = [
     ("whatsapp +4915123456789", f"whatsapp {P}"),
     ("Paris: +33 1 23 45 67 89", f"Paris: {P}"),
     ("India +91 98765 43210", f"India {P}"),
+    # no-break spaces, en dashes, dots between the groups
+    (f"call 415{NBSP}555{NBSP}0176 now", f"call {P} now"),
+    (f"+44{NBSP}7700{NBSP}900123", P),
+    (f"Büro 01{EN_DASH}23{EN_DASH}45{EN_DASH}67{EN_DASH}89", f"Büro {P}"),
+    (f"ring 415{EN_DASH}555{EN_DASH}0123", f"ring {P}"),
+    # national formats phonenumbers validates for their region
+    ("São Paulo (11) 98765-4321", f"São Paulo {P}"),
+    ("Tokyo 03-1234-5678", f"Tokyo {P}"),
+    ("Sydney (02) 9876 5432 or 0412 345 678", f"Sydney {P} or {P}"),
     ("dial 0044 20 7946 0958", f"dial {P}"),
     # phone numbers, national formats
     ("(415) 555-2671", P),
@@ -58,14 +80,23 @@ SCRUBBED: list[tuple[str, str]] = [
     ("amex 3782 822463 10005", f"amex {C}"),
     ('{"pan": "5555555555554444"}', f'{{"pan": "{C}"}}'),
     ("Discover 6011000990139424.", f"Discover {C}."),
+    ("card 4111.1111.1111.1111 ok", f"card {C} ok"),
+    (f"visa 4000{NBSP}0566{NBSP}5566{NBSP}5556", f"visa {C}"),
+    # IBANs (the standards' examples) and national ids
+    ("IBAN GB82 WEST 1234 5698 7654 32 please", f"IBAN {IBAN} please"),
+    ('{"iban": "DE89370400440532013000"}', f'{{"iban": "{IBAN}"}}'),
+    ("SSN 536-22-1234 on file", f"SSN {ID} on file"),
+    ("NINO AB 12 34 56 C.", f"NINO {ID}."),
+    ("DNI 12345678Z, NIE X1234567L", f"DNI {ID}, NIE {ID}"),
+    ("CF RSSMRA85T10A562S", f"CF {ID}"),
     # IP addresses
-    ("client 203.0.113.42 connected", f"client {IP} connected"),
+    ("client 81.2.69.142 connected", f"client {IP} connected"),
     ("ssh admin@10.0.0.5", f"ssh admin@{IP}"),
     ("listen 192.168.1.20:8080", f"listen {IP}:8080"),
     ("route 10.0.0.0/8", f"route {IP}/8"),
-    ("v6 2001:db8:85a3::8a2e:370:7334 ok", f"v6 {IP} ok"),
+    ("v6 2a00:1450:4001:81c::200e ok", f"v6 {IP} ok"),
     ("link-local fe80::1ff:fe23:4567:890a%eth0", f"link-local {IP}"),
-    ("http://[2001:db8::1]:8080/", f"http://[{IP}]:8080/"),
+    ("http://[2606:4700:4700::1111]:8080/", f"http://[{IP}]:8080/"),
     ("gateway fe80::1.", f"gateway {IP}."),
     ("mapped ::ffff:192.0.2.128", f"mapped {IP}"),
     # secrets with a known shape
@@ -95,6 +126,27 @@ SCRUBBED: list[tuple[str, str]] = [
         f"DATABASE_URL=postgres://{S}@db.internal:5432/app",
     ),
     ("redis://:hunter2@cache:6379/0", f"redis://{S}@cache:6379/0"),
+    # webhook URLs with the secret in the path: the host stays
+    (
+        "post to https://hooks.slack.com/services/T0A1B2C3D/B4E5F6G7H/aBcDeFgHiJkLmNoPqRsTuVwX",
+        f"post to https://hooks.slack.com/services/{S}",
+    ),
+    (
+        "https://discord.com/api/webhooks/1234567890123456789/AbCdEf-GhIjKl_MnOpQrStUvWxYz012345",
+        f"https://discord.com/api/webhooks/{S}",
+    ),
+    # environment variables with the secret word glued to a prefix
+    ("export PGPASSWORD=Xk3pq9Lm2v && psql", f"export PGPASSWORD={S} && psql"),
+    ("PGPASSWORD='correct horse battery' psql -U app", f"PGPASSWORD='{S}' psql -U app"),
+    ("REDISCLI_AUTH=Zt7kq2Lp9 redis-cli", f"REDISCLI_AUTH={S} redis-cli"),
+    # passphrases with spaces, passwords in prose, user:password outside URLs
+    ("passphrase: correct horse battery staple", f"passphrase: {S}"),
+    ("The passphrase is 'blue mango sunrise 42', ok?", f"The passphrase is '{S}', ok?"),
+    ("the wifi password is Tr0ub4dor&3 btw", f"the wifi password is {S} btw"),
+    ('Her password is "summer in paris"', f'Her password is "{S}"'),
+    ("curl -u admin:S3cr3t!Pass https://api.internal/", f"curl -u {S} https://api.internal/"),
+    ("creds: svc_backup:Xy9$kLm2", f"creds: {S}"),
+    ("twilio SK0123456789abcdef0123456789abcdef", f"twilio {S}"),
     # secret-named assignments: the name stays, the value goes
     ("password=hunter2", f"password={S}"),
     ("export DB_PASSWORD=correcthorse", f"export DB_PASSWORD={S}"),
@@ -111,7 +163,7 @@ SCRUBBED: list[tuple[str, str]] = [
     ("curl -H 'X-Auth: dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk'", f"curl -H 'X-Auth: {S}'"),
     # several kinds in one text
     (
-        "User jane@corp.com (ip 198.51.100.7, tel +1 212 555 0143) paid with 4242 4242 4242 4242.",
+        "User jane@corp.com (ip 81.2.69.142, tel +1 212 555 0143) paid with 4242 4242 4242 4242.",
         f"User {E} (ip {IP}, tel {P}) paid with {C}.",
     ),
 ]
@@ -158,6 +210,16 @@ NEAR_MISSES: list[str] = [
     # addresses at documentation and test domains (RFC 2606, RFC 6761): nobody's mailbox
     "INSERT INTO customers (email) VALUES ('ana.lopez@example.com'); cc ops@mail.example.org",
     "git config user.email ci@build.test; root@host.localhost; x@y.invalid; a@docs.example",
+    # address blocks reserved for documentation (RFC 5737, RFC 3849)
+    "client 203.0.113.42 and 198.51.100.7 via 192.0.2.1; v6 2001:db8:85a3::8a2e:370:7334, [2001:db8::1]:8080",
+    # secret words in code and prose without a secret
+    "conn = connect(host=host, user=user, password=password); token=db_token",
+    "The password is required; the passphrase is never logged; a PIN is 4 to 8 digits.",
+    "image: nginx:1.25-alpine; redis:6379; ERROR:root:failed; ratio 16:9",
+    "POST /api/webhooks/ handler; see https://docs.github.com/en/webhooks/using-webhooks",
+    "MAX_TOKENS=4096 DB_PASSWORD=$DB_PASSWORD SECRET_KEY=None",
+    # shapes near national ids and IBANs
+    "order 123-45-6789 (placeholder SSN), ref 000-12-3456, version 2024.01.15",
 ]
 
 
@@ -176,7 +238,7 @@ def test_near_misses_are_kept_verbatim(text: str) -> None:
 def test_counts_per_kind() -> None:
     text = (
         "a@b.com c@d.org +1 415 555 2671 or 4111111111111111 10.1.2.3 password=hunter2 "
-        "sk-abcdefghijklmnopqrstuvwx"
+        "sk-abcdefghijklmnopqrstuvwx IBAN DE89370400440532013000 SSN 536-22-1234"
     )
     result = scrub(text)
     assert result.counts == {
@@ -185,6 +247,8 @@ def test_counts_per_kind() -> None:
         Entity.credit_card: 1,
         Entity.ip_address: 1,
         Entity.secret: 2,
+        Entity.iban: 1,
+        Entity.national_id: 1,
     }
     assert scrub(result.text).text == result.text  # placeholders are never re-scrubbed
 
@@ -231,16 +295,62 @@ def test_random_tokens_are_caught_and_names_are_not() -> None:
     ],
 )
 def test_adversarial_inputs_scrub_in_linear_time(text: str) -> None:
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: the test machine is shared
     scrub(text)
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
 
 
 def test_throughput() -> None:
     rng = random.Random(3)
     words = ["the", "model", "def", "return", "x", "=", "1", "self.value", "2024-01-15", "v1.2.3", "(a, b)"]
     text = " ".join(rng.choice(words) for _ in range(200_000))  # ~1.2 MB of prose and code shapes
-    started = time.perf_counter()
+    scrub("warm up a@b.io")  # builds the library analyzers once, as the first request does
+    started = time.process_time()  # CPU time: the test machine is shared
     scrub(text)
-    elapsed = time.perf_counter() - started
-    assert len(text) / elapsed > 1_000_000, f"{len(text) / elapsed / 1e6:.1f} MB/s"  # ~5 MB/s unloaded
+    elapsed = time.process_time() - started
+    assert len(text) / elapsed > 1_000_000, f"{len(text) / elapsed / 1e6:.1f} MB/s"  # ~3 MB/s
+
+
+def _corpus() -> list[dict[str, Any]]:
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_corpus_recall_and_false_positive_rate() -> None:
+    cases = _corpus()
+    positives = [case for case in cases if case["entities"]]
+    negatives = [case for case in cases if not case["entities"]]
+    assert len(positives) >= 150 and len(negatives) >= 150
+    entities = [(entity, scrub(case["text"]).text) for case in positives for entity in case["entities"]]
+    missed = [entity for entity, scrubbed in entities if entity["value"] in scrubbed]
+    changed = [case["text"] for case in negatives if scrub(case["text"]).text != case["text"]]
+    recall = 1 - len(missed) / len(entities)
+    false_positive_rate = len(changed) / len(negatives)
+    assert recall >= 0.95, missed
+    assert false_positive_rate <= 0.01, changed
+
+
+def test_corpus_covers_every_kind() -> None:
+    kinds = {entity["type"] for case in _corpus() for entity in case["entities"]}
+    assert kinds == {entity.value for entity in Entity}
+
+
+def test_libraries_never_touch_the_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tldextract fetches the public suffix list by default; ours reads its bundled snapshot."""
+    attempts: list[object] = []
+
+    def refuse(self: socket.socket, address: object) -> None:
+        attempts.append(address)
+        raise OSError("network disabled in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    recognizers.offline_suffixes.cache_clear()
+    recognizers.presidio_engine.cache_clear()
+    try:
+        result = scrub("mail olga@почта.рф or jürgen@münchen.de, IBAN GB82WEST12345698765432, +49 30 12345678")
+    finally:
+        recognizers.offline_suffixes.cache_clear()
+        recognizers.presidio_engine.cache_clear()
+    assert result.text == f"mail {E} or {E}, IBAN {IBAN}, {P}"
+    assert attempts == []

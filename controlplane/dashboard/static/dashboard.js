@@ -434,7 +434,9 @@
     if (detector) {
       kv.push(["baseline hit rate", pct(detector.baseline_rate)], ["current estimate", pct(detector.current_estimate)],
         ["drop", fmt(detector.drop, 3)], ["in reference window", detector.in_reference_window ? "yes" : "no"],
-        ["drift detected", detector.drift_detected ? "yes" : "no"]);
+        ["drift detected", detector.drift_detected ? "yes" : "no"],
+        ["armed", detector.armed ? "yes" : "no (an event is open)"],
+        ["next alarm not before", detector.next_alarm_not_before ? when(detector.next_alarm_not_before) : "—"]);
     }
     fill(notes, el("dl", { class: "kv" }, kv.map(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])));
   }

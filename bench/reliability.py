@@ -1,0 +1,592 @@
+"""Reliability under faults and hostile input, with real processes on private servers (a PostgreSQL
+cluster and a Redis of the bench's own, tests/fleet/services.py). Writes bench/results/reliability.json.
+
+    python bench/reliability.py [--quick] [--only fuzz,tenants,ingest,poison,loop,pii]
+
+1. fuzz_cases / fuzz_server_errors: schemathesis (tests/fleet/fuzz.py) over every operation of the
+   running API's /openapi.json, valid and invalid requests, once with a key of each role (admin,
+   ingest, viewer, serving) of an account with a deployment; a 5xx is a server error. Also counted:
+   2xx bodies that break their documented model (fuzz_schema_violations).
+2. cross_tenant_leaks: every operation of the spec, its path naming the victim account's objects
+   (account, deployment, model, drafter version, job, drift event, canary, scrape target, backend,
+   key ids), sent with the other account's key of each role; a leak is a 2xx on a path inside the
+   victim's account, or any body carrying one of the victim's markers (a deployment display name,
+   a trace's text, a key's secret) that the request itself did not contain.
+3. records_lost / records_duplicated: retrying ingest clients (tests/fleet/ingest_load.py: unique
+   request ids, the same batch re-sent until a 2xx) against the API on PostgreSQL while PostgreSQL
+   is restarted twice (once at once, once down for 3 s) and the API is SIGKILLed and restarted once.
+   Lost: acknowledged ids not stored; duplicated: ids stored twice or stored though never sent.
+4. promotions_per_loop / stalled_events: the whole loop (as `controlplane demo --fast` drives it)
+   on private PostgreSQL and Redis, with the gpu worker SIGKILLed once while the realign job runs
+   and once while the canary's shadow replay runs (each restarted at once), and Redis restarted
+   once; promotions of the deployment, and drift events still open at the end.
+5. poisoned_requests_collateral: two accounts ingest at once; one sends batches each carrying one
+   out-of-range value (counts 2^40, k=40000, 30-digit drafter versions, 150-character categories,
+   NUL in request ids, year 1 and 9999 timestamps, latency 1e307, ...); requests of the other
+   account that failed.
+6. pii_recall / pii_false_positive_rate: bench.scrub.measure_corpus on the labelled corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from controlplane.db.models import Role  # noqa: E402
+from controlplane.db.session import get_engine, get_sessionmaker  # noqa: E402
+from tests.conftest import TEST_SECRET, Tenant, make_tenant, prepare_database  # noqa: E402
+from tests.fleet.fuzz import FuzzedAccount, fuzz, load_schema  # noqa: E402
+from tests.fleet.ingest_load import RetryingIngestClients, acceptance_record, count_stored  # noqa: E402
+from tests.fleet.processes import ControlPlaneProcess  # noqa: E402
+from tests.fleet.services import PrivatePostgres  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+ROLES = (Role.admin, Role.ingest, Role.viewer, Role.serving)
+PARTS = ("fuzz", "tenants", "ingest", "poison", "loop", "pii")
+
+
+def say(message: str) -> None:
+    print(f"[{datetime.now(UTC):%H:%M:%S}] {message}", flush=True)
+
+
+@contextmanager
+def api_on_private_postgres(
+    workdir: Path, **env: str
+) -> Iterator[tuple[PrivatePostgres, ControlPlaneProcess]]:
+    """A migrated private PostgreSQL and the API process on it (no broker: ingest sends nothing)."""
+    with PrivatePostgres() as pg:
+        prepare_database(pg.url)
+        api = ControlPlaneProcess(
+            workdir,
+            CONTROLPLANE_DATABASE_URL=pg.url,
+            CONTROLPLANE_ENVIRONMENT="test",
+            CONTROLPLANE_SECRET_KEY=TEST_SECRET,
+            CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST="false",
+            CONTROLPLANE_VAR_DIR=str(workdir / "var"),
+            **env,
+        )
+        try:
+            yield pg, api.start()
+        finally:
+            api.stop()
+            get_engine(pg.url).dispose()
+
+
+def new_tenant(pg: PrivatePostgres, name: str) -> Tenant:
+    with get_sessionmaker(pg.url)() as session:
+        tenant = make_tenant(session, name)
+        session.commit()
+    return tenant
+
+
+def create_deployment(api: ControlPlaneProcess, tenant: Tenant, name: str, **extra: Any) -> dict[str, Any]:
+    response = api.api(
+        "POST",
+        f"/v1/accounts/{tenant.name}/deployments",
+        {"target_model": "reference-target", "deployment_id": name, **extra},
+        key=tenant.keys[Role.admin],
+    )
+    if response.status_code != 201:
+        raise RuntimeError(f"creating deployment {name}: {response.status_code} {response.text}")
+    return dict(response.json())
+
+
+# 1. fuzz ------------------------------------------------------------------------------------------
+
+
+def run_fuzz(quick: bool) -> dict[str, Any]:
+    per_operation = 1 if quick else 8
+    out: dict[str, Any] = {"cases_per_operation_per_role": per_operation, "by_role": {}}
+    with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
+        tenant = new_tenant(pg, "acme")
+        create_deployment(api, tenant, "svc")
+        server_errors: list[dict[str, Any]] = []
+        violations: list[str] = []
+        statuses: Counter[int] = Counter()
+        cases = operations = 0
+        for n, role in enumerate(ROLES):
+            account = FuzzedAccount(
+                api.url,
+                pg.url,
+                account_id=tenant.account_id,
+                account="acme",
+                deployment="svc",
+                role=role,
+                key=tenant.keys[role],
+            )
+            say(f"fuzz: {role.value} key, {per_operation} case(s) per operation")
+            report = fuzz(
+                api.url,
+                fixed_path=account.fixed_path,
+                prepare=account.prepare,
+                cases_per_operation=per_operation,
+                seed=n,
+            )
+            cases += report.cases
+            operations = report.operations
+            statuses.update(report.statuses)
+            violations += report.schema_violations
+            server_errors += [
+                {
+                    "role": role.value,
+                    "operation": e.operation,
+                    "status": e.status,
+                    "curl": e.curl,
+                    "body": e.body,
+                }
+                for e in report.server_errors
+            ]
+            out["by_role"][role.value] = {
+                "cases": report.cases,
+                "seconds": round(report.seconds, 1),
+                "server_errors": len(report.server_errors),
+                "transport_errors": dict(report.transport_errors),
+                "undocumented_statuses": len(report.undocumented_statuses),
+            }
+        tracebacks = api.log_tail(10_000_000).count("Traceback")
+    out.update(
+        fuzz_cases=cases,
+        fuzz_server_errors=len(server_errors),
+        fuzz_schema_violations=len(violations),
+        operations=operations,
+        statuses={str(k): v for k, v in sorted(statuses.items())},
+        server_error_cases=server_errors[:50],
+        schema_violation_samples=[v[:600] for v in violations[:10]],
+        api_log_tracebacks=tracebacks,
+    )
+    return out
+
+
+# 2. cross-tenant ----------------------------------------------------------------------------------
+
+VICTIM_MARKER = "victim-marker-7c1f3a"
+
+
+def seed_victim(api: ControlPlaneProcess, victim: Tenant) -> dict[str, str]:
+    """Objects of every kind in the victim's account; returns path parameter values naming them."""
+    admin = victim.keys[Role.admin]
+    base = f"/v1/accounts/{victim.name}/deployments"
+    create_deployment(
+        api, victim, "vsvc", display_name=VICTIM_MARKER, draft_model="reference-drafter", draft_token_count=4
+    )
+    rng = random.Random(3)
+    records = [acceptance_record(f"{VICTIM_MARKER}-{i}", rng) for i in range(20)]
+    api.api("POST", f"{base}/vsvc/acceptance", {"records": records}, key=admin)
+    api.api(
+        "POST",
+        f"{base}/vsvc/traces",
+        {"traces": [{"prompt": f"{VICTIM_MARKER} prompt", "completion": f"{VICTIM_MARKER} completion"}]},
+        key=admin,
+    )
+    api.api(
+        "POST",
+        f"{base}/vsvc/backends",
+        {"name": "vb", "url": "http://127.0.0.1:9", "pool": "incumbent"},
+        key=admin,
+    )
+    api.api(
+        "POST", f"{base}/vsvc/scrape-targets", {"name": "vt", "url": "http://127.0.0.1:9/metrics"}, key=admin
+    )
+    job = api.api("POST", f"{base}/vsvc:realign", {}, key=admin)
+    job_id = str(job.json().get("id", 1)) if job.status_code < 300 else "1"
+    keys = api.api("GET", f"/v1/accounts/{victim.name}/api-keys", key=admin)
+    key_id = (
+        str(keys.json()["api_keys"][0]["id"])
+        if keys.status_code == 200 and keys.json().get("api_keys")
+        else "1"
+    )
+    return {
+        "account": victim.name,
+        "deployment": "vsvc",
+        "job_id": job_id,
+        "key_id": key_id,
+        "event_id": "1",
+        "canary_id": "1",
+        "version": "1",
+        "name": "vt",
+        "backend": "vb",
+        "delivery_id": "1",
+    }
+
+
+def run_tenants(quick: bool) -> dict[str, Any]:
+    cases_per_operation = 1 if quick else 3
+    with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
+        victim, attacker = new_tenant(pg, "victim"), new_tenant(pg, "attacker")
+        create_deployment(api, attacker, "asvc")
+        path_values = seed_victim(api, victim)
+        markers = [VICTIM_MARKER, *victim.keys.values()]
+        schema = load_schema(api.url)
+        operations = [result.ok() for result in schema.get_all_operations()]
+        import requests
+
+        http = requests.Session()
+        tried = 0
+        leaks: list[dict[str, Any]] = []
+        statuses: Counter[int] = Counter()
+        for role in ROLES:
+            headers = {"Authorization": f"Bearer {attacker.keys[role]}"}
+            for operation in operations:
+                names = {p.name for p in operation.path_parameters}
+                pinned = {name: value for name, value in path_values.items() if name in names}
+                # A model route names the victim's models by the registry's own names.
+                if "name" in names and "/models/" in operation.path:
+                    pinned["name"] = "reference-target"
+                inside_victim = "account" in pinned
+                for case in _examples(operation, pinned, cases_per_operation):
+                    case.headers = {
+                        **{
+                            k: v
+                            for k, v in (case.headers or {}).items()
+                            if k.lower() not in ("authorization", "x-api-key")
+                        },
+                        **headers,
+                    }
+                    try:
+                        response = case.call(base_url=api.url, session=http, headers=headers, timeout=30)
+                    except requests.RequestException as exc:
+                        statuses[-1] += 1
+                        leaks.append({"role": role.value, "operation": operation.label, "error": repr(exc)})
+                        continue
+                    tried += 1
+                    statuses[response.status_code] += 1
+                    sent = case.as_curl_command(headers=headers)
+                    carried = [m for m in markers if m in response.text and m not in sent]
+                    if (inside_victim and 200 <= response.status_code < 300) or carried:
+                        leaks.append(
+                            {
+                                "role": role.value,
+                                "operation": operation.label,
+                                "status": response.status_code,
+                                "markers": len(carried),
+                                "body": response.text[:300],
+                            }
+                        )
+    return {
+        "cross_tenant_leaks": len(leaks),
+        "requests": tried,
+        "operations": len(operations),
+        "roles": [r.value for r in ROLES],
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "leak_samples": leaks[:30],
+    }
+
+
+def _examples(operation: Any, pinned: dict[str, str], count: int) -> list[Any]:
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    drawn: list[Any] = []
+
+    @settings(
+        max_examples=count,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(path_parameters=pinned))
+    def draw(case: Any) -> None:
+        drawn.append(case)
+
+    hypothesis_seed(7)(draw)()
+    return drawn[:count]
+
+
+# 3. ingest under faults ---------------------------------------------------------------------------
+
+
+def run_ingest(quick: bool) -> dict[str, Any]:
+    gap_s = 4.0 if quick else 15.0
+    with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
+        tenant = new_tenant(pg, "acme")
+        create_deployment(api, tenant, "svc")
+        url = f"{api.url}/v1/accounts/acme/deployments/svc/acceptance"
+        clients = RetryingIngestClients(
+            url, tenant.keys[Role.ingest], clients=6, batch=10, give_up_after_s=120
+        ).start()
+        timeline: list[str] = []
+        started = time.monotonic()
+
+        def mark(what: str) -> None:
+            timeline.append(
+                f"{time.monotonic() - started:6.1f}s {what} (acknowledged {clients.acknowledged_count()})"
+            )
+            say(f"ingest: {what}")
+
+        time.sleep(gap_s)
+        mark("PostgreSQL restart (fast stop, immediate start)")
+        pg.restart()
+        time.sleep(gap_s)
+        mark("PostgreSQL restart (down 3 s)")
+        pg.restart(down_s=3.0)
+        time.sleep(gap_s)
+        mark("API SIGKILLed")
+        api.stop(kill=True)
+        time.sleep(1.0)
+        api.start()
+        mark("API restarted")
+        time.sleep(gap_s)
+        tally = clients.stop()
+        mark("clients stopped")
+        alive_after = api.process is not None and api.process.poll() is None
+        deployment_id = _deployment_pk(pg, "acme", "svc")
+        counted = count_stored(pg.admin_dsn(), deployment_id, tally)
+    return {
+        "records_lost": counted.lost,
+        "records_duplicated": counted.duplicated,
+        "acknowledged": counted.acknowledged,
+        "stored": counted.stored,
+        "sent": len(tally.sent),
+        "abandoned": len(tally.abandoned),
+        "refused": len(tally.refused),
+        "attempts": tally.attempts,
+        "failed_attempts": dict(tally.failures.most_common(10)),
+        "api_alive_at_end": alive_after,
+        "timeline": timeline,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def _deployment_pk(pg: PrivatePostgres, account: str, name: str) -> int:
+    import psycopg
+
+    with psycopg.connect(pg.admin_dsn()) as conn:
+        row = conn.execute(
+            "SELECT d.id FROM deployments d JOIN accounts a ON a.id = d.account_id"
+            " WHERE a.name = %s AND d.name = %s",
+            (account, name),
+        ).fetchone()
+    if row is None:
+        raise RuntimeError(f"no deployment {account}/{name}")
+    return int(row[0])
+
+
+# 5. poisoned requests -----------------------------------------------------------------------------
+
+
+def poison_values() -> list[tuple[str, dict[str, Any]]]:
+    """(what, fields that override a valid record) for every out-of-range value in the list."""
+    return [
+        ("drafted_tokens 2^40", {"drafted_tokens": 2**40, "accepted_tokens": 1}),
+        ("accepted_tokens 2^40", {"accepted_tokens": 2**40}),
+        ("generated_tokens 2^40", {"generated_tokens": 2**40}),
+        ("verify_steps 2^40", {"verify_steps": 2**40}),
+        ("prompt_tokens 2^40", {"prompt_tokens": 2**40}),
+        ("per-position count 2^40", {"accepted_per_position": [2**40, 0, 0, 0]}),
+        ("drafted_tokens 2^63", {"drafted_tokens": 2**63}),
+        ("k 40000", {"k": 40_000}),
+        ("drafter_version 30 digits", {"drafter_version": 10**29}),
+        ("category 150 chars", {"category": "c" * 150}),
+        ("arm 150 chars", {"arm": "a" * 150}),
+        ("request_id with NUL", {"request_id": "bad\x00id"}),
+        ("request_id 300 chars", {"request_id": "r" * 300}),
+        ("created_at year 1", {"created_at": "0001-01-01T00:00:00+00:00"}),
+        ("created_at year 9999", {"created_at": "9999-12-31T23:59:59+00:00"}),
+        ("total_ms 1e307", {"total_ms": 1e307}),
+        ("ttft_ms 1e307", {"ttft_ms": 1e307}),
+        ("inter_token_ms -1e307", {"inter_token_ms": -1e307}),
+        ("category with NUL", {"category": "x\x00y"}),
+    ]
+
+
+def run_poison(quick: bool) -> dict[str, Any]:
+    duration_s = 10.0 if quick else 40.0
+    with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
+        good, bad = new_tenant(pg, "good"), new_tenant(pg, "bad")
+        create_deployment(api, good, "svc")
+        create_deployment(api, bad, "svc")
+        good_url = f"{api.url}/v1/accounts/good/deployments/svc/acceptance"
+        bad_url = f"{api.url}/v1/accounts/bad/deployments/svc/acceptance"
+        stop = threading.Event()
+        good_outcomes: Counter[str] = Counter()
+        bad_outcomes: dict[str, Counter[int]] = {}
+        lock = threading.Lock()
+
+        def good_client(n: int) -> None:
+            rng = random.Random(n)
+            sequence = 0
+            with httpx.Client(
+                timeout=30, headers={"Authorization": f"Bearer {good.keys[Role.ingest]}"}
+            ) as http:
+                while not stop.is_set():
+                    body = {"records": [acceptance_record(f"g{n}-{sequence + i}", rng) for i in range(5)]}
+                    sequence += 5
+                    try:
+                        status = str(http.post(good_url, json=body).status_code)
+                    except httpx.HTTPError as exc:
+                        status = type(exc).__name__
+                    with lock:
+                        good_outcomes[status] += 1
+
+        def bad_client(n: int) -> None:
+            rng = random.Random(100 + n)
+            sequence = 0
+            values = poison_values()
+            with httpx.Client(
+                timeout=30, headers={"Authorization": f"Bearer {bad.keys[Role.ingest]}"}
+            ) as http:
+                while not stop.is_set():
+                    for what, override in values:
+                        # The poison rides in a batch of valid records: one bad value, many good ones.
+                        records = [acceptance_record(f"b{n}-{sequence + i}", rng) for i in range(4)]
+                        records.append({**acceptance_record(f"b{n}-{sequence + 4}", rng), **override})
+                        sequence += 5
+                        try:
+                            status = http.post(bad_url, json={"records": records}).status_code
+                        except httpx.HTTPError:
+                            status = -1
+                        with lock:
+                            bad_outcomes.setdefault(what, Counter())[status] += 1
+                        if stop.is_set():
+                            return
+
+        threads = [threading.Thread(target=good_client, args=(n,)) for n in range(3)]
+        threads += [threading.Thread(target=bad_client, args=(n,)) for n in range(2)]
+        for thread in threads:
+            thread.start()
+        time.sleep(duration_s)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    good_total = sum(good_outcomes.values())
+    collateral = sum(n for status, n in good_outcomes.items() if status != "200")
+    return {
+        "poisoned_requests_collateral": collateral,
+        "good_requests": good_total,
+        "good_outcomes": dict(good_outcomes),
+        "bad_requests": sum(sum(c.values()) for c in bad_outcomes.values()),
+        "bad_outcomes": {what: {str(k): v for k, v in c.items()} for what, c in bad_outcomes.items()},
+        "bad_server_errors": sum(
+            n for c in bad_outcomes.values() for status, n in c.items() if status >= 500
+        ),
+        "bad_accepted": {what: c[200] for what, c in bad_outcomes.items() if c.get(200)},
+    }
+
+
+# 6. PII -------------------------------------------------------------------------------------------
+
+
+def run_pii(quick: bool) -> dict[str, Any]:
+    try:
+        from bench.scrub import measure_corpus  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        raise RuntimeError(
+            "bench/scrub.py with measure_corpus() is missing: the PII figures cannot be measured "
+            f"({exc}); no numbers are written for them"
+        ) from exc
+    measured = measure_corpus()
+    figures = dict(measured) if isinstance(measured, dict) else dict(vars(measured))
+    for name in ("pii_recall", "pii_false_positive_rate"):
+        if name not in figures:
+            raise RuntimeError(f"measure_corpus() returned no {name}: {sorted(figures)}")
+    return figures
+
+
+# 4. the loop --------------------------------------------------------------------------------------
+
+
+def run_loop(quick: bool) -> dict[str, Any]:
+    from bench.reliability_loop import run_loop_under_faults
+
+    return run_loop_under_faults(quick=quick, say=say)
+
+
+RUNNERS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "fuzz": run_fuzz,
+    "tenants": run_tenants,
+    "ingest": run_ingest,
+    "poison": run_poison,
+    "loop": run_loop,
+    "pii": run_pii,
+}
+
+FIGURES = [
+    ("fuzz", "fuzz_cases", ">= 2000"),
+    ("fuzz", "fuzz_server_errors", "0"),
+    ("tenants", "cross_tenant_leaks", "0"),
+    ("ingest", "records_lost", "0"),
+    ("ingest", "records_duplicated", "0"),
+    ("loop", "promotions_per_loop", "1"),
+    ("loop", "stalled_events", "0"),
+    ("poison", "poisoned_requests_collateral", "0"),
+    ("pii", "pii_recall", ">= 0.95"),
+    ("pii", "pii_false_positive_rate", "<= 0.01"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small counts: a smoke run")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts: {','.join(PARTS)}")
+    args = parser.parse_args()
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown part(s): {', '.join(sorted(unknown))}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "reliability.json"
+    # A partial run keeps the figures of the parts it did not run.
+    out: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    out.setdefault("parts", {})
+    failed: list[str] = []
+    for part in parts:
+        say(f"part {part}")
+        started = time.monotonic()
+        try:
+            result = RUNNERS[part](args.quick)
+        except Exception as exc:
+            failed.append(part)
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+            say(f"part {part} failed: {result['error']}")
+        result["seconds"] = round(time.monotonic() - started, 1)
+        result["quick"] = args.quick
+        result["measured_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+        out["parts"][part] = result
+        for source, name, _ in FIGURES:
+            if source == part:
+                out[name] = result.get(name)
+    out["machine"] = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_1m": round(os.getloadavg()[0], 2),
+    }
+    path.write_text(json.dumps(out, indent=2, sort_keys=True, default=str) + "\n")
+    print()
+    print(f"{'figure':32} {'value':>12}  target   (part, measured)")
+    for source, name, target in FIGURES:
+        part_result = out["parts"].get(source, {})
+        value = out.get(name)
+        shown = "-" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value))
+        when = part_result.get("measured_at", "never")
+        flag = "  ERROR: " + part_result["error"][:80] if "error" in part_result else ""
+        print(f"{name:32} {shown:>12}  {target:8} ({source}, {when}){flag}")
+    print(f"\nwrote {path}")
+    if failed:
+        raise SystemExit(f"part(s) failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    main()

@@ -1,0 +1,196 @@
+"""The live judge's running per-arm sums: everything a canary decision, its figures and the
+guardrails read from acceptance records, kept as sufficient statistics that round-trip through
+JSON, so each judge tick folds only the records it has not seen. Pure: no database.
+
+Nothing here needs a per-record buffer. The two primary metrics are Welford sums
+(:class:`controlplane.canary.statistics.ArmAccumulator`); the token counts are integer totals; the
+request-level standard error of the hit rate (``policy.request_level_spread``, the cluster-robust
+variance ``sum((a_i - p d_i)^2) n / (n - 1) / D^2``) expands into integer sums of ``d^2``, ``a d``
+and ``a^2``, so it is computed exactly, never from a float cancellation. Folding the same records
+in the same (id) order gives the same floats whether they arrive in one batch or many.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.canary.statistics import ArmAccumulator
+
+TALLY_VERSION = 1
+
+
+def ms_per_token(
+    inter: float | None, total: float | None, ttft: float | None, generated: int
+) -> float | None:
+    """Decode latency per token of one request.
+
+    The inter-token figure when the engine reports it; else the total spread over the tokens
+    after the first (TTFT is prefill, the same for every arm).
+    """
+    if inter is not None and inter > 0:
+        return float(inter)
+    if total is not None and generated > 1:
+        return max(0.0, float(total) - float(ttft or 0.0)) / (generated - 1)
+    return None
+
+
+@dataclass
+class ArmTally:
+    """One arm's sums over the records folded so far."""
+
+    stats: ArmAccumulator = field(default_factory=ArmAccumulator)  # the decision's per-request metrics
+    timed: int = 0  # requests with a latency (the figures' request count)
+    tokens_per_step_sum: float = 0.0
+    ms_per_token_sum: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    # Over requests that drafted anything: the hit rate's request-level spread.
+    spread_requests: int = 0
+    spread_drafted: int = 0
+    spread_accepted: int = 0
+    drafted_squared: int = 0
+    accepted_drafted: int = 0
+    accepted_squared: int = 0
+
+    def add(self, row: Any) -> None:
+        """Fold one acceptance record (any object with the record's count and latency fields)."""
+        generated = int(row.generated_tokens or 0)
+        steps = int(row.verify_steps or 0)
+        if generated <= 0:
+            return
+        latency = ms_per_token(row.inter_token_ms, row.total_ms, row.ttft_ms, generated)
+        if latency is not None:  # the two primary metrics stay paired request by request
+            tokens_per_step = generated / steps if steps > 0 else 1.0
+            self.timed += 1
+            self.tokens_per_step_sum += tokens_per_step
+            self.ms_per_token_sum += latency
+            if tokens_per_step > 0 and latency > 0:  # the statistics refuse empty requests
+                self.stats.add(tokens_per_step=tokens_per_step, latency_ms_per_token=latency)
+        self.verify_steps += steps
+        per_position = [int(c) for c in (row.accepted_per_position or [])]
+        if len(per_position) > len(self.accepted_per_position):
+            self.accepted_per_position += [0] * (len(per_position) - len(self.accepted_per_position))
+        for i, count in enumerate(per_position):
+            self.accepted_per_position[i] += count
+        self.add_counts(int(row.drafted_tokens or 0), int(row.accepted_tokens or 0))
+
+    def add_counts(self, drafted: int, accepted: int) -> None:
+        """Fold one request's drafted and accepted tokens (all the post-promotion watch reads)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted > 0:
+            self.spread_requests += 1
+            self.spread_drafted += drafted
+            self.spread_accepted += accepted
+            self.drafted_squared += drafted * drafted
+            self.accepted_drafted += accepted * drafted
+            self.accepted_squared += accepted * accepted
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def hit_rate_spread(self) -> tuple[float | None, float | None]:
+        """Standard error and design effect of the pooled hit rate, as
+        ``policy.request_level_spread`` computes them from every request's (drafted, accepted)."""
+        n, total, accepted = self.spread_requests, self.spread_drafted, self.spread_accepted
+        if n < 2 or total <= 0 or not 0 < accepted < total:
+            return None, None
+        # total^2 * sum((a - p d)^2), with p = accepted / total, in exact integers.
+        scaled = (
+            self.accepted_squared * total * total
+            - 2 * accepted * self.accepted_drafted * total
+            + accepted * accepted * self.drafted_squared
+        )
+        variance = scaled / total**4 * n / (n - 1)
+        p = accepted / total
+        return math.sqrt(max(variance, 0.0)), variance / (p * (1 - p) / total)
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "stats": self.stats.to_state(),
+            "timed": self.timed,
+            "tokens_per_step_sum": self.tokens_per_step_sum,
+            "ms_per_token_sum": self.ms_per_token_sum,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "verify_steps": self.verify_steps,
+            "accepted_per_position": list(self.accepted_per_position),
+            "spread": [
+                self.spread_requests,
+                self.spread_drafted,
+                self.spread_accepted,
+                self.drafted_squared,
+                self.accepted_drafted,
+                self.accepted_squared,
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> ArmTally:
+        spread = [int(v) for v in state["spread"]]
+        if len(spread) != 6:
+            raise ValueError("an arm tally's spread holds six sums")
+        return cls(
+            stats=ArmAccumulator.from_state(state["stats"]),
+            timed=int(state["timed"]),
+            tokens_per_step_sum=float(state["tokens_per_step_sum"]),
+            ms_per_token_sum=float(state["ms_per_token_sum"]),
+            drafted=int(state["drafted"]),
+            accepted=int(state["accepted"]),
+            verify_steps=int(state["verify_steps"]),
+            accepted_per_position=[int(c) for c in state["accepted_per_position"]],
+            spread_requests=spread[0],
+            spread_drafted=spread[1],
+            spread_accepted=spread[2],
+            drafted_squared=spread[3],
+            accepted_drafted=spread[4],
+            accepted_squared=spread[5],
+        )
+
+
+@dataclass
+class JudgeTally:
+    """Every arm's tally plus how many records were folded (``max_requests`` caps them)."""
+
+    arms: dict[str, ArmTally]
+    records: int = 0
+
+    @classmethod
+    def empty(cls, arm_names: Iterable[str]) -> JudgeTally:
+        return cls({name: ArmTally() for name in arm_names})
+
+    def fold(self, arm: str, row: Any) -> None:
+        self.arms[arm].add(row)
+        self.records += 1
+
+    def fold_counts(self, arm: str, row: Any) -> None:
+        self.arms[arm].add_counts(int(row.drafted_tokens or 0), int(row.accepted_tokens or 0))
+        self.records += 1
+
+    def copy(self) -> JudgeTally:
+        return copy.deepcopy(self)
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "version": TALLY_VERSION,
+            "records": self.records,
+            "arms": {name: tally.to_state() for name, tally in self.arms.items()},
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], arm_names: Iterable[str]) -> JudgeTally:
+        """Restore a stored tally; ValueError for a state this code did not write."""
+        if state.get("version") != TALLY_VERSION:
+            raise ValueError(f"unsupported judge state version {state.get('version')!r}")
+        try:
+            arms = {name: ArmTally.from_state(state["arms"][name]) for name in arm_names}
+            return cls(arms, int(state["records"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed judge state: {exc!r}") from exc
