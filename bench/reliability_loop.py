@@ -125,7 +125,9 @@ class LoopFaults(threading.Thread):
                 self.decision = canary
 
 
-def run_loop_under_faults(*, quick: bool, say: Callable[[str], None]) -> dict[str, Any]:
+def run_loop_under_faults(
+    *, quick: bool, say: Callable[[str], None], max_shift_s: float = 900.0
+) -> dict[str, Any]:
     raw = tomllib.loads(DEFAULT_SCENARIO.read_text())
     scenario = Scenario.from_dict(raw)
     knobs = _merged(_merged(DEMO_DEFAULTS, raw.get("demo", {})), FAST_OVERRIDES)
@@ -135,7 +137,6 @@ def run_loop_under_faults(*, quick: bool, say: Callable[[str], None]) -> dict[st
         for p, n in zip(scenario.phases, sizes, strict=True)
     ]
     name = str(knobs["deployment"])
-    max_shift_s = 900.0 if not quick else 600.0
     with tempfile.TemporaryDirectory() as tmp, PrivatePostgres() as pg, PrivateRedis() as broker:
         var = Path(tmp) / "var"
         settings = Settings(
@@ -264,6 +265,7 @@ def run_loop_under_faults(*, quick: bool, say: Callable[[str], None]) -> dict[st
                 "jobs": [{k: j.get(k) for k in ("id", "kind", "state", "attempts", "error")} for j in jobs],
                 "watch_errors": faults.errors[:10],
                 "seconds": round(time.monotonic() - started, 1),
+                "max_shift_s": max_shift_s,
             }
         except Exception as exc:
             logs = {c.spec.name: c.log_tail(30) for c in supervisor.children}

@@ -39,7 +39,7 @@ TYPICAL_TRACE = (
     "    resp = requests.get(f'https://api.example.com/v1/orders/{order_id}', timeout=30)\n"
     "    return resp.json()\n```\n"
     "Logs: 2024-01-16T10:30:45Z INFO worker-3 processed 42 items in 1.25s (version 2.3.1).\n"
-    "Call +44 20 7946 0958 if needed. The API returned {\"status\": \"ok\", \"count\": 17}.\n"
+    'Call +44 20 7946 0958 if needed. The API returned {"status": "ok", "count": 17}.\n'
     "Thanks, that helps a lot. Could you also check the second order placed yesterday afternoon?\n"
 )
 
@@ -115,16 +115,22 @@ def main() -> None:
     build_ms = (time.perf_counter() - started) * 1e3
     figures = measure_corpus()
     speed = measure_speed()
-    print(f"corpus: {figures['positive_cases']} positive cases ({figures['positive_entities']} entities), "
-          f"{figures['negative_cases']} negative cases")
+    print(
+        f"corpus: {figures['positive_cases']} positive cases ({figures['positive_entities']} entities), "
+        f"{figures['negative_cases']} negative cases"
+    )
     print(f"{'entity type':<14} {'entities':>8} {'recall':>7}")
     for kind, recall in figures["recall_by_type"].items():
         print(f"{kind:<14} {figures['entities_by_type'][kind]:>8} {recall:>7.3f}")
     print(f"{'all':<14} {figures['positive_entities']:>8} {figures['pii_recall']:>7.3f}")
-    print(f"pii_false_positive_rate {figures['pii_false_positive_rate']:.4f} "
-          f"({len(figures['changed_negatives'])}/{figures['negative_cases']})")
-    print(f"us per KB: typical trace {speed['us_per_kb_typical_trace']}, corpus {speed['us_per_kb_corpus']}; "
-          f"first call (builds analyzers) {build_ms:.0f} ms")
+    print(
+        f"pii_false_positive_rate {figures['pii_false_positive_rate']:.4f} "
+        f"({len(figures['changed_negatives'])}/{figures['negative_cases']})"
+    )
+    print(
+        f"us per KB: typical trace {speed['us_per_kb_typical_trace']}, corpus {speed['us_per_kb_corpus']}; "
+        f"first call (builds analyzers) {build_ms:.0f} ms"
+    )
     for miss in figures["missed"]:
         print(f"  missed {miss['type']}: {miss['value']!r}")
     for change in figures["changed_negatives"]:

@@ -1,5 +1,6 @@
 """Thin Celery tasks of the canary: the shadow replay on the gpu queue, and the beat task on the
-default queue that judges live canaries, watches promotions and applies the guardrails.
+default queue that re-sends (or ends) replays that never answered, judges live canaries, watches
+promotions and applies the guardrails, one deployment per transaction.
 
 The replay itself is ``workers.canary.replay.shadow_replay``; its job's reads and writes are
 ``controlplane.canary.shadow``; the decisions are ``controlplane.canary.evaluate``.

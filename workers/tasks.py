@@ -239,7 +239,9 @@ def run_realign(self: InstrumentedTask, job_id: int) -> dict[str, Any]:
         return claim.done
     attempt = claim.attempt
     log.info("realign job %s attempt %s started in process %s", job_id, attempt, os.getpid())
-    allotted_s = settings.realign_max_wait_s + settings.realign_budget_ceiling_s + settings.realign_margin_s
+    # Past the trace wait, its budget and the margin, an attempt is hung: its lease may lapse.
+    budget_s = time_budget_s(claim.params, settings)
+    allotted_s = settings.realign_max_wait_s + budget_s + settings.realign_margin_s
     with Heartbeat(url, job_id, attempt, lease_s, allotted_s) as heartbeat:
 
         def progress(fraction: float, message: str) -> bool:

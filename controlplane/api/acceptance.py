@@ -27,7 +27,13 @@ from controlplane.db.models import Role
 from controlplane.deployments.lookup import resolve_deployment_id
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
 from controlplane.ingest.batcher import IngestBatcher
-from controlplane.ingest.formats import BatchTooLargeError, BatchValidationError, parse_batch
+from controlplane.ingest.formats import (
+    EARLIEST,
+    LATEST,
+    BatchTooLargeError,
+    BatchValidationError,
+    parse_batch,
+)
 from controlplane.ingest.prometheus import is_openmetrics_media_type, require_openmetrics_eof
 from controlplane.ingest.prometheus_push import store_prometheus_push
 from controlplane.ingest.service import IngestResult
@@ -55,8 +61,11 @@ async def ingest_batch(
 ) -> Response:
     """Store a batch of acceptance records (native, Fireworks, vLLM, SGLang or TensorRT-LLM shape).
 
-    All or nothing: any invalid record rejects the whole batch with every problem listed.
-    Records whose request id is already stored are skipped and reported (idempotent retries).
+    All or nothing: any invalid record rejects the whole batch (422, the first problems listed
+    and the rest counted). A record whose request id is already stored with the same values is
+    skipped and reported (idempotent retries); with other values it is a conflict (409 naming
+    the ids) and nothing of the batch is stored. Another request that fails, even one flushed in
+    the same transaction, never fails this one.
     """
     # The hot path of the API: app state is read directly, not through one FastAPI dependency
     # each (resolving a dependency costs more CPU than the cache lookups it would wrap).
@@ -155,9 +164,14 @@ def _parse_time(value: str | None, default: datetime, name: str) -> datetime:
     if value is None:
         return default
     try:
-        return parse_utc(value)
+        parsed = parse_utc(value)
     except ValueError as exc:
-        raise ValidationProblem(f"{name} must be an ISO-8601 time, got {value!r}") from exc
+        raise ValidationProblem(f"{name} must be an ISO-8601 time, got {value[:80]!r}") from exc
+    # No record can lie outside the range ingest stores, and a window edge near year 1 or 9999
+    # would overflow the date arithmetic below.
+    if not EARLIEST <= parsed <= LATEST:
+        raise ValidationProblem(f"{name} must lie between {EARLIEST.isoformat()} and {LATEST.isoformat()}")
+    return parsed
 
 
 @router.get("/stats")

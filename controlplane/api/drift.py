@@ -9,6 +9,7 @@ from controlplane.api import schemas
 from controlplane.api.deps import Admin, AdminDeployment, ReadableDeployment, RowId, SessionDep, SettingsDep
 from controlplane.drift.events import dismiss_event, event_summary, get_event, list_events
 from controlplane.drift.service import monitor_status, update_policy
+from controlplane.jobs.service import dismissed_during_fallback
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["drift"])
 
@@ -48,6 +49,7 @@ def dismiss(
     event = dismiss_event(
         session=session, deployment_id=deployment.id, event_id=event_id, actor=principal.actor
     )
+    dismissed_during_fallback(session=session, deployment=deployment, actor=principal.actor)
     session.commit()
     return schemas.DriftEvent.model_validate(event_summary(event))
 

@@ -260,6 +260,11 @@ class DriftStatus(Reply):
     watermark_record_id: int
     updated_at: str | None
     detector: dict[str, Any] | None = Field(description="the detector's figures; null before its first run")
+    guardrail_recovery: dict[str, Any] | None = Field(
+        default=None,
+        description="while a guardrail keeps the deployment on its fallback: why, since when, the "
+        "drafter it realigns, candidates lost since, and the realignment queued (id, due time)",
+    )
 
 
 # --- jobs -----------------------------------------------------------------------------------

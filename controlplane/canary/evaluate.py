@@ -54,10 +54,12 @@ from controlplane.db.models import (
     SpeculationMode,
 )
 from controlplane.deployments.lookup import lock_deployment, resource_of
+from controlplane.drafters.service import active_drafter
 from controlplane.drift.service import latest_record_id
 from controlplane.fleet.actuators import waits_for_pool
 from controlplane.fleet.readiness import Probe, check_candidate_pool
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
+from controlplane.jobs.service import enter_guardrail_fallback
 from controlplane.timestamps import parse_utc, utcnow
 from controlplane.tuning.draft_length import plan_draft_length
 
@@ -467,7 +469,7 @@ def evaluate_deployment(
         session, canary, outcome, policy, source="live canary", arms=arms, guardrail=acting
     )
     if acting is not None and decision in (CanaryDecision.reject, CanaryDecision.inconclusive):
-        _act_on_guardrail(session, deployment, acting)
+        _act_on_guardrail(session, deployment, acting, settings=settings, canary=canary)
     return {"canary_id": canary.id, "decision": decision, "reason": outcome.reason}
 
 
@@ -524,10 +526,18 @@ def _acting_guardrail(
 
 
 def _act_on_guardrail(
-    session: Session, deployment: Deployment, finding: decision_policy.GuardrailFinding
+    session: Session,
+    deployment: Deployment,
+    finding: decision_policy.GuardrailFinding,
+    *,
+    settings: Settings,
+    canary: Canary,
 ) -> None:
     """The incumbent stays, but it was measured slower than no speculation: stop paying for it
-    until a drafter that pays is promoted (a promotion switches back to the drafter)."""
+    until a drafter that pays is promoted (a promotion switches back to the drafter). The loop
+    keeps realigning the drafter that served, on the traffic since the switch, and canaries each
+    candidate against the fallback (``jobs.service.enter_guardrail_fallback``)."""
+    previous_version = active_drafter(session=session, deployment_id=deployment.id)
     before = {
         "speculation_mode": deployment.speculation_mode.value,
         "draft_model": deployment.draft_model,
@@ -549,6 +559,23 @@ def _act_on_guardrail(
         before=before,
         after={"speculation_mode": deployment.speculation_mode.value, "reason": finding.reason},
     )
+    job = enter_guardrail_fallback(
+        session=session,
+        deployment=deployment,
+        settings=settings,
+        previous_draft_model=before["draft_model"],
+        previous_version=previous_version.version if previous_version is not None else None,
+        reason=finding.reason,
+        canary_id=canary.id,
+    )
+    canary.arms = {
+        **canary.arms,
+        "guardrail_switch": {
+            "to": deployment.speculation_mode.value,
+            "at": utcnow().isoformat(),
+            "realign_job_id": job.id if job is not None else None,
+        },
+    }
 
 
 def _watch(session: Session, canary: Canary, policy: CanaryPolicy) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from controlplane.drift.service import latest_record_id
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
 from controlplane.fleet import actuators
 from controlplane.fleet.payloads import EVENT_CANARY_START, EVENT_PROMOTION, EVENT_ROLLBACK
+from controlplane.jobs.service import candidate_lost_to_fallback, end_guardrail_fallback
 from controlplane.timestamps import parse_utc, utcnow
 
 # --- policy ---------------------------------------------------------------------------------
@@ -408,6 +409,13 @@ def promote(
     end_drift_events(
         session=session, deployment_id=deployment_id, resolution=DriftResolution.promoted, reason=reason
     )
+    # A drafter serves again: a guardrail fallback it ended needs no more realignments.
+    end_guardrail_fallback(
+        session=session,
+        deployment=deployment,
+        actor=actor,
+        reason=f"drafter version {version.version} promoted",
+    )
     actuators.record_event(
         session=session, deployment=deployment, event=EVENT_PROMOTION, canary=canary, version=version
     )
@@ -484,6 +492,7 @@ def reject(
     )
     end_drift_events(session=session, deployment_id=deployment.id, resolution=resolution, reason=reason)
     _decide(canary, CanaryDecision.reject, reason, figures or canary.arms.get("decision_figures", {}))
+    _retry_after_fallback_win(session, deployment, canary)
 
 
 def end_inconclusive(
@@ -513,6 +522,14 @@ def end_inconclusive(
         before=None,
         after={"reason": reason},
     )
+    _retry_after_fallback_win(session, deployment, canary)
+
+
+def _retry_after_fallback_win(session: Session, deployment: Deployment, canary: Canary) -> None:
+    """A candidate judged against the fallback a guardrail switched to did not beat it: the loop
+    tries again, after a longer wait (``jobs.service.candidate_lost_to_fallback``)."""
+    if canary.arms.get("incumbent_mode") in (SpeculationMode.ngram.value, SpeculationMode.disabled.value):
+        candidate_lost_to_fallback(session=session, deployment=deployment, settings=get_settings())
 
 
 def end_drift_events(

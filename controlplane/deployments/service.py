@@ -29,6 +29,7 @@ from controlplane.drafters.service import (
     stale_versions,
 )
 from controlplane.errors import ConflictError, ValidationProblem
+from controlplane.jobs.service import end_guardrail_fallback
 from controlplane.models.service import drafter_choice, validate_deployment_models
 from controlplane.timestamps import utcnow
 from controlplane.traces.formats import MAX_TRACE_RETENTION_DAYS
@@ -214,6 +215,14 @@ def update_deployment(
                 f"trace_retention_days must be between 1 and {MAX_TRACE_RETENTION_DAYS} (ten years)"
             )
         deployment.trace_retention_days = changes.trace_retention_days
+    if _chooses_speculation(changes.speculation) or changes.auto_realign is False:
+        # A person's choice replaces the guardrail's: its pending realignment is cancelled.
+        end_guardrail_fallback(
+            session=session,
+            deployment=deployment,
+            actor=principal.actor,
+            reason=f"speculation settings chosen by {principal.actor}",
+        )
     after = _audit_view(deployment)
     if after == before:
         return deployment
@@ -235,6 +244,15 @@ def update_deployment(
             session=session, principal=principal, deployment=deployment, old_target=old_target
         )
     return deployment
+
+
+def _chooses_speculation(request: SpeculationRequest) -> bool:
+    """The caller named a speculation mode (a drafter, n-gram, or none), not only k."""
+    return (
+        request.draft_model is not None
+        or request.ngram_speculation_length is not None
+        or request.disable_speculative_decoding is not None
+    )
 
 
 def _flag_stale_drafters(

@@ -10,8 +10,9 @@ live acceptance records exactly once and in record-id order:
   run only consumes ids up to the horizon the *previous* run saw (one beat interval earlier):
   by then every transaction that had taken such an id has committed or rolled back.
 
-A new active drafter version (a promotion) or a new policy restarts the detector, which then
-re-estimates its baseline on a fresh reference window.
+A new active drafter version (a promotion), a new speculation mode (a guardrail's switch to the
+fallback, or a person's) or a new policy restarts the detector, which then re-estimates its
+baseline on a fresh reference window.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from controlplane.drift.mix_monitor import MixMonitor
 from controlplane.drift.mixture_sr import MixtureSR
 from controlplane.drift.observation import RequestObservation
 from controlplane.errors import ConflictError
-from controlplane.jobs.service import realign_on_drift
+from controlplane.jobs.service import guardrail_fallback, guardrail_recovery_status, realign_on_drift
 from controlplane.timestamps import as_utc, utcnow
 
 MONITORED_ARM = "live"
@@ -51,6 +52,8 @@ DEFAULT_BATCH_LIMIT = 20_000
 
 
 DETECTOR_NAME = "mixture_sr"
+# The speculation mode the stored detector's baseline was measured under (kept in its state).
+SERVING_MODE_KEY = "speculation_mode"
 
 
 def new_detector(policy: drift_policy.DriftPolicy, *, n_positions: int) -> MixtureSR:
@@ -195,10 +198,14 @@ def advance_monitor(
             pending=horizon_now > 0,
         )
 
+    serving_mode = deployment.speculation_mode.value
+    stored_mode = (state.detector_state or {}).get(SERVING_MODE_KEY, serving_mode)
     restart = (
         state.detector_state is None
         or state.active_drafter_version != active_version
         or (state.policy != policy.as_dict())
+        # A switch to the fallback (or back) changes what speculates: the old baseline is not its.
+        or stored_mode != serving_mode
     )
     n_positions = max(1, min(deployment.draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS))
     detectors = (
@@ -242,8 +249,12 @@ def advance_monitor(
     quiet_until = next_alarm_not_before(
         session=session, deployment_id=deployment_id, last_alarm_at=last_alarm, cooldown_s=policy.cooldown_s
     )
+    # Live records from before a guardrail's switch were served by the drafter it switched away
+    # from: the fallback's baseline is measured on its own records only.
+    fallback = guardrail_fallback(deployment)
+    before_switch = int(fallback.get("since_record_id") or 0) if fallback is not None else 0
     for row in rows:
-        if row.arm != MONITORED_ARM:
+        if row.arm != MONITORED_ARM or row.id <= before_switch:
             continue
         observation = _observation(row)
         if observation is None:
@@ -291,7 +302,7 @@ def advance_monitor(
         update(DriftMonitorState)
         .where(DriftMonitorState.deployment_id == deployment_id, DriftMonitorState.version == state.version)
         .values(
-            detector_state=detectors.to_state(),
+            detector_state={**detectors.to_state(), SERVING_MODE_KEY: serving_mode},
             watermark_record_id=new_watermark,
             pending_horizon_record_id=horizon_now if new_watermark == settled else settled,
             active_drafter_version=active_version,
@@ -385,6 +396,8 @@ def monitor_status(*, session: Session, deployment: Deployment, settings: Settin
         "watermark_record_id": state.watermark_record_id if state else 0,
         "updated_at": state.updated_at.isoformat() if state and state.updated_at else None,
         "detector": None,
+        # Why a realignment is queued while a guardrail keeps the deployment on its fallback.
+        "guardrail_recovery": guardrail_recovery_status(session=session, deployment=deployment),
     }
     if state is not None and state.detector_state:
         detectors = DetectorPair.from_state(state.detector_state, policy)

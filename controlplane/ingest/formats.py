@@ -150,7 +150,9 @@ def parse_batch(payload: object) -> list[AcceptanceRecord]:
     if fmt is None:
         fmt = "auto"
     if fmt not in BATCH_FORMATS:
-        problems.append(Problem(None, "format", f"must be one of {', '.join(BATCH_FORMATS)}; got {fmt!r}"))
+        problems.append(
+            Problem(None, "format", f"must be one of {', '.join(BATCH_FORMATS)}; got {_echo(fmt)}")
+        )
     records = payload.get("records", _MISSING)
     if records is _MISSING:
         problems.append(Problem(None, "records", "required field is missing"))
@@ -373,6 +375,19 @@ def _did_you_mean(key: object, allowed: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# Values quoted back in a problem are cut to this many characters: a reply stays small whatever
+# was sent (one bad value may be megabytes long).
+MAX_ECHO_CHARS: Final = 80
+
+
+def _echo(value: object) -> str:
+    """``repr(value)``, cut to MAX_ECHO_CHARS."""
+    if type(value) is str and len(value) > MAX_ECHO_CHARS:
+        return repr(value[:MAX_ECHO_CHARS]) + "..."
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO_CHARS else text[:MAX_ECHO_CHARS] + "..."
+
+
 def _shown_key(key: object) -> str:
     text = str(key)
     return text if len(text) <= MAX_SUGGESTED_KEY_CHARS else text[:MAX_SUGGESTED_KEY_CHARS] + "..."
@@ -438,11 +453,13 @@ def _arm(value: object, field: str, errs: _Errs) -> tuple[str, int | None] | Non
     if value == ARM_BASELINE:
         return ARM_BASELINE, None
     if type(value) is str and value.startswith(ARM_CANARY_PREFIX):
-        digits = value[len(ARM_CANARY_PREFIX) :]
-        if digits.isascii() and digits.isdigit():
+        raw = value[len(ARM_CANARY_PREFIX) :]
+        digits = raw.lstrip("0") or raw[:1]
+        # At most 10 digits: a drafter version is an INTEGER (checked against MAX_COUNT later).
+        if digits.isascii() and digits.isdigit() and len(digits) <= 10:
             version = int(digits)
             return f"{ARM_CANARY_PREFIX}{version}", version
-    errs.append((field, f'must be "live", "baseline" or "canary:<drafter version>", got {value!r}'))
+    errs.append((field, f'must be "live", "baseline" or "canary:<drafter version>", got {_echo(value)}'))
     return None
 
 
@@ -466,7 +483,7 @@ def _created_at(value: object, field: str, errs: _Errs) -> datetime | None:
         try:
             parsed = datetime.fromisoformat(value)
         except ValueError:
-            errs.append((field, f"must be an ISO-8601 timestamp, got {value!r}"))
+            errs.append((field, f"must be an ISO-8601 timestamp, got {_echo(value)}"))
             return None
         return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
     if isinstance(value, datetime):  # Python callers, not JSON
@@ -481,7 +498,7 @@ def _epoch_seconds(value: object, field: str, errs: _Errs) -> datetime | None:
         return None
     if (type(value) is int or type(value) is float) and math.isfinite(value) and 0 <= value < 1e11:
         return datetime.fromtimestamp(value, tz=UTC)
-    errs.append((field, f"must be Unix seconds, got {value!r}"))
+    errs.append((field, f"must be Unix seconds, got {_echo(value)}"))
     return None
 
 
@@ -1418,7 +1435,7 @@ def _fw_count(value: object, field: str, errs: _Errs) -> int | None:
         text = value.strip()
         if text.isascii() and text.isdigit():
             return int(text)
-        errs.append((field, f"must be a non-negative integer, got {value!r}"))
+        errs.append((field, f"must be a non-negative integer, got {_echo(value)}"))
         return None
     return _opt_count(value, field, errs)
 
@@ -1428,7 +1445,7 @@ def _fw_seconds(value: object, field: str, errs: _Errs) -> float | None:
         try:
             value = float(value)
         except ValueError:
-            errs.append((field, f"must be a number of seconds, got {value!r}"))
+            errs.append((field, f"must be a number of seconds, got {_echo(value)}"))
             return None
     return _latency_ms(value, field, errs, scale=1000.0)
 
@@ -1476,7 +1493,7 @@ def _fw_acceptance(value: object, field: str, errs: _Errs) -> _FwPairs | list[fl
         except ValueError:
             rate = math.nan
         if not 0.0 <= rate <= 1.0:  # also false for NaN
-            errs.append((f"{field}[{i}]", f"must be a rate in [0, 1] or 'hits/total', got {item!r}"))
+            errs.append((f"{field}[{i}]", f"must be a rate in [0, 1] or 'hits/total', got {_echo(item)}"))
             return None
         rates.append(rate)
     return rates
@@ -1490,10 +1507,12 @@ def _fw_pairs(items: list[str], field: str, errs: _Errs) -> _FwPairs | None:
         h_text, slash, t_text = frac.partition("/")
         h_text, t_text, pos_text = h_text.strip(), t_text.strip(), pos_text.strip()
         if not (slash and h_text.isascii() and h_text.isdigit() and t_text.isascii() and t_text.isdigit()):
-            errs.append((f"{field}[{i}]", f"must look like '{i}:hits/total', got {item!r}"))
+            errs.append((f"{field}[{i}]", f"must look like '{i}:hits/total', got {_echo(item)}"))
             return None
         if pos_text and pos_text != str(i):
-            errs.append((f"{field}[{i}]", f"positions must be 0..k-1 in order, got position {pos_text!r}"))
+            errs.append(
+                (f"{field}[{i}]", f"positions must be 0..k-1 in order, got position {_echo(pos_text)}")
+            )
             return None
         h, t = int(h_text), int(t_text)
         if h > t:

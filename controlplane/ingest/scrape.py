@@ -213,7 +213,10 @@ def describe_target(target: ScrapeTarget) -> dict[str, Any]:
         "enabled": target.enabled,
         "scrapes": target.scrapes,
         "records_stored": target.records_stored,
-        "label_sets": len(series) if isinstance(series, list) else 0,
+        # Label sets of the last scrape (the snapshot also remembers recently vanished ones).
+        "label_sets": sum(1 for item in series if isinstance(item, dict) and not item.get("missed"))
+        if isinstance(series, list)
+        else 0,
         # SQLite hands datetimes back naive (they are stored in UTC): one spelling for both.
         "last_scraped_at": as_utc(target.last_scraped_at).isoformat() if target.last_scraped_at else None,
         "last_error": target.last_error,

@@ -493,6 +493,8 @@ def store_batches(
                 taken[rec.request_id] = rec
                 planned.setdefault(deployment_id, []).append(rec)
         repeated.append(repeats)
+    if conflicts:
+        raise ConflictingRecordsError(conflicts)
     stored_before: dict[int, set[str]] = {}
     postgres = session.get_bind().dialect.name == "postgresql"
     # Deployments in id order, like the rows inside each: concurrent writers lock in one order.

@@ -8,7 +8,7 @@ redelivered message finds the version already registered and never registers a s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -28,10 +28,11 @@ from controlplane.db.models import (
 from controlplane.drafters import service as drafters
 from controlplane.drafters.serving import incumbent_location, target_location
 from controlplane.ingest.record import ARM_LIVE
-from controlplane.jobs.service import finish_job, start_attempt, start_job
+from controlplane.jobs.service import finish_job, guardrail_fallback, start_attempt, start_job
 from controlplane.jobs.states import TERMINAL
 from controlplane.messaging import SHADOW_REPLAY, TaskMessage
 from controlplane.models.location import ModelLocation
+from controlplane.models.service import find_model, location_of
 from controlplane.timestamps import as_utc, parse_utc, utcnow
 from controlplane.traces.holdout import trace_key
 
@@ -53,6 +54,7 @@ class Claim:
     done: dict[str, Any] | None
     after_drift: bool = False
     attempt: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 def claim_job(
@@ -88,7 +90,9 @@ def claim_job(
     attempt = start_attempt(session=session, job=job, delivery_id=delivery_id, lease_s=lease_s, now=now)
     if attempt is None:
         return Claim({"job_id": job_id, "skipped": "started by another delivery"})
-    return Claim(None, after_drift=job.drift_event_id is not None, attempt=attempt)
+    return Claim(
+        None, after_drift=job.drift_event_id is not None, attempt=attempt, params=dict(job.params or {})
+    )
 
 
 def _succeed_with(session: Session, job: Job, version: DrafterVersion) -> dict[str, Any]:
@@ -182,6 +186,17 @@ def _training_traces(rows: list[Trace]) -> list[TrainingTrace]:
     return [TrainingTrace(trace_key(t.id), t.prompt, t.completion) for t in rows]
 
 
+def last_drafter_location(*, session: Session, deployment: Deployment) -> ModelLocation | None:
+    """The registered drafter a guardrail switched the deployment away from (None: not in a
+    guardrail fallback, or that drafter is no longer registered)."""
+    marker = guardrail_fallback(deployment)
+    name = marker.get("draft_model") if marker is not None else None
+    if not isinstance(name, str) or not name:
+        return None
+    model = find_model(session=session, account_id=deployment.account_id, name=name)
+    return location_of(model) if model is not None else None
+
+
 def realign_inputs(*, session: Session, job_id: int) -> RealignInputs:
     """The recent traffic (since the drift point, newest ``max_traces``) and the older traffic to
     replay against forgetting, the incumbent and the target."""
@@ -205,12 +220,16 @@ def realign_inputs(*, session: Session, job_id: int) -> RealignInputs:
             )
         )[::-1]
     active = drafters.active_drafter(session=session, deployment_id=deployment.id)
+    incumbent = incumbent_location(session=session, deployment=deployment)
+    if incumbent is None:
+        # A guardrail switched the deployment to its fallback: realign the drafter that served.
+        incumbent = last_drafter_location(session=session, deployment=deployment)
     return RealignInputs(
         deployment_id=deployment.id,
         account_id=deployment.account_id,
         target_model=deployment.target_model,
         target=target_location(session=session, deployment=deployment),
-        incumbent=incumbent_location(session=session, deployment=deployment),
+        incumbent=incumbent,
         parent_version_id=active.id if active is not None else None,
         recent=_training_traces(recent),
         older=_training_traces(older),

@@ -1,5 +1,6 @@
 """How a realign job recovers, pure: the backoff before its next attempt, when a running attempt's
-lease has lapsed, and what follows a lost or failed attempt (another try, or the end).
+lease has lapsed, what follows a lost or failed attempt (another try, or the end), and how long a
+deployment a guardrail switched to its fallback waits before each new try at a drafter.
 
 An attempt that raised goes back to ``queued`` until ``next_attempt_at``; an attempt whose worker
 stopped renewing its lease (killed, hung, cut off) is treated the same way by the beat sweep.
@@ -63,6 +64,26 @@ def after_failed_attempt(*, attempts: int, max_attempts: int, backoff_base_s: fl
     if attempts >= max_attempts:
         return NextStep(retry=False)
     return NextStep(retry=True, delay_s=retry_delay_s(attempts, base_s=backoff_base_s))
+
+
+# A deployment a guardrail switched to its fallback tries a new drafter at least this often.
+MAX_GUARDRAIL_REALIGN_DELAY_S = 24 * 3600.0
+# ...and no more often than this, whatever the drift policy's cooldown: it never spins.
+MIN_GUARDRAIL_REALIGN_DELAY_S = 60.0
+
+
+def guardrail_realign_delay_s(losses: int, *, cooldown_s: float) -> float:
+    """The wait before the next realignment of a deployment a guardrail switched to its fallback,
+    once ``losses`` candidates have lost to that fallback: the cooldown * 2^losses, between the
+    floor and a day.
+
+    >>> guardrail_realign_delay_s(0, cooldown_s=600), guardrail_realign_delay_s(2, cooldown_s=600)
+    (600.0, 2400.0)
+    >>> guardrail_realign_delay_s(40, cooldown_s=600) == MAX_GUARDRAIL_REALIGN_DELAY_S
+    True
+    """
+    base = max(float(cooldown_s), MIN_GUARDRAIL_REALIGN_DELAY_S)
+    return float(min(MAX_GUARDRAIL_REALIGN_DELAY_S, base * 2 ** min(max(losses, 0), 32)))
 
 
 def next_attempt_time(now: datetime, step: NextStep) -> datetime:

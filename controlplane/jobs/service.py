@@ -24,8 +24,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import record_change
-from controlplane.config import Settings
+from controlplane.config import Settings, get_settings
 from controlplane.db.models import (
+    AcceptanceRecordRow,
     Account,
     Deployment,
     DriftEvent,
@@ -36,6 +37,7 @@ from controlplane.db.models import (
     SpeculationMode,
 )
 from controlplane.deployments.lookup import resource_name
+from controlplane.drift import policy as drift_policy
 from controlplane.drift.events import end_events_of_job, mark_realigning
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
 from controlplane.jobs import recovery
@@ -219,6 +221,187 @@ def request_realign(
 
 # Modes whose drafter is a model that realignment can train; an n-gram or disabled deployment has none.
 REALIGNABLE_MODES = frozenset({SpeculationMode.default, SpeculationMode.draft_model})
+FALLBACK_MODES = frozenset({SpeculationMode.ngram, SpeculationMode.disabled})
+
+# --- realigning after a guardrail switch ------------------------------------------------------
+#
+# A guardrail that switches a deployment to its fallback (n-gram or no speculation) records why in
+# ``deployment.drift_policy[GUARDRAIL_FALLBACK]`` (the policy resolver ignores the key): when, to
+# what, the drafter that served before, and how many candidates have lost to the fallback since.
+# While it stands, the loop keeps realigning that drafter on the traffic since the switch, each
+# try after a longer wait; a promotion, or a person changing the mode, ends it.
+GUARDRAIL_FALLBACK = "guardrail_fallback"
+GUARDRAIL_ACTOR = "guardrail"
+
+
+def guardrail_fallback(deployment: Deployment) -> dict[str, Any] | None:
+    """Why the deployment serves its fallback, when a guardrail (not a person) switched it there."""
+    marker = (deployment.drift_policy or {}).get(GUARDRAIL_FALLBACK)
+    if not isinstance(marker, dict) or deployment.speculation_mode not in FALLBACK_MODES:
+        return None
+    return marker
+
+
+def _guardrail_reason(marker: dict[str, Any]) -> str:
+    return f"after guardrail switch to {marker.get('mode')}"
+
+
+def schedule_guardrail_realign(
+    *, session: Session, deployment: Deployment, settings: Settings, now: datetime | None = None
+) -> Job | None:
+    """Queue the next realignment of the drafter a guardrail switched away from, due after the
+    drift policy's cooldown doubled once per candidate that lost to the fallback since (capped,
+    see ``recovery.guardrail_realign_delay_s``), on the traffic since the switch. The sweep sends
+    it once due. None when the deployment is not in a guardrail fallback or does not realign
+    automatically; an active realignment already queued or running is returned as it is."""
+    marker = guardrail_fallback(deployment)
+    if marker is None or not deployment.auto_realign:
+        return None
+    now = now or utcnow()
+    losses = int(marker.get("losses") or 0)
+    cooldown_s = drift_policy.resolve(deployment.drift_policy, settings).cooldown_s
+    delay_s = recovery.guardrail_realign_delay_s(losses, cooldown_s=cooldown_s)
+    reason = _guardrail_reason(marker)
+    due = now + timedelta(seconds=delay_s)
+    job = Job(
+        deployment_id=deployment.id,
+        kind=JobKind.realign,
+        state=JobState.queued,
+        requested_by=GUARDRAIL_ACTOR,
+        attempts=0,
+        progress=0.0,
+        progress_message=f"queued {reason}; starts after {delay_s:g} s"[:500],
+        params={"since": str(marker.get("since") or now.isoformat())},
+        result={"reason": reason, "losses_since_switch": losses, "delay_s": delay_s},
+        next_attempt_at=due,
+        enqueued_at=None,  # the sweep sends it once it is due
+    )
+    try:
+        with session.begin_nested():
+            session.add(job)
+            session.flush()
+    except IntegrityError:
+        existing = active_realign_job(session=session, deployment_id=deployment.id)
+        if existing is None:
+            raise
+        return existing
+    record_change(
+        session=session,
+        account_id=deployment.account_id,
+        actor=GUARDRAIL_ACTOR,
+        action="job.create",
+        resource=_resource(session, deployment, job.id),
+        before=None,
+        after={
+            "kind": job.kind.value,
+            "reason": reason,
+            "next_attempt_at": due.isoformat(),
+            "losses_since_switch": losses,
+            "params": job.params,
+        },
+    )
+    return job
+
+
+def enter_guardrail_fallback(
+    *,
+    session: Session,
+    deployment: Deployment,
+    settings: Settings,
+    previous_draft_model: str | None,
+    previous_version: int | None,
+    reason: str,
+    canary_id: int | None = None,
+) -> Job | None:
+    """A guardrail has just switched the deployment to its fallback: remember why and queue the
+    realignment that tries to win the deployment back (see ``schedule_guardrail_realign``). A
+    deployment already in a guardrail fallback keeps its drafter and loss count."""
+    now = utcnow()
+    earlier = (deployment.drift_policy or {}).get(GUARDRAIL_FALLBACK)
+    earlier = earlier if isinstance(earlier, dict) else {}
+    marker = {
+        "since": now.isoformat(),
+        "mode": deployment.speculation_mode.value,
+        "draft_model": earlier.get("draft_model") or previous_draft_model,
+        "drafter_version": earlier.get("drafter_version") or previous_version,
+        "losses": int(earlier.get("losses") or 0),
+        # Live records up to here were served before the switch (the drift monitor skips them).
+        "since_record_id": int(
+            session.scalar(
+                select(func.max(AcceptanceRecordRow.id)).where(
+                    AcceptanceRecordRow.deployment_id == deployment.id
+                )
+            )
+            or 0
+        ),
+        "canary_id": canary_id,
+        "reason": reason[:500],
+    }
+    deployment.drift_policy = {**(deployment.drift_policy or {}), GUARDRAIL_FALLBACK: marker}
+    session.flush()
+    return schedule_guardrail_realign(session=session, deployment=deployment, settings=settings, now=now)
+
+
+def candidate_lost_to_fallback(*, session: Session, deployment: Deployment, settings: Settings) -> Job | None:
+    """A candidate judged against the guardrail fallback did not win: count the loss and queue the
+    next try after a longer wait. None when the deployment is not in a guardrail fallback."""
+    marker = guardrail_fallback(deployment)
+    if marker is None:
+        return None
+    marker = {**marker, "losses": int(marker.get("losses") or 0) + 1}
+    deployment.drift_policy = {**(deployment.drift_policy or {}), GUARDRAIL_FALLBACK: marker}
+    session.flush()
+    return schedule_guardrail_realign(session=session, deployment=deployment, settings=settings)
+
+
+def end_guardrail_fallback(*, session: Session, deployment: Deployment, actor: str, reason: str) -> list[int]:
+    """The guardrail fallback is over (a drafter was promoted, or a person chose the mode or
+    dismissed its alarm): forget it and cancel its realignments still waiting or running.
+    Returns the ids of the jobs cancelled."""
+    stored = dict(deployment.drift_policy or {})
+    if GUARDRAIL_FALLBACK not in stored:
+        return []
+    stored.pop(GUARDRAIL_FALLBACK)
+    deployment.drift_policy = stored
+    pending = session.scalars(
+        select(Job).where(
+            Job.deployment_id == deployment.id,
+            Job.kind == JobKind.realign,
+            Job.requested_by == GUARDRAIL_ACTOR,
+            Job.state.in_([s.value for s in ACTIVE]),
+        )
+    ).all()
+    for job in pending:
+        cancel_job(session=session, deployment=deployment, job_id=job.id, actor=actor, reason=reason)
+    session.flush()
+    return [job.id for job in pending]
+
+
+def dismissed_during_fallback(*, session: Session, deployment: Deployment, actor: str) -> list[int]:
+    """A person dismissed a drift event while a guardrail keeps the deployment on its fallback:
+    they have taken the deployment in hand, so the guardrail's realignments stop (cancelled)."""
+    if guardrail_fallback(deployment) is None:
+        return []
+    return end_guardrail_fallback(
+        session=session, deployment=deployment, actor=actor, reason=f"drift event dismissed by {actor}"
+    )
+
+
+def guardrail_recovery_status(*, session: Session, deployment: Deployment) -> dict[str, Any] | None:
+    """What /drift-status shows of a guardrail fallback: why, and the realignment queued for it."""
+    marker = guardrail_fallback(deployment)
+    if marker is None:
+        return None
+    job = active_realign_job(session=session, deployment_id=deployment.id)
+    return {
+        **marker,
+        "reason": _guardrail_reason(marker),
+        "guardrail_reason": marker.get("reason"),
+        "realign_job_id": job.id if job is not None else None,
+        "next_attempt_at": as_utc(job.next_attempt_at).isoformat()
+        if job is not None and job.next_attempt_at is not None
+        else None,
+    }
 
 
 def realign_on_drift(*, session: Session, deployment: Deployment, event: DriftEvent) -> RealignRequest | None:
@@ -232,12 +415,26 @@ def realign_on_drift(*, session: Session, deployment: Deployment, event: DriftEv
     deployment does not realign automatically (``auto_realign`` off, or a speculation mode
     without a drafter model): the event stays ``open`` for a person.
     """
-    if not deployment.auto_realign or deployment.speculation_mode not in REALIGNABLE_MODES:
+    fallback = guardrail_fallback(deployment)
+    if not deployment.auto_realign or (
+        deployment.speculation_mode not in REALIGNABLE_MODES and fallback is None
+    ):
         return None
     outcome = request_realign(
         session=session, deployment=deployment, actor=f"drift-event:{event.id}", drift_event_id=event.id
     )
-    mark_realigning(event=event, job_id=outcome.job.id)
+    job = outcome.job
+    if (
+        not outcome.created
+        and job.requested_by == GUARDRAIL_ACTOR
+        and job.state == JobState.queued
+        and job.next_attempt_at is not None
+    ):
+        # The fallback itself drifted: the realignment waiting out its backoff is due now.
+        job.next_attempt_at = utcnow()
+        job.enqueued_at = None
+        job.progress_message = f"due now: drift event {event.id} on the fallback"
+    mark_realigning(event=event, job_id=job.id)
     return outcome
 
 
@@ -336,7 +533,9 @@ def list_jobs(
     return list(session.scalars(query.order_by(Job.id.desc()).limit(max(1, min(limit, MAX_PAGE_SIZE)))))
 
 
-def cancel_job(*, session: Session, deployment: Deployment, job_id: int, actor: str) -> Job:
+def cancel_job(
+    *, session: Session, deployment: Deployment, job_id: int, actor: str, reason: str | None = None
+) -> Job:
     """Cancel a queued or running job; a running worker stops at its next progress checkpoint."""
     job = get_job(session=session, deployment_id=deployment.id, job_id=job_id)
     before = job.state
@@ -347,7 +546,7 @@ def cancel_job(*, session: Session, deployment: Deployment, job_id: int, actor: 
     job.finished_at = utcnow()
     job.lease_expires_at = None
     job.next_attempt_at = None
-    job.progress_message = f"cancelled by {actor}"
+    job.progress_message = f"cancelled by {actor}" + (f": {reason}" if reason else "")
     record_change(
         session=session,
         account_id=deployment.account_id,
@@ -355,14 +554,19 @@ def cancel_job(*, session: Session, deployment: Deployment, job_id: int, actor: 
         action="job.cancel",
         resource=_resource(session, deployment, job.id),
         before={"state": before.value},
-        after={"state": job.state.value},
+        after={"state": job.state.value, **({"reason": reason} if reason else {})},
     )
     if job.kind == JobKind.realign:
         end_events_of_job(
             session=session,
             job=job,
             resolution=DriftResolution.realignment_failed,
-            reason=f"realign job {job.id} cancelled by {actor}",
+            reason=f"realign job {job.id} cancelled by {actor}" + (f": {reason}" if reason else ""),
+        )
+    if reason is None and job.requested_by == GUARDRAIL_ACTOR:
+        # A person stopped the realignment the guardrail queued: the loop stops with it.
+        end_guardrail_fallback(
+            session=session, deployment=deployment, actor=actor, reason=f"job {job.id} cancelled by {actor}"
         )
     session.flush()
     return job
@@ -536,6 +740,11 @@ def fail_job(
     if job.kind == JobKind.realign:
         end_events_of_job(session=session, job=job, resolution=resolution, reason=error)
     session.flush()
+    if job.kind == JobKind.realign:
+        deployment = session.get_one(Deployment, job.deployment_id)
+        if guardrail_fallback(deployment) is not None:
+            # No candidate came of it: the fallback keeps serving and the loop tries again later.
+            candidate_lost_to_fallback(session=session, deployment=deployment, settings=get_settings())
     return job
 
 

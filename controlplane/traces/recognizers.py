@@ -75,20 +75,21 @@ Span = tuple[int, int, Kind]
 
 # ---- Presidio ----------------------------------------------------------------------------------
 
+
 @functools.cache
 def offline_suffixes() -> tldextract.TLDExtract:
     """tldextract reading the public suffix list from its bundled snapshot: no URL, no cache dir."""
     return tldextract.TLDExtract(cache_dir=None, suffix_list_urls=(), fallback_to_snapshot=True)
 
 
-class OfflineEmailRecognizer(EmailRecognizer):  # type: ignore[misc]
+class OfflineEmailRecognizer(EmailRecognizer):
     """Presidio's e-mail recognizer with the public suffix list read from tldextract's snapshot."""
 
     def validate_result(self, pattern_text: str) -> bool:
         return bool(offline_suffixes()(pattern_text).fqdn)
 
 
-class NoContextEnhancer(ContextAwareEnhancer):  # type: ignore[misc]
+class NoContextEnhancer(ContextAwareEnhancer):
     """Leaves scores as the recognizers gave them: with no NLP tokens there are no context words
     to find, and the default enhancer's copying of every result is most of Presidio's cost."""
 
@@ -133,6 +134,8 @@ _ID_HINT = re.compile(
 )
 _ID_ENTITIES: Final = tuple(name for name in _PRESIDIO_KINDS if name != "EMAIL_ADDRESS")
 _TWO_DIGITS: Final = re.compile(r"\d\d", re.ASCII)
+_NUMBER_BEFORE: Final = re.compile(r"\d[.,]$|[.]$", re.ASCII)
+_NUMBER_AFTER: Final = re.compile(r"[+-]\d|[.,]\d", re.ASCII)
 # How far from a hint Presidio looks: an address's local part (64) and domain (255); an id's
 # groups and separators.
 _EMAIL_REACH: Final = 255
@@ -218,8 +221,19 @@ def presidio_spans(text: str) -> list[Span]:
     for result in results:
         index = bisect.bisect_right(offsets, result.start, key=lambda offset: offset[0]) - 1
         shift = offsets[index][1] - offsets[index][0]
-        spans.append((result.start + shift, result.end + shift, _PRESIDIO_KINDS[result.entity_type]))
+        start, end = result.start + shift, result.end + shift
+        kind = _PRESIDIO_KINDS[result.entity_type]
+        if kind is Kind.national_id and _inside_a_number(text, start, end):
+            continue
+        spans.append((start, end, kind))
     return spans
+
+
+def _inside_a_number(text: str, start: int, end: int) -> bool:
+    """Whether an id-shaped match is part of a decimal or a float: ``1.38435736E+8``."""
+    before = text[max(0, start - 2) : start]
+    after = text[end : end + 2]
+    return bool(_NUMBER_BEFORE.search(before) or _NUMBER_AFTER.match(after))
 
 
 # ---- phonenumbers ------------------------------------------------------------------------------
@@ -237,8 +251,8 @@ _SEPARATOR_CLASS: Final = re.escape(SEPARATORS)
 # A candidate is a whole run of digit groups (not a window into a longer run: a list of numbers
 # or a hex dump is not a phone number), 7-15 digits counted afterwards.
 _CANDIDATE = re.compile(
-    rf"[+(\d](?<![\w.+/].)(?<!\d[{_SEPARATOR_CLASS}].)(?:(?<=[+(])\d|(?<=\d))\d{{0,14}}\)?"
-    rf"(?:(?:[{_SEPARATOR_CLASS}]{{1,2}}|(?<=\)))\(?\d{{1,5}}\)?){{0,6}}(?!\w)(?![{_SEPARATOR_CLASS}]?\d)",
+    rf"[+(\d](?<![\w.+/].)(?<!\w-.)(?<!\d[{_SEPARATOR_CLASS}].)(?:(?<=[+(])\d|(?<=\d))\d{{0,14}}\)?"
+    rf"(?:(?:[{_SEPARATOR_CLASS}]|(?<=\)))\(?\d{{1,5}}\)?){{0,6}}(?!\w)(?![{_SEPARATOR_CLASS}]?\d)",
     re.ASCII,
 )
 _HAS_SEPARATOR = re.compile(rf"\d[{_SEPARATOR_CLASS}]+\d", re.ASCII)
@@ -248,6 +262,7 @@ _DATE_LIKE = re.compile(
 )
 
 
+_OTHER_SEPARATOR = re.compile(r"[^\d.]", re.ASCII)
 _DOTTED_QUAD = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}", re.ASCII)  # addresses, netmasks, versions
 
 
@@ -277,6 +292,8 @@ def phone_spans(text: str, *, phone_word_before: Any = None) -> list[Span]:
         international = candidate.startswith(("+", "00"))
         if not international and (_DATE_LIKE.search(candidate) or _DOTTED_QUAD.fullmatch(candidate)):
             continue
+        if candidate.count(".") == 1 and not _OTHER_SEPARATOR.search(candidate):
+            continue  # a decimal number: 86087.7578
         separated = _HAS_SEPARATOR.search(candidate) is not None
         if (
             not international

@@ -229,26 +229,38 @@ SECRETS: list[tuple[str, str]] = [
         "T0A1B2C3D/B4E5F6G7H/aBcDeFgHiJkLmNoPqRsTuVwX",
     ),
     (
-        "curl -X POST -d '{\"text\":\"deploy done\"}' https://hooks.slack.com/services/T024BE7LD/B08ABCDEF12/Xy7kP2mQ9rT4vW1zL6nB3cD8",
+        'curl -X POST -d \'{"text":"deploy done"}\' https://hooks.slack.com/services/T024BE7LD/'
+        "B08ABCDEF12/Xy7kP2mQ9rT4vW1zL6nB3cD8",
         "T024BE7LD/B08ABCDEF12/Xy7kP2mQ9rT4vW1zL6nB3cD8",
     ),
     (
-        "DISCORD_WEBHOOK_URL = 'https://discord.com/api/webhooks/1234567890123456789/AbCdEf-GhIjKl_MnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOpQrStUv'",
+        "DISCORD_WEBHOOK_URL = 'https://discord.com/api/webhooks/1234567890123456789/"
+        "AbCdEf-GhIjKl_MnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOpQrStUv'",
         "1234567890123456789/AbCdEf-GhIjKl_MnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOpQrStUv",
     ),
     (
-        "post alerts to https://discordapp.com/api/webhooks/987654321098765432/zYxWvUtSrQpOnMlKjIhGfEdCbA9876543210-_zyxwvu",
+        "post alerts to https://discordapp.com/api/webhooks/987654321098765432/"
+        "zYxWvUtSrQpOnMlKjIhGfEdCbA9876543210-_zyxwvu",
         "987654321098765432/zYxWvUtSrQpOnMlKjIhGfEdCbA9876543210-_zyxwvu",
     ),
     (
-        "teams: https://contoso.webhook.office.com/webhookb2/7f3c9a2e-1b4d-4e8f-9a6c-2d5e8f1a3b7c@72f988bf-86f1-41af-91ab-2d7cd011db47/IncomingWebhook/4b8e2f9a1c7d3e6f/0a1b2c3d-4e5f-6789-abcd-ef0123456789",
-        "7f3c9a2e-1b4d-4e8f-9a6c-2d5e8f1a3b7c@72f988bf-86f1-41af-91ab-2d7cd011db47/IncomingWebhook/4b8e2f9a1c7d3e6f",
+        "teams: https://contoso.webhook.office.com/webhookb2/"
+        "7f3c9a2e-1b4d-4e8f-9a6c-2d5e8f1a3b7c@72f988bf-86f1-41af-91ab-2d7cd011db47/IncomingWebhook/"
+        "4b8e2f9a1c7d3e6f/0a1b2c3d-4e5f-6789-abcd-ef0123456789",
+        "7f3c9a2e-1b4d-4e8f-9a6c-2d5e8f1a3b7c@72f988bf-86f1-41af-91ab-2d7cd011db47/IncomingWebhook/"
+        "4b8e2f9a1c7d3e6f",
     ),
-    ("requests.post('https://hooks.zapier.com/hooks/catch/4829173/b7x2kq9/', json=payload)", "4829173/b7x2kq9"),
+    (
+        "requests.post('https://hooks.zapier.com/hooks/catch/4829173/b7x2kq9/', json=payload)",
+        "4829173/b7x2kq9",
+    ),
     ("passphrase: correct horse battery staple", "correct horse battery staple"),
     ("The passphrase is 'blue mango sunrise 42', don't share it.", "blue mango sunrise 42"),
     ("ssh key pass phrase = tiger lily under moonlight", "tiger lily under moonlight"),
-    ("recovery phrase: abandon ability able about above absent absorb", "abandon ability able about above absent"),
+    (
+        "recovery phrase: abandon ability able about above absent absorb",
+        "abandon ability able about above absent",
+    ),
     ("the wifi password is Tr0ub4dor&3 btw", "Tr0ub4dor&3"),
     ("My password was hunter2! and it got leaked", "hunter2!"),
     ('Her password is "summer in paris" (all lowercase)', "summer in paris"),
@@ -259,31 +271,57 @@ SECRETS: list[tuple[str, str]] = [
     ("htpasswd entry alice:Wond3rl@nd!", "Wond3rl@nd!"),
     ("the account is root:toor123! on 192.0.2.10", "toor123!"),
     ("OPENAI_API_KEY=sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC", "sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC"),
-    ("client = Anthropic(api_key='sk-ant-api03-Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nP')", "sk-ant-api03-Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nP"),
-    ("git clone https://ghp_1a2B3c4D5e6F7g8H9i0J1k2L3m4N5o6P7q8R@github.com/org/repo", "ghp_1a2B3c4D5e6F7g8H9i0J1k2L3m4N5o6P7q8R"),
+    (
+        "client = Anthropic(api_key='sk-ant-api03-Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nP')",
+        "sk-ant-api03-Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nP",
+    ),
+    (
+        "git clone https://ghp_1a2B3c4D5e6F7g8H9i0J1k2L3m4N5o6P7q8R@github.com/org/repo",
+        "ghp_1a2B3c4D5e6F7g8H9i0J1k2L3m4N5o6P7q8R",
+    ),
     ("GITLAB_TOKEN: glpat-xY7kP2mQ9rT4vW1zL6nB", "glpat-xY7kP2mQ9rT4vW1zL6nB"),
     ("slack bot token xoxb-2048-1024-aBcDeFgHiJkLmNoPqRsT", "xoxb-2048-1024-aBcDeFgHiJkLmNoPqRsT"),
     ("aws_access_key_id = AKIAIOSFODNN7EXAMPLE", "AKIAIOSFODNN7EXAMPLE"),
-    ("aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"),
+    (
+        "aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+        "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    ),
     ("maps key AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q", "AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q"),
     ("stripe.api_key = 'sk_live_51H8xKjL2mN4pQ6rS8tU0vW'", "sk_live_51H8xKjL2mN4pQ6rS8tU0vW"),
-    ("SENDGRID_API_KEY=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", "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"),
-    ("//registry.npmjs.org/:_authToken=npm_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789", "npm_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),
+    (
+        "SENDGRID_API_KEY=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",
+        "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",
+    ),
+    (
+        "//registry.npmjs.org/:_authToken=npm_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789",
+        "npm_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789",
+    ),
     ("HF_TOKEN=hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789", "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),
     ("twilio key SK0123456789abcdef0123456789abcdef in settings", "SK0123456789abcdef0123456789abcdef"),
-    ("bot = Bot('123456789:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw1')", "123456789:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw1"),
-    ("DISCORD_BOT_TOKEN MTk4NjIyNDgzNDcxOTI1MjQ4.Cl2FMQ.ZnCjm1XVW7vRze4b7Cq4se7kKWs", "MTk4NjIyNDgzNDcxOTI1MjQ4.Cl2FMQ.ZnCjm1XVW7vRze4b7Cq4se7kKWs"),
     (
-        "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\nQyNTUxOQAAACDx9k2mL7pQ4rS1tU8vW5xY2zA3bC6dE9fG0hJ7kL4mNQ==\n-----END OPENSSH PRIVATE KEY-----",
+        "bot = Bot('123456789:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw1')",
+        "123456789:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw1",
+    ),
+    (
+        "DISCORD_BOT_TOKEN MTk4NjIyNDgzNDcxOTI1MjQ4.Cl2FMQ.ZnCjm1XVW7vRze4b7Cq4se7kKWs",
+        "MTk4NjIyNDgzNDcxOTI1MjQ4.Cl2FMQ.ZnCjm1XVW7vRze4b7Cq4se7kKWs",
+    ),
+    (
+        "-----BEGIN OPENSSH PRIVATE KEY-----\n"
+        "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+        "QyNTUxOQAAACDx9k2mL7pQ4rS1tU8vW5xY2zA3bC6dE9fG0hJ7kL4mNQ==\n-----END OPENSSH PRIVATE KEY-----",
         "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW",
     ),
     (
-        'key = """-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7\n-----END PRIVATE KEY-----"""',
+        'key = """-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7\n'
+        '-----END PRIVATE KEY-----"""',
         "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7",
     ),
     (
-        "Authorization: Bearer eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
-        "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+        "Authorization: Bearer eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+        "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+        "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+        "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
     ),
     ("headers = {'Authorization': 'Bearer 9f8e7d6c5b4a39281706f5e4'}", "9f8e7d6c5b4a39281706f5e4"),
     ("Authorization: Basic dXNlcjpwYXNzd29yZA==", "dXNlcjpwYXNzd29yZA=="),
@@ -297,7 +335,11 @@ SECRETS: list[tuple[str, str]] = [
     ("client_secret: 'Qm9vbGVhbiBsb2dpYw-xyz'", "Qm9vbGVhbiBsb2dpYw-xyz"),
     ("GET /v1/items?api_key=Zm9vYmFyYmF6MTIz&page=2", "Zm9vYmFyYmF6MTIz"),
     ("session cookie: 7Hq2LkP9xZ4mN8vB3cR6tW1yD5fG0jK2", "7Hq2LkP9xZ4mN8vB3cR6tW1yD5fG0jK2"),
-    ("AccountKey=Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nPXk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nPXk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0n==", "Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nPXk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nPXk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0n=="),
+    (
+        "AccountKey=Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nPXk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nPXk9fJ2mL8qR4tW6"
+        "yZ1bC3dF5gH7jK0n==",
+        "Xk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nPXk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0nPXk9fJ2mL8qR4tW6yZ1bC3dF5gH7jK0n==",
+    ),
     ("self.password = 'letmein99'", "letmein99"),
     ("$env:PGPASSWORD = 'Xq7!mP2z'; psql -h db -U app", "Xq7!mP2z"),
 ]
@@ -306,7 +348,11 @@ SECRETS: list[tuple[str, str]] = [
 MIXED: list[tuple[str, list[tuple[str, str]]]] = [
     (
         "Hi, I'm Jane (jane.doe@mailbox.org, +44 20 7946 0958). Card 4111 1111 1111 1111 was charged twice.",
-        [("email", "jane.doe@mailbox.org"), ("phone", "+44 20 7946 0958"), ("credit_card", "4111 1111 1111 1111")],
+        [
+            ("email", "jane.doe@mailbox.org"),
+            ("phone", "+44 20 7946 0958"),
+            ("credit_card", "4111 1111 1111 1111"),
+        ],
     ),
     (
         "2024-05-01 12:00:03 login ok user=anna.mueller@gmx.de ip=81.2.69.142 ua=Mozilla/5.0",
@@ -333,14 +379,16 @@ NEGATIVES: list[str] = [
     "def add(a: int, b: int) -> int:\n    return a + b\n",
     "for i in range(10):\n    print(i * 2)\n",
     "import numpy as np\nx = np.linspace(0, 1, 101)\ny = np.sin(2 * np.pi * x)\n",
-    "class Config(BaseModel):\n    host: str = 'localhost'\n    port: int = 8080\n    password: SecretStr | None = None\n",
+    "class Config(BaseModel):\n    host: str = 'localhost'\n    port: int = 8080\n"
+    "    password: SecretStr | None = None\n",
     "password = os.environ['DB_PASSWORD']\nconn = connect(host=host, user=user, password=password)\n",
     "token = tokenizer.encode(text)\nmax_tokens = 256\nnum_tokens = len(token)\n",
     "if user.check_password(raw_password):\n    login(request, user)\n",
     "TIMEOUT_SECONDS = 30\nMAX_RETRIES = 5\nBACKOFF = 1.5\n",
     "assert hashlib.sha256(b'abc').hexdigest().startswith('ba7816bf')\n",
     "uid = uuid.UUID('123e4567-e89b-12d3-a456-426614174000')\n",
-    "@app.get('/v1/items/{item_id}')\nasync def read_item(item_id: int, q: str | None = None):\n    return {'item_id': item_id, 'q': q}\n",
+    "@app.get('/v1/items/{item_id}')\nasync def read_item(item_id: int, q: str | None = None):\n"
+    "    return {'item_id': item_id, 'q': q}\n",
     "df = pd.read_csv('sales_2024.csv', parse_dates=['date'])\ndf.groupby('region')['revenue'].sum()\n",
     "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2-7B-Instruct', torch_dtype=torch.bfloat16)\n",
     "logger.info('processed %d records in %.2fs', count, elapsed)\n",
@@ -357,7 +405,8 @@ NEGATIVES: list[str] = [
     "requests.get('http://localhost:8000/healthz', timeout=5)\n",
     "server = HTTPServer(('127.0.0.1', 8080), Handler)\n",
     "sock.bind(('0.0.0.0', 5432))\n",
-    "def luhn(number: str) -> bool:\n    digits = [int(d) for d in number]\n    return sum(digits) % 10 == 0\n",
+    "def luhn(number: str) -> bool:\n    digits = [int(d) for d in number]\n"
+    "    return sum(digits) % 10 == 0\n",
     "CHUNK = 1024 * 1024\nbuf = bytearray(CHUNK)\n",
     "scores = {'bleu': 31.4, 'rouge_l': 0.482, 'exact_match': 0.71}\n",
     # SQL
@@ -384,17 +433,18 @@ NEGATIVES: list[str] = [
     '{"metrics": {"p50": 12, "p95": 48, "p99": 120}, "window": "5m"}',
     # YAML and config
     "server:\n  host: 0.0.0.0\n  port: 8080\n  workers: 4\n",
-    "image: nginx:1.25-alpine\nports:\n  - \"80:80\"\n  - \"443:443\"\n",
+    'image: nginx:1.25-alpine\nports:\n  - "80:80"\n  - "443:443"\n',
     "database:\n  host: localhost\n  port: 5432\n  password: ${DB_PASSWORD}\n",
     "replicas: 3\nresources:\n  limits:\n    cpu: 500m\n    memory: 512Mi\n",
-    "[tool.ruff]\nline-length = 120\ntarget-version = \"py311\"\n",
-    "retries = 3\ntimeout = \"30s\"\nbackoff = \"exponential\"\n",
-    "api_key: <your-api-key>\nsecret: \"***\"\n",
+    '[tool.ruff]\nline-length = 120\ntarget-version = "py311"\n',
+    'retries = 3\ntimeout = "30s"\nbackoff = "exponential"\n',
+    'api_key: <your-api-key>\nsecret: "***"\n',
     "redis:\n  url: redis://localhost:6379/0\n",
     "logging:\n  level: INFO\n  format: '%(asctime)s %(levelname)s %(message)s'\n",
-    "cron: \"0 3 * * *\"\nretention_days: 30\n",
+    'cron: "0 3 * * *"\nretention_days: 30\n',
     "FROM python:3.11-slim\nWORKDIR /app\nCOPY . .\nRUN pip install -r requirements.txt\nEXPOSE 8000\n",
-    "version: '3.8'\nservices:\n  db:\n    image: postgres:16\n    environment:\n      POSTGRES_PASSWORD: ${POSTGRES_PASSWORD}\n",
+    "version: '3.8'\nservices:\n  db:\n    image: postgres:16\n    environment:\n"
+    "      POSTGRES_PASSWORD: ${POSTGRES_PASSWORD}\n",
     "upstream backend {\n    server 127.0.0.1:8001;\n    server 127.0.0.1:8002;\n}\n",
     "listen: 127.0.0.1:9090\nscrape_interval: 15s\n",
     "MAX_TOKENS=4096\nTEMPERATURE=0.2\nTOP_P=0.95\n",
@@ -416,7 +466,7 @@ NEGATIVES: list[str] = [
     "echo $((60 * 60 * 24)) seconds per day",
     # logs
     "2024-01-15T10:30:45.123Z INFO  worker-3 processed 42 items in 1.25s",
-    "2024-01-15 10:30:45,123 - uvicorn.access - INFO - 127.0.0.1:53422 - \"GET /healthz HTTP/1.1\" 200",
+    '2024-01-15 10:30:45,123 - uvicorn.access - INFO - 127.0.0.1:53422 - "GET /healthz HTTP/1.1" 200',
     "Jan 15 10:30:45 host kernel: [12345.678901] eth0: link up, 1000 Mbps, full duplex",
     "[2024-03-02 08:15:00] ERROR: connection to localhost:5432 refused (retry 3/5)",
     "build 4512 finished in 00:03:21; artifacts: app-2.3.1-py3-none-any.whl",

@@ -67,7 +67,8 @@ class ControlPlaneProcess:
                 stdout=sink,
                 stderr=subprocess.STDOUT,
             )
-        wait_http(f"{self.url}/readyz", self.process)
+        # Generous: on a 2-core machine shared with other test runs an import-heavy start takes 30 s+.
+        wait_http(f"{self.url}/readyz", self.process, timeout_s=120.0)
         return self
 
     def log_tail(self, chars: int = 4000) -> str:

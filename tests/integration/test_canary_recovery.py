@@ -44,7 +44,7 @@ from controlplane.db.models import (
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.timestamps import utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant
-from tests.integration.test_canary_service import _shadow
+from tests.fleet.canary_setup import passing_shadow
 
 BASE = "/v1/accounts/acme/deployments"
 
@@ -106,7 +106,7 @@ def _live_canary(db: Database, settings: Settings, deployment_id: int, number: i
         canary_id = canary.id
     with db.new_session() as session:
         phase = record_shadow_result(
-            session=session, canary_id=canary_id, result=_shadow(3.0, 1.3), settings=settings
+            session=session, canary_id=canary_id, result=passing_shadow(), settings=settings
         )
         session.commit()
     assert phase == "live"
@@ -247,7 +247,7 @@ def test_a_guardrail_trips_only_on_serving_records_and_then_a_candidate_beats_ng
     assert (plan.incumbent_speculation, plan.ngram_length) == ("ngram", 3)
     with db.new_session() as session:
         phase = record_shadow_result(
-            session=session, canary_id=second_id, result=_shadow(3.0, 1.3), settings=settings
+            session=session, canary_id=second_id, result=passing_shadow(), settings=settings
         )
         session.commit()
     assert phase == "live"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -42,7 +43,7 @@ from tests.conftest import (
 # Refuses one request id the way a database refuses a value: a check violation, raised by the
 # database inside the shared transaction (the value passes every check of the API).
 PG_REFUSE = """
-CREATE FUNCTION refuse_poisoned() RETURNS trigger AS $$
+CREATE OR REPLACE FUNCTION refuse_poisoned() RETURNS trigger AS $$
 BEGIN
     IF NEW.request_id LIKE 'poisoned%' THEN
         RAISE EXCEPTION 'request id % is refused by this database', NEW.request_id
@@ -50,11 +51,12 @@ BEGIN
     END IF;
     RETURN NEW;
 END $$ LANGUAGE plpgsql;
+DROP TRIGGER IF EXISTS refuse_poisoned ON acceptance_records;
 CREATE TRIGGER refuse_poisoned BEFORE INSERT ON acceptance_records
     FOR EACH ROW EXECUTE FUNCTION refuse_poisoned();
 """
 SQLITE_REFUSE = """
-CREATE TRIGGER refuse_poisoned BEFORE INSERT ON acceptance_records
+CREATE TRIGGER IF NOT EXISTS refuse_poisoned BEFORE INSERT ON acceptance_records
 WHEN NEW.request_id LIKE 'poisoned%'
 BEGIN SELECT RAISE(ABORT, 'request id is refused by this database'); END
 """
@@ -73,18 +75,29 @@ def _record(request_id: str, generated: int = 7) -> AcceptanceRecord:
     )
 
 
+@pytest.fixture(scope="module")
+def pg_isolation_url() -> str:
+    """One migrated PostgreSQL database for this module's tests: each uses accounts of its own."""
+    url = recreate_pg_database("controlplane_isolation")
+    prepare_database(url)
+    return url
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A migrated database of its own (the batcher commits on real connections)."""
+    """A migrated database the batcher commits to on real connections."""
     if request.param == "sqlite":
         template: Path = request.getfixturevalue("sqlite_template")
         shutil.copy(template, tmp_path / "isolation.db")
         url = f"sqlite:///{tmp_path / 'isolation.db'}"
     else:
-        url = recreate_pg_database("controlplane_isolation")
-        prepare_database(url)
+        url = request.getfixturevalue("pg_isolation_url")
     yield url
     get_engine(url).dispose()
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(4)}"
 
 
 def _refuse_poisoned(url: str) -> None:
@@ -98,7 +111,7 @@ def _refuse_poisoned(url: str) -> None:
 
 def _two_accounts(url: str) -> tuple[int, int]:
     with get_sessionmaker(url)() as session:
-        acme, globex = add_deployment(session, "acme").id, add_deployment(session, "globex").id
+        acme, globex = add_deployment(session, _name("acme")).id, add_deployment(session, _name("globex")).id
         session.commit()
     return acme, globex
 
@@ -144,6 +157,8 @@ def test_a_value_the_database_refuses_fails_only_its_own_request(
     requests = [(acme, [_record(f"acme-{i}-a"), _record(f"acme-{i}-b")]) for i in range(6)]
     requests.insert(3, (acme, [_record("fine-before"), _record("poisoned-1")]))
     requests += [(globex, [_record(f"globex-{i}")]) for i in range(6)]
+    # Large enough that PostgreSQL writes the shared flush by COPY (the trigger fires there too).
+    requests.append((acme, [_record(f"acme-bulk-{i}") for i in range(80)]))
     with caplog.at_level(logging.WARNING, logger="controlplane.ingest.batcher"):
         outcomes = _submit_together(batcher, requests)
     # They did share a flush, and it failed as a whole first.
@@ -159,7 +174,7 @@ def test_a_value_the_database_refuses_fails_only_its_own_request(
     assert collateral == 0  # poisoned_requests_collateral
     assert all(outcome.inserted == len(requests[i][1]) for i, outcome in enumerate(outcomes) if i != 3)  # type: ignore[union-attr]
     # Nothing of the refused request (not even its valid record), everything of the others.
-    assert _stored(url, acme) == (12, 12)
+    assert _stored(url, acme) == (92, 92)
     assert _stored(url, globex) == (6, 6)
 
 
@@ -202,10 +217,10 @@ def test_the_api_names_the_refusal_and_stores_nothing_of_that_batch(database: st
         api_gc_freeze=False,
     )
     with get_sessionmaker(url)() as session:
-        tenant = make_tenant(session, "acme")
+        tenant = make_tenant(session, _name("acme"))
         add_deployment_to(session, tenant.account_id, "svc")
         session.commit()
-    base = "/v1/accounts/acme/deployments/svc"
+    base = f"/v1/accounts/{tenant.name}/deployments/svc"
     records = [
         {
             "request_id": rid,

@@ -301,6 +301,25 @@ def test_query_numbers_out_of_range_are_refused_not_failed(
     assert checked >= 8 * 3  # page sizes, after_id, bucket_seconds, drafter_version ...
 
 
+def test_stats_windows_outside_the_stored_range_are_refused_not_failed(
+    client: TestClient, tenants: tuple[Tenant, Tenant]
+) -> None:
+    acme, _ = tenants
+    _deployment(client, acme)
+    path = f"/v1/accounts/{acme.name}/deployments/svc/stats"
+    for params in (
+        {"end": "0001-01-01T00:00:00Z"},
+        {"start": "9999-12-31T23:59:59Z"},
+        {"end": "1999-12-31T23:59:59Z"},
+        {"start": "not a time"},
+    ):
+        response = client.get(path, params=params, headers=acme.headers(Role.viewer))
+        assert response.status_code == 422, (params, response.text)
+        assert next(iter(params)) in response.json()["error"]["message"], response.text
+    ok = client.get(path, params={"end": "2030-01-01T00:00:00Z"}, headers=acme.headers(Role.viewer))
+    assert ok.status_code == 200, ok.text
+
+
 def test_every_v1_route_needs_a_key_before_its_body(client: TestClient) -> None:
     """The gate authenticates every /v1/ route from the headers; a route that needed no key would
     have its body read by anyone."""

@@ -61,14 +61,22 @@ def test_batch_is_stored_scrubbed(client: TestClient, tenants: tuple[Tenant, Ten
             "category": "support",
         },
         {"prompt": "def connect():\n    password = 'hunter22'\n", "completion": "    return db(password)"},
-        {"prompt": "server 203.0.113.9 and sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC", "completion": "ok"},
+        {"prompt": "server 81.2.69.142 and sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC", "completion": "ok"},
         {"prompt": "version 1.2.3 released 2024-01-15", "completion": "order #123456789", "category": None},
     ]
     response = client.post(f"{base}/traces", json={"traces": traces}, headers=acme.headers(Role.ingest))
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["stored"] == 4
-    assert body["scrubbed"] == {"email": 1, "credit_card": 1, "phone": 1, "secret": 2, "ip_address": 1}
+    assert body["scrubbed"] == {
+        "email": 1,
+        "credit_card": 1,
+        "phone": 1,
+        "secret": 2,
+        "ip_address": 1,
+        "iban": 0,
+        "national_id": 0,
+    }
     assert body["sample_rate"] == 0.1
 
     rows = _rows(db)
@@ -183,7 +191,15 @@ def test_dataset_upload_in_every_line_shape(
         "dataset_name": "support-v1",
         "stored": 3,
         "replaced": 0,
-        "scrubbed": {"email": 1, "phone": 0, "credit_card": 0, "ip_address": 0, "secret": 0},
+        "scrubbed": {
+            "email": 1,
+            "phone": 0,
+            "credit_card": 0,
+            "ip_address": 0,
+            "secret": 0,
+            "iban": 0,
+            "national_id": 0,
+        },
     }
     rows = _rows(db)
     assert [(r.prompt, r.completion, r.category) for r in rows] == [

@@ -123,6 +123,10 @@ def test_every_json_reply_in_the_document_names_a_schema(app: FastAPI) -> None:
                 for media_type, content in response.get("content", {}).items():
                     if media_type != "application/json":
                         continue
+                    if (method.upper(), path) in NON_JSON_ROUTES:
+                        # A gateway's file sent as JSON on request (`as=json`): its schema is the
+                        # gateway's, not ours.
+                        continue
                     ref = content.get("schema", {}).get("$ref", "")
                     assert ref.startswith("#/components/schemas/"), (method, path, code, content)
                     name = ref.rsplit("/", 1)[1]

@@ -937,7 +937,9 @@ def test_a_vllm_reply_without_acceptance_on_the_baseline_arm_is_a_no_speculation
         ({"generated_tokens": 2**31}, "generated_tokens"),
         ({"prompt_tokens": 2**35}, "prompt_tokens"),
         ({"k": 40_000}, "k"),
-        ({"arm": "canary:" + "9" * 30}, "drafter_version"),
+        ({"arm": "canary:" + "9" * 30}, "arm"),
+        ({"arm": "canary:2147483648"}, "drafter_version"),
+        ({"arm": "canary:" + "7" * 100_000}, "arm"),
         ({"category": "c" * 150}, "category"),
         ({"category": "a\x00b"}, "category"),
         ({"request_id": "r\x00"}, "request_id"),
@@ -1052,3 +1054,9 @@ def test_a_body_of_unknown_keys_is_answered_fast_with_a_capped_list() -> None:
     assert len(shown) == 21 and shown[-1]["message"] == f"and {error.total - 20} more problems"
     assert shown[5] == {"index": 0, "field": "", "message": "and 99995 more unknown fields"}
     assert [p.field for p in top.value.problems][-1] == "" and top.value.total == 6
+
+
+def test_values_quoted_back_are_cut_short() -> None:
+    huge = "x" * 1_000_000
+    problems = problems_of({"records": [native(arm=huge, created_at=huge)], "format": huge})
+    assert problems and all(len(p.message) < 300 for p in problems)

@@ -19,7 +19,7 @@ from controlplane.jobs.recovery import (
     retry_delay_s,
 )
 from controlplane.jobs.service import validate_realign_params
-from workers.celery_app import job_sweep_interval_s
+from workers.celery_app import celery_app, job_sweep_interval_s
 from workers.tasks import time_budget_s
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
@@ -56,6 +56,9 @@ def test_the_heartbeat_and_the_sweep_keep_pace_with_the_lease() -> None:
     assert job_sweep_interval_s(600) == 30.0
     assert job_sweep_interval_s(2) == 1.0
     assert job_sweep_interval_s(0.2) == 0.5
+    sweep = celery_app.conf.beat_schedule["realign-resend"]
+    assert sweep["task"] == "jobs.resend_stale_queued"
+    assert sweep["schedule"] == job_sweep_interval_s(Settings().realign_lease_s) == 30.0
 
 
 def _settings(**values: Any) -> Settings:

@@ -24,6 +24,7 @@ from controlplane.ingest.rollups import (
     hist_value,
     tier_deltas,
 )
+from controlplane.ingest.service import unfoldable_reason
 from controlplane.stats.service import BucketSums, cover, plan_buckets, summarise
 
 
@@ -306,3 +307,25 @@ def test_bucket_plans_tile_every_bucket_without_straddling_an_edge() -> None:
             assert (first + r - 1 - lo) // bucket == index, "a row straddles a bucket edge"
             per_bucket[index] = per_bucket.get(index, 0) + 1
         assert several or max(per_bucket.values()) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({}, None),
+        ({"total_ms": 1e308}, "total_ms"),  # its log bucket overflows an int
+        ({"ttft_ms": math.nan}, "ttft_ms"),  # NaN would poison every sum after it
+        ({"inter_token_ms": -1.0}, "inter_token_ms"),
+        ({"accepted_per_position": [1] * 65}, "accepted_per_position"),
+        ({"accepted_per_position": [1.5]}, "accepted_per_position"),
+        ({"drafted_tokens": 2**40}, "drafted_tokens"),
+    ],
+)
+def test_rows_the_fold_cannot_sum_are_named(change: dict[str, object], fragment: str | None) -> None:
+    row = AcceptanceRecord("r", 4, 2, 2, 4, [1, 1], total_ms=10.0, ttft_ms=1.0, inter_token_ms=2.0)
+    for name, value in change.items():
+        setattr(row, name, value)
+    reason = unfoldable_reason(row)
+    assert (reason is None) if fragment is None else (reason is not None and fragment in reason)
+    if fragment is None:  # and what it lets through the aggregation takes
+        aggregate([row], when_default=datetime(2026, 1, 1, tzinfo=UTC))

@@ -348,7 +348,9 @@ def test_libraries_never_touch_the_network(monkeypatch: pytest.MonkeyPatch) -> N
     recognizers.offline_suffixes.cache_clear()
     recognizers.presidio_engine.cache_clear()
     try:
-        result = scrub("mail olga@почта.рф or jürgen@münchen.de, IBAN GB82WEST12345698765432, +49 30 12345678")
+        result = scrub(
+            "mail olga@почта.рф or jürgen@münchen.de, IBAN GB82WEST12345698765432, +49 30 12345678"
+        )
     finally:
         recognizers.offline_suffixes.cache_clear()
         recognizers.presidio_engine.cache_clear()

@@ -1,0 +1,458 @@
+"""After a guardrail switched a deployment to its fallback, the loop keeps realigning:
+
+- in process, SQLite, with the realign task run for real on tiny models: a live arm measured
+  slower than no speculation (serving records) switches the deployment to n-gram and resolves its
+  event ``guardrail_action``; a realignment of the drafter that served is queued, due after the
+  drift policy's cooldown, on the traffic since the switch; it trains a candidate, which is
+  canaried against n-gram and, beating it, promoted: the deployment speculates with it again;
+- both dialects: a candidate that loses to the fallback queues the next try after a longer wait;
+  a person choosing n-gram by hand queues nothing, and a person changing the mode (or dismissing
+  an alarm) cancels the guardrail's pending realignment; the drift detector re-bases on the
+  fallback, and a drift of the fallback makes the waiting realignment due at once.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from controlplane.app import create_app
+from controlplane.canary.evaluate import evaluate_deployment, record_shadow_result
+from controlplane.canary.service import start_canary
+from controlplane.config import Settings
+from controlplane.db.models import (
+    AuditEntry,
+    Canary,
+    Deployment,
+    DrafterState,
+    DrafterVersion,
+    DriftEvent,
+    DriftMonitorState,
+    DriftResolution,
+    DriftState,
+    Job,
+    JobState,
+    Role,
+    Trace,
+    TraceSource,
+)
+from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.drift.service import advance_monitor
+from controlplane.jobs.recovery import MIN_GUARDRAIL_REALIGN_DELAY_S
+from controlplane.jobs.service import (
+    GUARDRAIL_ACTOR,
+    active_realign_job,
+    claim_stale_queued_realigns,
+    finish_job,
+    start_job,
+)
+from controlplane.timestamps import as_utc, utcnow
+from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant
+from tests.fleet.canary_setup import passing_shadow
+from tests.integration.test_drift_monitor import request_record
+from tests.integration.test_recovery import _register_tiny, _tiny_models
+
+BASE = "/v1/accounts/acme/deployments/svc"
+COOLDOWN_S = 900
+
+
+def _records(
+    arm: str, n: int, *, tps: float, ms: float, hit: float, version: int | None, start: int
+) -> list[dict[str, Any]]:
+    """Native acceptance records of one arm: tokens per step, latency per token and hit rate."""
+    rng = random.Random(start)
+    out = []
+    for i in range(n):
+        steps = 20
+        generated = int(round(steps * tps * rng.uniform(0.92, 1.08)))
+        drafted = 0 if arm == "baseline" else steps * 4
+        accepted = 0 if arm == "baseline" else min(drafted, int(round(drafted * hit * rng.uniform(0.8, 1.2))))
+        out.append(
+            {
+                "request_id": f"{arm}-{start + i}",
+                "arm": arm,
+                "drafter_version": version,
+                "k": 0 if arm == "baseline" else 4,
+                "drafted_tokens": drafted,
+                "accepted_tokens": accepted,
+                "verify_steps": generated if arm == "baseline" else steps,
+                "generated_tokens": generated,
+                "accepted_per_position": []
+                if arm == "baseline"
+                else [accepted // 4 + (1 if p < accepted % 4 else 0) for p in range(4)],
+                "inter_token_ms": ms * rng.uniform(0.9, 1.1),
+            }
+        )
+    return out
+
+
+def _slow_split(start: int, version: int = 1) -> list[dict[str, Any]]:
+    """The drafter serving (and its candidate) slower than no speculation, at the 80/10/10 split."""
+    return (
+        _records("live", 480, tps=1.2, ms=8.0, hit=0.05, version=None, start=start)
+        + _records(f"canary:{version}", 60, tps=1.0, ms=9.5, hit=0.01, version=version, start=start + 1000)
+        + _records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
+    )
+
+
+def _candidate_split(version: int, start: int, *, wins: bool) -> list[dict[str, Any]]:
+    """n-gram serving faster than no speculation; the candidate clearly beats it, or clearly loses."""
+    candidate = (
+        _records(f"canary:{version}", 60, tps=3.0, ms=2.2, hit=0.6, version=version, start=start + 1000)
+        if wins
+        else _records(f"canary:{version}", 60, tps=1.0, ms=9.0, hit=0.02, version=version, start=start + 1000)
+    )
+    return (
+        _records("live", 480, tps=1.3, ms=4.2, hit=0.1, version=None, start=start)
+        + candidate
+        + _records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
+    )
+
+
+def _post(client: TestClient, headers: dict[str, str], records: list[dict[str, Any]]) -> None:
+    reply = client.post(f"{BASE}/acceptance", json={"format": "native", "records": records}, headers=headers)
+    assert reply.status_code == 200, reply.text
+
+
+def _evaluate(sessions: Any, settings: Settings, deployment_id: int) -> dict[str, Any]:
+    with sessions() as session:
+        outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
+        session.commit()
+    assert outcome is not None
+    return outcome
+
+
+def _fake_version(session: Any, deployment_id: int, number: int) -> DrafterVersion:
+    version = DrafterVersion(
+        deployment_id=deployment_id,
+        version=number,
+        artifact_path=f"/artifacts/v{number}",
+        artifact_sha256=f"{number:064d}",
+        state=DrafterState.candidate,
+        training_metrics={"seed": 0},
+        eval_metrics={},
+    )
+    session.add(version)
+    session.flush()
+    return version
+
+
+def _go_live(sessions: Any, settings: Settings, version_id: int) -> int:
+    with sessions() as session:
+        canary, _job = start_canary(session=session, version=session.get_one(DrafterVersion, version_id))
+        session.commit()
+        canary_id = canary.id
+    with sessions() as session:
+        phase = record_shadow_result(
+            session=session, canary_id=canary_id, result=passing_shadow(), settings=settings
+        )
+        session.commit()
+    assert phase == "live"
+    return canary_id
+
+
+def _trip_guardrail(client: TestClient, sessions: Any, settings: Settings, tenant: Tenant, pk: int) -> int:
+    """A drift event answered by candidate 1's canary, whose live arm (the drafter serving) is
+    measured slower than no speculation by the fleet's serving key: the guardrail switches to
+    n-gram. Returns the event's id."""
+    with sessions() as session:
+        event = DriftEvent(deployment_id=pk, state=DriftState.open, detector="test", evidence={})
+        session.add(event)
+        version = _fake_version(session, pk, 1)
+        session.commit()
+        event_id, version_id = event.id, version.id
+    _go_live(sessions, settings, version_id)
+    _post(client, tenant.headers(Role.serving), _slow_split(0))
+    assert _evaluate(sessions, settings, pk)["decision"] == "reject"
+    return event_id
+
+
+def _guardrail_job(session: Any, pk: int) -> Job:
+    job = active_realign_job(session=session, deployment_id=pk)
+    assert job is not None and job.requested_by == GUARDRAIL_ACTOR
+    return job
+
+
+# ------------------------------------------------------------- the whole loop, in process (SQLite)
+
+
+def test_after_a_guardrail_switch_a_realignment_wins_the_deployment_back_from_ngram(
+    sqlite_template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import controlplane.canary.service
+    import workers.tasks
+
+    path = tmp_path / "guardrail.db"
+    shutil.copy(sqlite_template, path)
+    url = f"sqlite:///{path}"
+    settings = Settings(
+        database_url=url,
+        environment="test",
+        secret_key=TEST_SECRET,
+        artifact_dir=tmp_path / "art",
+        artifact_cache_dir=tmp_path / "cache",
+        var_dir=tmp_path / "var",
+        model_roots=[_tiny_models(tmp_path / "models")],
+        realign_time_budget_s=2,
+        drift_enqueue_on_ingest=False,
+        api_gc_freeze=False,
+    )
+    monkeypatch.setattr(workers.tasks, "get_settings", lambda: settings)
+    monkeypatch.setattr(controlplane.canary.service, "get_settings", lambda: settings)
+    sessions = get_sessionmaker(url)
+    with sessions() as session:
+        tenant = make_tenant(session, "acme")
+        _register_tiny(session, tenant.account_id, settings)
+        session.commit()
+    with TestClient(create_app(settings)) as client:
+        admin, viewer = tenant.headers(Role.admin), tenant.headers(Role.viewer)
+        created = client.post(
+            "/v1/accounts/acme/deployments",
+            json={
+                "target_model": "tiny-target",
+                "deployment_id": "svc",
+                "draft_model": "tiny-drafter",
+                "draft_token_count": 4,
+            },
+            headers=admin,
+        )
+        assert created.status_code == 201, created.text
+        patched = client.patch(f"{BASE}/drift-policy", json={"cooldown_s": COOLDOWN_S}, headers=admin)
+        assert patched.status_code == 200, patched.text
+        with sessions() as session:
+            pk = int(session.scalars(select(Deployment.id).where(Deployment.name == "svc")).one())
+            # Traffic from before the switch: the realignment must not train on it.
+            session.add(Trace(deployment_id=pk, source=TraceSource.sampled, prompt="old", completion="old"))
+            session.commit()
+
+        event_id = _trip_guardrail(client, sessions, settings, tenant, pk)
+        switched_at = utcnow()
+        assert client.get(BASE, headers=viewer).json()["speculation_mode"] == "ngram"
+        with sessions() as session:
+            event = session.get_one(DriftEvent, event_id)
+            assert event.resolution == DriftResolution.guardrail_action
+            job = _guardrail_job(session, pk)
+            job_id = job.id
+            due = as_utc(job.next_attempt_at)
+            # Due one cooldown after the switch (the first try: no candidate has lost yet).
+            assert abs((due - switched_at).total_seconds() - COOLDOWN_S) < 30
+            assert job.state == JobState.queued and job.drift_event_id is None
+            assert "after guardrail switch to ngram" in job.progress_message
+            audit = session.scalars(
+                select(AuditEntry).where(
+                    AuditEntry.action == "job.create", AuditEntry.actor == GUARDRAIL_ACTOR
+                )
+            ).one()
+            assert audit.after["reason"] == "after guardrail switch to ngram"
+            # The sweep leaves it until it is due, then sends it.
+            assert claim_stale_queued_realigns(session=session, older_than=utcnow()) == []
+            assert claim_stale_queued_realigns(
+                session=session, older_than=due, now=due + timedelta(seconds=1)
+            ) == [job_id]
+            session.rollback()
+        status = client.get(f"{BASE}/drift-status", headers=viewer).json()["guardrail_recovery"]
+        assert status["reason"] == "after guardrail switch to ngram" and status["realign_job_id"] == job_id
+        assert status["draft_model"] == "tiny-drafter" and status["losses"] == 0
+
+        # Fresh traffic since the switch; the cooldown passes.
+        with sessions() as session:
+            for i in range(40):
+                session.add(
+                    Trace(
+                        deployment_id=pk,
+                        source=TraceSource.sampled,
+                        prompt=f"def f{i}(x):\n",
+                        completion=f"    return x + {i}\n\nprint(f{i}(2))\n",
+                    )
+                )
+            session.get_one(Job, job_id).next_attempt_at = utcnow() - timedelta(seconds=1)
+            session.commit()
+        outcome = workers.tasks.run_realign(job_id)
+        assert outcome.get("drafter_version") == 2, outcome
+        with sessions() as session:
+            job = session.get_one(Job, job_id)
+            assert job.state == JobState.succeeded
+            version = session.get_one(DrafterVersion, int(outcome["drafter_version_id"]))
+            assert version.parent_version_id is None  # the registered tiny-drafter, realigned
+            assert version.training_metrics["incumbent"] == "tiny-drafter"
+            assert as_utc(version.traffic_window_start) >= switched_at - timedelta(seconds=5)
+            canary = session.scalars(select(Canary).where(Canary.candidate_version_id == version.id)).one()
+            # Judged against the fallback actually serving.
+            assert canary.incumbent_version_id is None and canary.arms["incumbent_mode"] == "ngram"
+            canary_id = canary.id
+        with sessions() as session:
+            phase = record_shadow_result(
+                session=session, canary_id=canary_id, result=passing_shadow(), settings=settings
+            )
+            session.commit()
+        assert phase == "live"
+        _post(client, tenant.headers(Role.serving), _candidate_split(2, 50_000, wins=True))
+        assert _evaluate(sessions, settings, pk)["decision"] == "promote"
+        deployment = client.get(BASE, headers=viewer).json()
+        assert deployment["speculation_mode"] == "draft_model" and deployment["active_drafter_version"] == 2
+        assert "guardrail_fallback" not in deployment["drift_policy"]
+        assert client.get(f"{BASE}/drift-status", headers=viewer).json()["guardrail_recovery"] is None
+        with sessions() as session:
+            assert active_realign_job(session=session, deployment_id=pk) is None
+    get_engine(url).dispose()
+
+
+# ------------------------------------------------------------------------ both dialects, no training
+
+
+def _deployment(client: TestClient, db: Database, tenant: Tenant) -> int:
+    admin = tenant.headers(Role.admin)
+    created = client.post(
+        "/v1/accounts/acme/deployments",
+        json={
+            "target_model": "reference-target",
+            "deployment_id": "svc",
+            "draft_model": "reference-drafter",
+            "draft_token_count": 4,
+        },
+        headers=admin,
+    )
+    assert created.status_code == 201, created.text
+    patched = client.patch(
+        f"{BASE}/drift-policy", json={"cooldown_s": COOLDOWN_S, "reference_requests": 200}, headers=admin
+    )
+    assert patched.status_code == 200, patched.text
+    with db.new_session() as session:
+        return int(
+            session.scalars(
+                select(Deployment.id).where(
+                    Deployment.name == "svc", Deployment.account_id == tenant.account_id
+                )
+            ).one()
+        )
+
+
+def _pretend_trained(db: Database, job_id: int, pk: int, number: int) -> int:
+    """The worker's side of a realignment, without training: the job succeeds with a version."""
+    with db.new_session() as session:
+        start_job(session=session, job_id=job_id)
+        finish_job(session=session, job_id=job_id, result={"drafter_version": number})
+        version = _fake_version(session, pk, number)
+        session.commit()
+        return version.id
+
+
+def test_a_candidate_that_loses_to_the_fallback_is_tried_again_after_a_longer_wait(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
+) -> None:
+    acme = tenants[0]
+    pk = _deployment(client, db, acme)
+    _trip_guardrail(client, db.new_session, settings, acme, pk)
+    with db.new_session() as session:
+        first = _guardrail_job(session, pk)
+        first_id, first_delay = first.id, first.result["delay_s"]
+    assert first_delay == COOLDOWN_S
+
+    version_id = _pretend_trained(db, first_id, pk, 2)
+    _go_live(db.new_session, settings, version_id)
+    _post(client, acme.headers(Role.serving), _candidate_split(2, 60_000, wins=False))
+    lost_at = utcnow()
+    assert _evaluate(db.new_session, settings, pk)["decision"] == "reject"
+    viewer = acme.headers(Role.viewer)
+    assert client.get(BASE, headers=viewer).json()["speculation_mode"] == "ngram"
+    with db.new_session() as session:
+        second = _guardrail_job(session, pk)
+        assert second.id != first_id and second.result["losses_since_switch"] == 1
+        # Twice the wait of the first try: it never spins, and it never stops.
+        assert second.result["delay_s"] == 2 * COOLDOWN_S
+        assert abs((as_utc(second.next_attempt_at) - lost_at).total_seconds() - 2 * COOLDOWN_S) < 30
+        second_id = second.id
+
+    # A person chooses the speculation mode: the guardrail's pending realignment is cancelled.
+    patched = client.patch(BASE, json={"ngram_speculation_length": 3}, headers=acme.headers(Role.admin))
+    assert patched.status_code == 200, patched.text
+    assert "guardrail_fallback" not in patched.json()["drift_policy"]
+    with db.new_session() as session:
+        cancelled = session.get_one(Job, second_id)
+        assert cancelled.state == JobState.cancelled and "speculation settings chosen" in (
+            cancelled.progress_message or ""
+        )
+        assert active_realign_job(session=session, deployment_id=pk) is None
+    assert client.get(f"{BASE}/drift-status", headers=viewer).json()["guardrail_recovery"] is None
+
+
+def test_a_person_choosing_ngram_queues_no_realignment(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
+) -> None:
+    acme = tenants[0]
+    pk = _deployment(client, db, acme)
+    patched = client.patch(BASE, json={"ngram_speculation_length": 3}, headers=acme.headers(Role.admin))
+    assert patched.status_code == 200 and patched.json()["speculation_mode"] == "ngram", patched.text
+    with db.new_session() as session:
+        version_id = _fake_version(session, pk, 1).id
+        session.commit()
+    _go_live(db.new_session, settings, version_id)
+    # The candidate loses to the n-gram a person chose: nothing is queued to try again.
+    _post(client, acme.headers(Role.serving), _candidate_split(1, 70_000, wins=False))
+    assert _evaluate(db.new_session, settings, pk)["decision"] == "reject"
+    with db.new_session() as session:
+        assert active_realign_job(session=session, deployment_id=pk) is None
+        assert session.scalars(select(Job).where(Job.requested_by == GUARDRAIL_ACTOR)).first() is None
+
+
+def _monitor(db: Database, pk: int, settings: Settings) -> list[int]:
+    raised: list[int] = []
+    for _ in range(3):  # the first run only records the horizon; later runs consume settled ids
+        with db.new_session() as session:
+            raised += advance_monitor(session=session, deployment_id=pk, settings=settings).events_raised
+            session.commit()
+    return raised
+
+
+def _ingest(client: TestClient, tenant: Tenant, records: list[dict[str, Any]]) -> None:
+    response = client.post(
+        f"{BASE}/acceptance", json={"records": records}, headers=tenant.headers(Role.serving)
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_the_detector_rebases_on_the_fallback_whose_drift_makes_the_realignment_due_and_a_dismissal_cancels_it(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
+) -> None:
+    acme = tenants[0]
+    pk = _deployment(client, db, acme)
+    rng = random.Random(5)
+    _ingest(client, acme, [request_record(i, rng, 0.8) for i in range(300)])
+    assert _monitor(db, pk, settings) == []
+    _trip_guardrail(client, db.new_session, settings, acme, pk)
+    with db.new_session() as session:
+        job_id = _guardrail_job(session, pk).id
+        assert as_utc(session.get_one(Job, job_id).next_attempt_at) > utcnow() + timedelta(
+            seconds=MIN_GUARDRAIL_REALIGN_DELAY_S
+        )
+    # The fallback's own hit rate becomes the new baseline (a fresh reference window)...
+    _ingest(client, acme, [request_record(1000 + i, rng, 0.5, prefix="ng") for i in range(300)])
+    assert _monitor(db, pk, settings) == []
+    with db.new_session() as session:
+        state = session.get_one(DriftMonitorState, pk)
+        assert state.detector_state["speculation_mode"] == "ngram"
+        assert state.records_examined < 1000  # restarted on the switch, not counting from the start
+    # ...so a later drop of the fallback is detected, and makes the waiting realignment due now.
+    _ingest(client, acme, [request_record(2000 + i, rng, 0.25, prefix="ng") for i in range(400)])
+    [event_id] = _monitor(db, pk, settings)
+    with db.new_session() as session:
+        event = session.get_one(DriftEvent, event_id)
+        assert event.state == DriftState.realigning and event.evidence["realign_job_id"] == job_id
+        job = session.get_one(Job, job_id)
+        assert job.state == JobState.queued and as_utc(job.next_attempt_at) <= utcnow()
+        assert claim_stale_queued_realigns(session=session, older_than=utcnow()) == [job_id]
+        session.commit()
+    # A person dismisses that alarm: they have taken over, and the guardrail's loop stops.
+    dismissed = client.post(f"{BASE}/drift-events/{event_id}:dismiss", headers=acme.headers(Role.admin))
+    assert dismissed.status_code == 200, dismissed.text
+    with db.new_session() as session:
+        assert session.get_one(Job, job_id).state == JobState.cancelled
+        deployment = session.get_one(Deployment, pk)
+        assert "guardrail_fallback" not in deployment.drift_policy
