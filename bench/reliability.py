@@ -243,6 +243,8 @@ def run_tenants(quick: bool) -> dict[str, Any]:
         tried = 0
         leaks: list[dict[str, Any]] = []
         statuses: Counter[int] = Counter()
+        # Inside the victim's account anything but a 404 tells the attacker that the path exists.
+        answered_otherwise: Counter[str] = Counter()
         for role in ROLES:
             headers = {"Authorization": f"Bearer {attacker.keys[role]}"}
             for operation in operations:
@@ -269,6 +271,8 @@ def run_tenants(quick: bool) -> dict[str, Any]:
                         continue
                     tried += 1
                     statuses[response.status_code] += 1
+                    if inside_victim and response.status_code not in (404, 405):
+                        answered_otherwise[f"{operation.label} -> {response.status_code}"] += 1
                     sent = case.as_curl_command(headers=headers)
                     carried = [m for m in markers if m in response.text and m not in sent]
                     if (inside_victim and 200 <= response.status_code < 300) or carried:
@@ -288,6 +292,7 @@ def run_tenants(quick: bool) -> dict[str, Any]:
         "roles": [r.value for r in ROLES],
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "leak_samples": leaks[:30],
+        "victim_paths_not_404": dict(answered_otherwise),
     }
 
 

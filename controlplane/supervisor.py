@@ -303,7 +303,11 @@ def serving_key(settings: Settings, account_name: str | None) -> tuple[Path, str
         if path.exists():
             secret = path.read_text().strip()
             principal = authenticate(session=session, presented=secret, secret=settings.secret_key)
-            if principal is not None and principal.account_id == account.id and principal.role == Role.serving:
+            if (
+                principal is not None
+                and principal.account_id == account.id
+                and principal.role == Role.serving
+            ):
                 return path, account.name
         issued = issue_key(
             session=session,

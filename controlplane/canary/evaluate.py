@@ -538,6 +538,7 @@ def _act_on_guardrail(
     keeps realigning the drafter that served, on the traffic since the switch, and canaries each
     candidate against the fallback (``jobs.service.enter_guardrail_fallback``)."""
     previous_version = active_drafter(session=session, deployment_id=deployment.id)
+    previous_draft_model = deployment.draft_model
     before = {
         "speculation_mode": deployment.speculation_mode.value,
         "draft_model": deployment.draft_model,
@@ -563,7 +564,7 @@ def _act_on_guardrail(
         session=session,
         deployment=deployment,
         settings=settings,
-        previous_draft_model=before["draft_model"],
+        previous_draft_model=previous_draft_model,
         previous_version=previous_version.version if previous_version is not None else None,
         reason=finding.reason,
         canary_id=canary.id,

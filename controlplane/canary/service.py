@@ -45,7 +45,12 @@ from controlplane.drift.service import latest_record_id
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
 from controlplane.fleet import actuators
 from controlplane.fleet.payloads import EVENT_CANARY_START, EVENT_PROMOTION, EVENT_ROLLBACK
-from controlplane.jobs.service import candidate_lost_to_fallback, end_guardrail_fallback
+from controlplane.jobs.service import (
+    candidate_lost_to_fallback,
+    end_guardrail_fallback,
+    guardrail_fallback,
+    resume_guardrail_fallback,
+)
 from controlplane.timestamps import parse_utc, utcnow
 
 # --- policy ---------------------------------------------------------------------------------
@@ -397,6 +402,7 @@ def promote(
         .order_by(Canary.id.desc())
     )
     _refuse_unverified(version)
+    fallback = guardrail_fallback(deployment)  # read before the promotion switches the mode back
     restore = drafters.promote_version(
         session=session,
         deployment=deployment,
@@ -409,7 +415,10 @@ def promote(
     end_drift_events(
         session=session, deployment_id=deployment_id, resolution=DriftResolution.promoted, reason=reason
     )
-    # A drafter serves again: a guardrail fallback it ended needs no more realignments.
+    # A drafter serves again: a guardrail fallback it ended needs no more realignments (kept on
+    # the canary, so that a rollback to the fallback resumes them).
+    if canary is not None and fallback is not None:
+        canary.arms = {**canary.arms, "guardrail_fallback": fallback}
     end_guardrail_fallback(
         session=session,
         deployment=deployment,
@@ -577,6 +586,13 @@ def rollback(*, session: Session, deployment_id: int, actor: str, reason: str) -
             **promotion.arms,
             "rollback": {"reason": reason, "at": utcnow().isoformat(), "by": actor},
         }
+        fallback = promotion.arms.get("guardrail_fallback")
+        if isinstance(fallback, dict) and actor == "system":
+            # The watch put the fallback a guardrail chose back: the loop goes on trying drafters
+            # (a person's rollback is theirs to follow up).
+            resume_guardrail_fallback(
+                session=session, deployment=deployment, settings=get_settings(), marker=fallback
+            )
     return outcome.restored
 
 

@@ -32,7 +32,7 @@ from controlplane.jobs.service import finish_job, guardrail_fallback, start_atte
 from controlplane.jobs.states import TERMINAL
 from controlplane.messaging import SHADOW_REPLAY, TaskMessage
 from controlplane.models.location import ModelLocation
-from controlplane.models.service import find_model, location_of
+from controlplane.models.service import default_drafter_of, find_model, location_of
 from controlplane.timestamps import as_utc, parse_utc, utcnow
 from controlplane.traces.holdout import trace_key
 
@@ -187,13 +187,17 @@ def _training_traces(rows: list[Trace]) -> list[TrainingTrace]:
 
 
 def last_drafter_location(*, session: Session, deployment: Deployment) -> ModelLocation | None:
-    """The registered drafter a guardrail switched the deployment away from (None: not in a
-    guardrail fallback, or that drafter is no longer registered)."""
+    """The registered drafter a guardrail switched the deployment away from: the one it named,
+    else its target's default drafter (None: not in a guardrail fallback, or none registered)."""
     marker = guardrail_fallback(deployment)
-    name = marker.get("draft_model") if marker is not None else None
-    if not isinstance(name, str) or not name:
+    if marker is None:
         return None
-    model = find_model(session=session, account_id=deployment.account_id, name=name)
+    name = marker.get("draft_model")
+    if isinstance(name, str) and name:
+        model = find_model(session=session, account_id=deployment.account_id, name=name)
+    else:
+        target = find_model(session=session, account_id=deployment.account_id, name=deployment.target_model)
+        model = default_drafter_of(session=session, target=target) if target is not None else None
     return location_of(model) if model is not None else None
 
 

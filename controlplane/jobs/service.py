@@ -1,6 +1,8 @@
 """Job services: request a realignment (one active per deployment), read, cancel, and the
 worker-side transitions (start an attempt, renew its lease, progress, finish, fail or retry), each
-checked by the state machine, and the sweep that recovers attempts whose worker died.
+checked by the state machine, and the sweep that recovers attempts whose worker died. Also the
+realignments that keep a deployment a guardrail switched to its fallback trying drafters again,
+each after a longer wait, until one is promoted or a person takes over.
 
 The database is the arbiter of "one queued or running realignment per deployment" (a partial
 unique index): a request simply tries to insert, and when the index refuses, the job that won
@@ -354,6 +356,31 @@ def candidate_lost_to_fallback(*, session: Session, deployment: Deployment, sett
     return schedule_guardrail_realign(session=session, deployment=deployment, settings=settings)
 
 
+def resume_guardrail_fallback(
+    *, session: Session, deployment: Deployment, settings: Settings, marker: dict[str, Any]
+) -> Job | None:
+    """A drafter promoted out of a guardrail fallback was rolled back to that fallback: the loop
+    resumes where it was, one loss further on (so it waits longer), on the traffic from now."""
+    if deployment.speculation_mode not in FALLBACK_MODES:
+        return None
+    resumed = {
+        **marker,
+        "since": utcnow().isoformat(),
+        "losses": int(marker.get("losses") or 0) + 1,
+        "since_record_id": int(
+            session.scalar(
+                select(func.max(AcceptanceRecordRow.id)).where(
+                    AcceptanceRecordRow.deployment_id == deployment.id
+                )
+            )
+            or 0
+        ),
+    }
+    deployment.drift_policy = {**(deployment.drift_policy or {}), GUARDRAIL_FALLBACK: resumed}
+    session.flush()
+    return schedule_guardrail_realign(session=session, deployment=deployment, settings=settings)
+
+
 def end_guardrail_fallback(*, session: Session, deployment: Deployment, actor: str, reason: str) -> list[int]:
     """The guardrail fallback is over (a drafter was promoted, or a person chose the mode or
     dismissed its alarm): forget it and cancel its realignments still waiting or running.
@@ -411,9 +438,11 @@ def realign_on_drift(*, session: Session, deployment: Deployment, event: DriftEv
     together or not at all, and the caller sends ``realign.run`` only after that commit. When a
     realignment is already queued or running (another event, a manual request), that job is
     returned instead (``created`` False): two simultaneous events start one job. The event becomes
-    ``realigning`` and names its job in its evidence (``realign_job_id``). None when the
-    deployment does not realign automatically (``auto_realign`` off, or a speculation mode
-    without a drafter model): the event stays ``open`` for a person.
+    ``realigning`` and names its job in its evidence (``realign_job_id``); a guardrail's
+    realignment still waiting out its backoff becomes due at once. None when the deployment does
+    not realign automatically (``auto_realign`` off, or a speculation mode without a drafter model
+    that a person chose; a guardrail's fallback does realign): the event stays ``open`` for a
+    person.
     """
     fallback = guardrail_fallback(deployment)
     if not deployment.auto_realign or (

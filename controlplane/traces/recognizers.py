@@ -19,9 +19,11 @@ number), because Presidio costs ~0.3 ms per KB and phonenumbers ~0.2 ms per cand
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 import functools
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -46,19 +48,41 @@ from detect_secrets.plugins import (
     telegram_token,
     twilio,
 )
-from presidio_analyzer import AnalyzerEngine, RecognizerRegistry, RecognizerResult
-from presidio_analyzer.context_aware_enhancers import ContextAwareEnhancer
-from presidio_analyzer.nlp_engine import NoOpNlpEngine
-from presidio_analyzer.predefined_recognizers import (
-    EmailRecognizer,
-    EsNieRecognizer,
-    EsNifRecognizer,
-    FiPersonalIdentityCodeRecognizer,
-    IbanRecognizer,
-    ItFiscalCodeRecognizer,
-    UkNinoRecognizer,
-    UsSsnRecognizer,
-)
+
+# Presidio imports its optional transformers NLP engine whenever transformers is installed (as it
+# is beside the workers), and with it torch: seconds of import and hundreds of MB in the API
+# process, for an engine this module never uses. Both are hidden while Presidio is imported, so
+# its optional imports fail as they would where the packages are missing.
+_ML_FRAMEWORKS: Final = ("torch", "transformers")
+
+
+@contextlib.contextmanager
+def _without_ml_frameworks() -> Iterator[None]:
+    hidden = [name for name in _ML_FRAMEWORKS if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # makes "import name" raise ImportError
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name) is None:
+                del sys.modules[name]
+
+
+with _without_ml_frameworks():
+    from presidio_analyzer import AnalyzerEngine, RecognizerRegistry, RecognizerResult
+    from presidio_analyzer.context_aware_enhancers import ContextAwareEnhancer
+    from presidio_analyzer.nlp_engine import NoOpNlpEngine
+    from presidio_analyzer.predefined_recognizers import (
+        EmailRecognizer,
+        EsNieRecognizer,
+        EsNifRecognizer,
+        FiPersonalIdentityCodeRecognizer,
+        IbanRecognizer,
+        ItFiscalCodeRecognizer,
+        UkNinoRecognizer,
+        UsSsnRecognizer,
+    )
 
 
 class Kind(enum.StrEnum):
@@ -266,6 +290,10 @@ _OTHER_SEPARATOR = re.compile(r"[^\d.]", re.ASCII)
 _DOTTED_QUAD = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}", re.ASCII)  # addresses, netmasks, versions
 
 
+_VALIDATIONS_BASE: Final = 64
+_CHARACTERS_PER_VALIDATION: Final = 256
+
+
 def _regions_for(candidate: str) -> tuple[str | None, ...]:
     if candidate.startswith("+"):
         return (None,)
@@ -283,8 +311,14 @@ def phone_spans(text: str, *, phone_word_before: Any = None) -> list[Span]:
 
     Numbers in national format must be written with separators (a bare run of digits is as likely
     an id or a constant) unless ``phone_word_before(text, start)`` says a phone word precedes it.
+
+    Validating costs ~0.1-0.3 ms a candidate, so a text gets a budget of validations in
+    proportion to its length; past it, phone-shaped candidates are replaced unvalidated (only
+    text built to be slow gets there, and replacing too much is the safe side).
     """
     spans: list[Span] = []
+    budget = _VALIDATIONS_BASE + len(text) // _CHARACTERS_PER_VALIDATION
+    seen: dict[str, bool] = {}  # a number repeated in the text is validated once
     for match in _CANDIDATE.finditer(text):
         candidate = match.group()
         if not 7 <= sum(char.isdigit() for char in candidate) <= 15:
@@ -301,15 +335,25 @@ def phone_spans(text: str, *, phone_word_before: Any = None) -> list[Span]:
             and not (phone_word_before is not None and phone_word_before(text, match.start()))
         ):
             continue
-        for region in _regions_for(candidate):
-            try:
-                number = phonenumbers.parse(candidate, region)
-            except phonenumbers.NumberParseException:
-                continue
-            if phonenumbers.is_valid_number(number):
-                spans.append((match.start(), match.end(), Kind.phone))
-                break
+        valid = seen.get(candidate)
+        if valid is None:
+            budget -= 1
+            valid = seen[candidate] = budget < 0 or _valid_somewhere(candidate)
+        if valid:
+            spans.append((match.start(), match.end(), Kind.phone))
     return spans
+
+
+def _valid_somewhere(candidate: str) -> bool:
+    # Not cached across calls: a process-wide cache would keep callers' phone numbers in memory.
+    for region in _regions_for(candidate):
+        try:
+            number = phonenumbers.parse(candidate, region)
+        except phonenumbers.NumberParseException:
+            continue
+        if phonenumbers.is_valid_number(number):
+            return True
+    return False
 
 
 # ---- detect-secrets ----------------------------------------------------------------------------

@@ -35,7 +35,10 @@ def upgrade() -> None:
     # api_keys has no children, so SQLite's batch rebuild (the only way to change its CHECK) is safe.
     with op.batch_alter_table("api_keys") as batch:
         batch.alter_column(
-            "role", existing_type=_role_enum(ROLES_BEFORE), type_=_role_enum(ROLES_AFTER), existing_nullable=False
+            "role",
+            existing_type=_role_enum(ROLES_BEFORE),
+            type_=_role_enum(ROLES_AFTER),
+            existing_nullable=False,
         )
 
     # Plain ADD COLUMN everywhere else: on SQLite a batch rebuild of a parent table would drop its
@@ -82,7 +85,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_index(op.f("ix_quarantined_rollup_records_deployment_id"), table_name="quarantined_rollup_records")
+    op.drop_index(
+        op.f("ix_quarantined_rollup_records_deployment_id"), table_name="quarantined_rollup_records"
+    )
     op.drop_table("quarantined_rollup_records")
     for column in ("judge_state", "judge_watermark_record_id", "shadow_attempts", "shadow_sent_at"):
         with op.batch_alter_table("canaries") as batch:
@@ -98,5 +103,8 @@ def downgrade() -> None:
     op.execute("DELETE FROM api_keys WHERE role = 'serving'")
     with op.batch_alter_table("api_keys") as batch:
         batch.alter_column(
-            "role", existing_type=_role_enum(ROLES_AFTER), type_=_role_enum(ROLES_BEFORE), existing_nullable=False
+            "role",
+            existing_type=_role_enum(ROLES_AFTER),
+            type_=_role_enum(ROLES_BEFORE),
+            existing_nullable=False,
         )

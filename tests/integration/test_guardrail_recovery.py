@@ -307,7 +307,7 @@ def test_after_a_guardrail_switch_a_realignment_wins_the_deployment_back_from_ng
 # ------------------------------------------------------------------------ both dialects, no training
 
 
-def _deployment(client: TestClient, db: Database, tenant: Tenant) -> int:
+def _deployment(client: TestClient, db: Database, tenant: Tenant, cooldown_s: int = COOLDOWN_S) -> int:
     admin = tenant.headers(Role.admin)
     created = client.post(
         "/v1/accounts/acme/deployments",
@@ -321,7 +321,7 @@ def _deployment(client: TestClient, db: Database, tenant: Tenant) -> int:
     )
     assert created.status_code == 201, created.text
     patched = client.patch(
-        f"{BASE}/drift-policy", json={"cooldown_s": COOLDOWN_S, "reference_requests": 200}, headers=admin
+        f"{BASE}/drift-policy", json={"cooldown_s": cooldown_s, "reference_requests": 200}, headers=admin
     )
     assert patched.status_code == 200, patched.text
     with db.new_session() as session:
@@ -418,19 +418,21 @@ def _ingest(client: TestClient, tenant: Tenant, records: list[dict[str, Any]]) -
     assert response.status_code == 200, response.text
 
 
-def test_the_detector_rebases_on_the_fallback_whose_drift_makes_the_realignment_due_and_a_dismissal_cancels_it(
+def test_the_detector_rebases_on_the_fallback_and_its_drift_makes_the_realignment_due_at_once(
     client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
 ) -> None:
     acme = tenants[0]
-    pk = _deployment(client, db, acme)
+    # No quiet period after the guardrail's event: the fallback's drift may alarm at once.
+    pk = _deployment(client, db, acme, cooldown_s=0)
     rng = random.Random(5)
     _ingest(client, acme, [request_record(i, rng, 0.8) for i in range(300)])
     assert _monitor(db, pk, settings) == []
     _trip_guardrail(client, db.new_session, settings, acme, pk)
     with db.new_session() as session:
         job_id = _guardrail_job(session, pk).id
+        # Even with no cooldown, the next try waits a minimum: the loop never spins.
         assert as_utc(session.get_one(Job, job_id).next_attempt_at) > utcnow() + timedelta(
-            seconds=MIN_GUARDRAIL_REALIGN_DELAY_S
+            seconds=MIN_GUARDRAIL_REALIGN_DELAY_S - 10
         )
     # The fallback's own hit rate becomes the new baseline (a fresh reference window)...
     _ingest(client, acme, [request_record(1000 + i, rng, 0.5, prefix="ng") for i in range(300)])
@@ -440,7 +442,7 @@ def test_the_detector_rebases_on_the_fallback_whose_drift_makes_the_realignment_
         assert state.detector_state["speculation_mode"] == "ngram"
         assert state.records_examined < 1000  # restarted on the switch, not counting from the start
     # ...so a later drop of the fallback is detected, and makes the waiting realignment due now.
-    _ingest(client, acme, [request_record(2000 + i, rng, 0.25, prefix="ng") for i in range(400)])
+    _ingest(client, acme, [request_record(2000 + i, rng, 0.2, prefix="ng") for i in range(600)])
     [event_id] = _monitor(db, pk, settings)
     with db.new_session() as session:
         event = session.get_one(DriftEvent, event_id)
@@ -456,3 +458,33 @@ def test_the_detector_rebases_on_the_fallback_whose_drift_makes_the_realignment_
         assert session.get_one(Job, job_id).state == JobState.cancelled
         deployment = session.get_one(Deployment, pk)
         assert "guardrail_fallback" not in deployment.drift_policy
+
+
+def test_a_promotion_the_watch_rolls_back_to_the_fallback_resumes_the_loop_with_a_longer_wait(
+    client: TestClient, db: Database, tenants: tuple[Tenant, Tenant], settings: Settings
+) -> None:
+    acme = tenants[0]
+    viewer, serving = acme.headers(Role.viewer), acme.headers(Role.serving)
+    pk = _deployment(client, db, acme)
+    _trip_guardrail(client, db.new_session, settings, acme, pk)
+    with db.new_session() as session:
+        first_id = _guardrail_job(session, pk).id
+    version_id = _pretend_trained(db, first_id, pk, 2)
+    _go_live(db.new_session, settings, version_id)
+    _post(client, serving, _candidate_split(2, 80_000, wins=True))
+    assert _evaluate(db.new_session, settings, pk)["decision"] == "promote"
+    assert client.get(BASE, headers=viewer).json()["speculation_mode"] == "draft_model"
+    with db.new_session() as session:
+        assert active_realign_job(session=session, deployment_id=pk) is None
+
+    # Served for real, the promoted drafter falls far short of its canary: the watch rolls back
+    # to n-gram, and the loop resumes, one loss further on.
+    _post(client, serving, _records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=2, start=90_000))
+    assert _evaluate(db.new_session, settings, pk)["watch"] == "rolled back"
+    assert client.get(BASE, headers=viewer).json()["speculation_mode"] == "ngram"
+    with db.new_session() as session:
+        resumed = _guardrail_job(session, pk)
+        assert resumed.id != first_id and resumed.state == JobState.queued
+        assert resumed.result["losses_since_switch"] == 1 and resumed.result["delay_s"] == 2 * COOLDOWN_S
+    status = client.get(f"{BASE}/drift-status", headers=viewer).json()["guardrail_recovery"]
+    assert status["realign_job_id"] == resumed.id and status["losses"] == 1

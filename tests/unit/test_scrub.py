@@ -15,6 +15,8 @@ import json
 import random
 import socket
 import string
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -220,6 +222,12 @@ NEAR_MISSES: list[str] = [
     "MAX_TOKENS=4096 DB_PASSWORD=$DB_PASSWORD SECRET_KEY=None",
     # shapes near national ids and IBANs
     "order 123-45-6789 (placeholder SSN), ref 000-12-3456, version 2024.01.15",
+    # found in CPython's sources and docs: slices, annotations, CSS colours, OIDs, decimals, floats
+    "return s[index:index+2] + s[declstartpos:declstartpos+20]; the equivalent of 'x:int=3'",
+    ".diff_header {background-color:#e0e0e0} .diff_chg {background-color:#ffff77}",
+    "SERVER_AUTH = '1.3.6.1.5.5.7.3.1'; CLIENT_AUTH = 'client'",
+    "Decimal('86087.7578'), Decimal('1.38435736E+8'), 35236450.6",
+    '"aix-6107-1415-64" for AIX 6.1 TL7',
 ]
 
 
@@ -280,6 +288,7 @@ def test_random_tokens_are_caught_and_names_are_not() -> None:
         "password=" * 20_000,
         "@a." * 60_000,
         "x@" + "a" * 200_000,
+        "".join(f"n {i % 90 + 10} {i % 97 + 1:02d} 5{i % 89 + 10} 8, " for i in range(10_000)),
     ],
     ids=[
         "letters",
@@ -292,6 +301,7 @@ def test_random_tokens_are_caught_and_names_are_not() -> None:
         "keys",
         "ats",
         "at",
+        "phone-shaped",
     ],
 )
 def test_adversarial_inputs_scrub_in_linear_time(text: str) -> None:
@@ -308,7 +318,7 @@ def test_throughput() -> None:
     started = time.process_time()  # CPU time: the test machine is shared
     scrub(text)
     elapsed = time.process_time() - started
-    assert len(text) / elapsed > 1_000_000, f"{len(text) / elapsed / 1e6:.1f} MB/s"  # ~3 MB/s
+    assert len(text) / elapsed > 1_000_000, f"{len(text) / elapsed / 1e6:.1f} MB/s"  # ~2.3 MB/s
 
 
 def _corpus() -> list[dict[str, Any]]:
@@ -356,3 +366,16 @@ def test_libraries_never_touch_the_network(monkeypatch: pytest.MonkeyPatch) -> N
         recognizers.presidio_engine.cache_clear()
     assert result.text == f"mail {E} or {E}, IBAN {IBAN}, {P}"
     assert attempts == []
+
+
+def test_scrubber_does_not_load_torch() -> None:
+    """Presidio would import transformers (and torch) into the API process if allowed to."""
+    probe = (
+        "import sys; from controlplane.traces.scrub import scrub; scrub('a@b.io 536-22-1234'); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
