@@ -19,6 +19,8 @@ SCRIPTS = [
     "canary.py",
     "models.py",
     "router.py",
+    "scrub.py",
+    "reliability.py",
 ]
 
 

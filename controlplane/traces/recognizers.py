@@ -11,9 +11,11 @@ and does the replacing. Nothing here touches the network or the disk at run time
 * ``phonenumbers`` carries its metadata in the package.
 * detect-secrets' plugins are used for their regular expressions only (never ``verify``).
 
-Speed: each library is called only when a cheap test says it could find something (an ``@`` for
-e-mail, two capitals and two digits for an IBAN, a separated run of 7+ digits for a phone
-number), because Presidio costs ~0.3 ms per KB and phonenumbers ~0.2 ms per candidate and region.
+Speed: each library is called only when a cheap test says it could find something (an ``@``, an
+IBAN- or id-shaped group of digits, a separated run of 7-15 digits the scrubber's own phone rules
+left, a vendor's literal prefix), and Presidio reads only the words around those places: its
+analyzer costs ~0.1 ms a call and its e-mail pattern ~1 ms per KB of code-like text, and
+phonenumbers ~0.05 ms per region tried.
 """
 
 from __future__ import annotations
