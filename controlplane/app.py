@@ -31,7 +31,7 @@ from controlplane.api.gate import BodyTooLargeError, RequestGate, error_response
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
 from controlplane.dashboard import routes as dashboard
-from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.db.session import UNREACHABLE_DATABASE_ERRORS, get_engine, get_sessionmaker
 from controlplane.errors import DomainError
 from controlplane.ingest.batcher import IngestBatcher
 from controlplane.messaging import BackgroundSender
@@ -111,6 +111,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(DomainError)
     async def domain_error(_: Request, exc: DomainError) -> JSONResponse:
         return error_response(exc.status_code, type(exc).__name__, exc.message, exc.details)
+
+    async def database_unreachable(_: Request, exc: Exception) -> JSONResponse:
+        # The database is restarting or refused a connection: the same request will succeed
+        # shortly (ids make a retry idempotent), so say so and let a retrying client back off.
+        log.warning("database unreachable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return error_response(
+            503,
+            "DatabaseUnavailable",
+            "the database is unavailable; retry shortly (a retried batch is stored once)",
+            headers={"Retry-After": "1"},
+        )
+
+    for error_class in UNREACHABLE_DATABASE_ERRORS:
+        app.add_exception_handler(error_class, database_unreachable)
 
     @app.exception_handler(BodyTooLargeError)
     async def body_too_large(_: Request, exc: BodyTooLargeError) -> JSONResponse:

@@ -19,6 +19,9 @@ from sqlalchemy.orm import Session, sessionmaker
 # The database was briefly unreachable or refused a connection: worth retrying the same work
 # (Celery tasks map these to a retry), unlike a bug or bad data.
 TRANSIENT_DATABASE_ERRORS: tuple[type[Exception], ...] = (OperationalError,)
+# The same, as a request may meet them: wrapped by SQLAlchemy, or raw from psycopg where the ingest
+# path uses the driver's own cursor (COPY).
+UNREACHABLE_DATABASE_ERRORS: tuple[type[Exception], ...] = (OperationalError, psycopg.OperationalError)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

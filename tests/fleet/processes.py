@@ -67,8 +67,12 @@ class ControlPlaneProcess:
                 stdout=sink,
                 stderr=subprocess.STDOUT,
             )
-        # Generous: on a 2-core machine shared with other test runs an import-heavy start takes 30 s+.
-        wait_http(f"{self.url}/readyz", self.process, timeout_s=120.0)
+        try:
+            # Generous: on a 2-core machine shared with other test runs an import-heavy start takes 30 s+.
+            wait_http(f"{self.url}/readyz", self.process, timeout_s=120.0)
+        except AssertionError:
+            self.stop(kill=True)  # never left behind by a start that failed
+            raise AssertionError(f"{self.url} did not become ready:\n{self.log_tail()}") from None
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
