@@ -119,8 +119,10 @@ _INSERT_NEW_DEFERRING_ROLLUPS_SQL = f"""
 # dozen; a backlog (folds failing while the database was away) is taken in chunks, each summed
 # into the fold's deltas at once, so memory holds one chunk of rows whatever the backlog.
 FOLD_CHUNK_RECORDS = 5_000
-# A fold reads the columns every write path stores (aggregate() reads most of them by name).
-_FOLDED_COLUMNS = ", ".join(["r.id", *(f"r.{name}" for name in COPY_COLUMNS)])
+# A fold reads the columns every write path stores (aggregate() reads most of them by name),
+# except who wrote the record, which no rollup splits by: earlier revisions' migrations fold
+# with this code on a table that has no such column yet.
+_FOLDED_COLUMNS = ", ".join(["r.id", *(f"r.{name}" for name in COPY_COLUMNS if name != "from_serving_key")])
 # Pending rows are taken, and so locked, in record order by every fold, whatever its filter,
 # and each fold runs in a transaction of its own that locks rollup rows only after it holds
 # every pending row it takes: a transaction waiting for pending rows then never holds a rollup

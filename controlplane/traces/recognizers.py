@@ -21,16 +21,12 @@ phonenumbers ~0.05 ms per region tried.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import enum
-import functools
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any, Final
 
 import phonenumbers
-import tldextract
 from detect_secrets.plugins import (
     artifactory,
     aws,
@@ -51,41 +47,6 @@ from detect_secrets.plugins import (
     twilio,
 )
 
-# Presidio imports its optional transformers NLP engine whenever transformers is installed (as it
-# is beside the workers), and with it torch: seconds of import and hundreds of MB in the API
-# process, for an engine this module never uses. Both are hidden while Presidio is imported, so
-# its optional imports fail as they would where the packages are missing.
-_ML_FRAMEWORKS: Final = ("torch", "transformers")
-
-
-@contextlib.contextmanager
-def _without_ml_frameworks() -> Iterator[None]:
-    hidden = [name for name in _ML_FRAMEWORKS if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None  # type: ignore[assignment]  # makes "import name" raise ImportError
-    try:
-        yield
-    finally:
-        for name in hidden:
-            if sys.modules.get(name) is None:
-                del sys.modules[name]
-
-
-with _without_ml_frameworks():
-    from presidio_analyzer import AnalyzerEngine, RecognizerRegistry, RecognizerResult
-    from presidio_analyzer.context_aware_enhancers import ContextAwareEnhancer
-    from presidio_analyzer.nlp_engine import NoOpNlpEngine
-    from presidio_analyzer.predefined_recognizers import (
-        EmailRecognizer,
-        EsNieRecognizer,
-        EsNifRecognizer,
-        FiPersonalIdentityCodeRecognizer,
-        IbanRecognizer,
-        ItFiscalCodeRecognizer,
-        UkNinoRecognizer,
-        UsSsnRecognizer,
-    )
-
 
 class Kind(enum.StrEnum):
     """What a library recognizer found; the scrubber maps it to its own entity."""
@@ -100,37 +61,6 @@ class Kind(enum.StrEnum):
 Span = tuple[int, int, Kind]
 
 # ---- Presidio ----------------------------------------------------------------------------------
-
-
-@functools.cache
-def offline_suffixes() -> tldextract.TLDExtract:
-    """tldextract reading the public suffix list from its bundled snapshot: no URL, no cache dir."""
-    return tldextract.TLDExtract(cache_dir=None, suffix_list_urls=(), fallback_to_snapshot=True)
-
-
-class OfflineEmailRecognizer(EmailRecognizer):
-    """Presidio's e-mail recognizer with the public suffix list read from tldextract's snapshot."""
-
-    def validate_result(self, pattern_text: str) -> bool:
-        return bool(offline_suffixes()(pattern_text).fqdn)
-
-
-class NoContextEnhancer(ContextAwareEnhancer):
-    """Leaves scores as the recognizers gave them: with no NLP tokens there are no context words
-    to find, and the default enhancer's copying of every result is most of Presidio's cost."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            context_similarity_factor=0,
-            min_score_with_context_similarity=0,
-            context_prefix_count=0,
-            context_suffix_count=0,
-        )
-
-    def enhance_using_context(
-        self, text: str, raw_results: list[RecognizerResult], *args: Any, **kwargs: Any
-    ) -> list[RecognizerResult]:
-        return raw_results
 
 
 _PRESIDIO_KINDS: Final = {
@@ -167,33 +97,6 @@ _NUMBER_AFTER: Final = re.compile(r"[+-]\d|[.,]\d", re.ASCII)
 _EMAIL_REACH: Final = 255
 _ID_LEAD: Final = 8  # letters before an id's first digit: "GB82", "RSSMRA85", "AB 12"
 _ID_REACH: Final = 48  # an IBAN with its spaces runs to 42 characters
-# Patterns Presidio scores "very weak" (any 9-digit number for an SSN) need context words, which
-# the no-op NLP engine cannot see; validated patterns (checksums) score 1.0.
-_PRESIDIO_MIN_SCORE: Final = 0.5
-
-
-@functools.cache
-def presidio_engine() -> AnalyzerEngine:
-    """Presidio's analyzer with pattern recognizers only, built once."""
-    recognizers = [
-        OfflineEmailRecognizer(),
-        IbanRecognizer(),
-        UsSsnRecognizer(),
-        UkNinoRecognizer(),
-        # Country recognizers default to their country's language; the text is analysed as one.
-        EsNifRecognizer(supported_language="en"),
-        EsNieRecognizer(supported_language="en"),
-        ItFiscalCodeRecognizer(supported_language="en"),
-        FiPersonalIdentityCodeRecognizer(supported_language="en"),
-    ]
-    registry = RecognizerRegistry(recognizers=recognizers, supported_languages=["en"])
-    nlp_engine = NoOpNlpEngine(models=[{"lang_code": "en", "model_name": "none"}])
-    return AnalyzerEngine(
-        registry=registry,
-        nlp_engine=nlp_engine,
-        supported_languages=["en"],
-        context_aware_enhancer=NoContextEnhancer(),
-    )
 
 
 def _window(text: str, start: int, end: int, reach: int, limit: int) -> tuple[int, int]:
@@ -240,8 +143,12 @@ def presidio_spans(text: str) -> list[Span]:
         pieces.append(text[start:end])
         position += end - start + 1
     analysed = "\n".join(pieces)
+    # Imported on first use: Presidio pulls in spaCy (~1.5 s), which a process that never scrubs
+    # (a worker, the CLI) should not pay for at start.
+    from controlplane.traces.presidio_engine import PRESIDIO_MIN_SCORE, presidio_engine
+
     results = presidio_engine().analyze(
-        analysed, language="en", entities=sorted(entities), score_threshold=_PRESIDIO_MIN_SCORE
+        analysed, language="en", entities=sorted(entities), score_threshold=PRESIDIO_MIN_SCORE
     )
     spans: list[Span] = []
     for result in results:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.traces import recognizers
+from controlplane.traces import presidio_engine
 from controlplane.traces.scrub import Entity, looks_random, luhn_ok, scrub
 
 E, P, C, IP, S = "<EMAIL>", "<PHONE>", "<CREDIT_CARD>", "<IP_ADDRESS>", "<SECRET>"
@@ -355,15 +355,15 @@ def test_libraries_never_touch_the_network(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    recognizers.offline_suffixes.cache_clear()
-    recognizers.presidio_engine.cache_clear()
+    presidio_engine.offline_suffixes.cache_clear()
+    presidio_engine.presidio_engine.cache_clear()
     try:
         result = scrub(
             "mail olga@почта.рф or jürgen@münchen.de, IBAN GB82WEST12345698765432, +49 30 12345678"
         )
     finally:
-        recognizers.offline_suffixes.cache_clear()
-        recognizers.presidio_engine.cache_clear()
+        presidio_engine.offline_suffixes.cache_clear()
+        presidio_engine.presidio_engine.cache_clear()
     assert result.text == f"mail {E} or {E}, IBAN {IBAN}, {P}"
     assert attempts == []
 
@@ -379,3 +379,13 @@ def test_scrubber_does_not_load_torch() -> None:
         [sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_processes_that_never_scrub_do_not_import_presidio() -> None:
+    """Presidio brings spaCy (~1.5 s of import): the API and the workers load it on first scrub."""
+    probe = (
+        "import sys; import controlplane.app, workers.tasks; "
+        "print('presidio_analyzer' in sys.modules, 'spacy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stderr
