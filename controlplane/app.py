@@ -27,7 +27,12 @@ from controlplane.api import (
     traces,
 )
 from controlplane.api.deps import DeploymentIdCache, PrincipalCache
-from controlplane.api.gate import BodyTooLargeError, RequestGate, error_response
+from controlplane.api.gate import (
+    BodyTooLargeError,
+    RequestGate,
+    database_unavailable_response,
+    error_response,
+)
 from controlplane.bootstrap import prepare_embedded_database
 from controlplane.config import Settings, get_settings
 from controlplane.dashboard import routes as dashboard
@@ -113,15 +118,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return error_response(exc.status_code, type(exc).__name__, exc.message, exc.details)
 
     async def database_unreachable(_: Request, exc: Exception) -> JSONResponse:
-        # The database is restarting or refused a connection: the same request will succeed
-        # shortly (ids make a retry idempotent), so say so and let a retrying client back off.
         log.warning("database unreachable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return error_response(
-            503,
-            "DatabaseUnavailable",
-            "the database is unavailable; retry shortly (a retried batch is stored once)",
-            headers={"Retry-After": "1"},
-        )
+        return database_unavailable_response()
 
     for error_class in UNREACHABLE_DATABASE_ERRORS:
         app.add_exception_handler(error_class, database_unreachable)

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.deps import PRINCIPAL_SCOPE_KEY, get_principal
 from controlplane.config import Settings
+from controlplane.db.session import UNREACHABLE_DATABASE_ERRORS
 from controlplane.fleet.payloads import HEADER_SIGNATURE
 from controlplane.traces.formats import MAX_DATASET_BYTES
 
@@ -46,6 +47,17 @@ def error_response(
     if details is not None:
         error["details"] = details
     return JSONResponse({"error": error}, status_code=status_code, headers=headers)
+
+
+def database_unavailable_response() -> JSONResponse:
+    """The database is restarting or refused a connection: the same request will succeed shortly
+    (request ids make a retried batch idempotent), so a retrying client is told to back off."""
+    return error_response(
+        503,
+        "DatabaseUnavailable",
+        "the database is unavailable; retry shortly (a retried batch is stored once)",
+        headers={"Retry-After": "1"},
+    )
 
 
 class BodyTooLargeError(HTTPException):
@@ -189,6 +201,11 @@ class RequestGate:
                 await error_response(exc.status_code, "HTTPError", str(exc.detail), headers=exc.headers)(
                     scope, receive, send
                 )
+                return
+            except UNREACHABLE_DATABASE_ERRORS:
+                # A key not in the cache while the database restarts: outside FastAPI's handlers
+                # here, so answer as they would (503, retry), not with a bare 500.
+                await database_unavailable_response()(scope, receive, send)
                 return
             scope[PRINCIPAL_SCOPE_KEY] = principal
             kind = "ingest" if ingest_route is not None and method == "POST" else "admin"
