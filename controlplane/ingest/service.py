@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from controlplane.db.models import AcceptanceRecordRow, QuarantinedRollupRecord
 from controlplane.db.session import driver_cursor, json_dumps
 from controlplane.errors import ConflictError, ValidationProblem
-from controlplane.ingest.formats import MAX_COUNT, MAX_K, MAX_LATENCY_MS
+from controlplane.ingest.formats import MAX_COUNT, MAX_K, MAX_LATENCY_MS, NATIVE_FIELDS
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import RollupDelta, RollupKey, aggregate, apply_deltas
 from controlplane.timestamps import as_utc, utcnow
@@ -553,22 +553,9 @@ class ConflictingRecordsError(ConflictError):
         self.request_ids = [rid for rid, _ in conflicts]
 
 
-# The record's values a retry must repeat exactly (created_at too, when the retry carries one).
-_CONTENT_FIELDS = (
-    "drafted_tokens",
-    "accepted_tokens",
-    "verify_steps",
-    "generated_tokens",
-    "accepted_per_position",
-    "k",
-    "prompt_tokens",
-    "ttft_ms",
-    "inter_token_ms",
-    "total_ms",
-    "arm",
-    "drafter_version",
-    "category",
-)
+# The record's values a retry must repeat exactly: every field a client sends but its id, and
+# created_at, compared apart (a retry without one matches any stored time).
+_CONTENT_FIELDS = tuple(name for name in NATIVE_FIELDS if name not in ("request_id", "created_at"))
 
 
 def content_difference(stored: Any, sent: AcceptanceRecord) -> str | None:
