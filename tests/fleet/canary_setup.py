@@ -65,3 +65,33 @@ def open_live_canary(database_url: str, deployment_name: str, version_number: in
     if phase != "live":
         raise AssertionError(f"the canary went {phase}, not live")
     return canary_id
+
+
+def arm_records(
+    arm: str, n: int, *, tps: float, ms: float, hit: float, version: int | None, start: int
+) -> list[dict[str, Any]]:
+    """Native acceptance records of one arm: tokens per step, latency per token and hit rate."""
+    rng = random.Random(start)
+    out = []
+    for i in range(n):
+        steps = 20
+        generated = int(round(steps * tps * rng.uniform(0.92, 1.08)))
+        drafted = 0 if arm == "baseline" else steps * 4
+        accepted = 0 if arm == "baseline" else min(drafted, int(round(drafted * hit * rng.uniform(0.8, 1.2))))
+        out.append(
+            {
+                "request_id": f"{arm}-{start + i}",
+                "arm": arm,
+                "drafter_version": version,
+                "k": 0 if arm == "baseline" else 4,
+                "drafted_tokens": drafted,
+                "accepted_tokens": accepted,
+                "verify_steps": generated if arm == "baseline" else steps,
+                "generated_tokens": generated,
+                "accepted_per_position": []
+                if arm == "baseline"
+                else [accepted // 4 + (1 if p < accepted % 4 else 0) for p in range(4)],
+                "inter_token_ms": ms * rng.uniform(0.9, 1.1),
+            }
+        )
+    return out

@@ -44,7 +44,7 @@ from controlplane.db.models import (
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.timestamps import utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant
-from tests.fleet.canary_setup import passing_shadow
+from tests.fleet.canary_setup import arm_records, passing_shadow
 
 BASE = "/v1/accounts/acme/deployments"
 
@@ -113,36 +113,6 @@ def _live_canary(db: Database, settings: Settings, deployment_id: int, number: i
     return canary_id
 
 
-def _records(
-    arm: str, n: int, *, tps: float, ms: float, hit: float, version: int | None, start: int
-) -> list[dict[str, Any]]:
-    """Native acceptance records of one arm: tokens per step, latency per token and hit rate."""
-    rng = random.Random(start)
-    out = []
-    for i in range(n):
-        steps = 20
-        generated = int(round(steps * tps * rng.uniform(0.92, 1.08)))
-        drafted = 0 if arm == "baseline" else steps * 4
-        accepted = 0 if arm == "baseline" else min(drafted, int(round(drafted * hit * rng.uniform(0.8, 1.2))))
-        out.append(
-            {
-                "request_id": f"{arm}-{start + i}",
-                "arm": arm,
-                "drafter_version": version,
-                "k": 0 if arm == "baseline" else 4,
-                "drafted_tokens": drafted,
-                "accepted_tokens": accepted,
-                "verify_steps": generated if arm == "baseline" else steps,
-                "generated_tokens": generated,
-                "accepted_per_position": []
-                if arm == "baseline"
-                else [accepted // 4 + (1 if p < accepted % 4 else 0) for p in range(4)],
-                "inter_token_ms": ms * rng.uniform(0.9, 1.1),
-            }
-        )
-    return out
-
-
 def _post(client: TestClient, headers: dict[str, str], records: list[dict[str, Any]]) -> None:
     reply = client.post(
         f"{BASE}/svc/acceptance", json={"format": "native", "records": records}, headers=headers
@@ -160,9 +130,9 @@ def _evaluate(db: Database, settings: Settings, deployment_id: int) -> dict[str,
 
 def _winning_split(start: int) -> list[dict[str, Any]]:
     return (
-        _records("live", 120, tps=1.3, ms=5.2, hit=0.1, version=None, start=start)
-        + _records("canary:1", 90, tps=3.0, ms=2.2, hit=0.6, version=1, start=start + 1000)
-        + _records("baseline", 90, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
+        arm_records("live", 120, tps=1.3, ms=5.2, hit=0.1, version=None, start=start)
+        + arm_records("canary:1", 90, tps=3.0, ms=2.2, hit=0.6, version=1, start=start + 1000)
+        + arm_records("baseline", 90, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
     )
 
 
@@ -188,12 +158,12 @@ def test_only_records_written_under_a_serving_key_promote_or_roll_back(
     assert client.get(f"{BASE}/svc", headers=viewer).json()["active_drafter_version"] == 1
 
     # Live records far below the canary's hit rate, from an ingest key, roll nothing back...
-    shortfall = _records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=1, start=20_000)
+    shortfall = arm_records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=1, start=20_000)
     _post(client, acme.headers(Role.ingest), shortfall)
     assert _evaluate(db, settings, deployment_id)["watch"] == "watching"
     assert client.get(f"{BASE}/svc", headers=viewer).json()["active_drafter_version"] == 1
     # ...from the serving key they do.
-    shortfall = _records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=1, start=30_000)
+    shortfall = arm_records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=1, start=30_000)
     _post(client, acme.headers(Role.serving), shortfall)
     assert _evaluate(db, settings, deployment_id)["watch"] == "rolled back"
     assert client.get(f"{BASE}/svc", headers=viewer).json()["active_drafter_version"] is None
@@ -202,9 +172,9 @@ def test_only_records_written_under_a_serving_key_promote_or_roll_back(
 def _slow_split(start: int) -> list[dict[str, Any]]:
     """Both drafters slower than no speculation (the seed's 29 % case), at the 80/10/10 split."""
     return (
-        _records("live", 480, tps=1.2, ms=8.0, hit=0.05, version=None, start=start)
-        + _records("canary:1", 60, tps=1.0, ms=9.5, hit=0.01, version=1, start=start + 1000)
-        + _records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
+        arm_records("live", 480, tps=1.2, ms=8.0, hit=0.05, version=None, start=start)
+        + arm_records("canary:1", 60, tps=1.0, ms=9.5, hit=0.01, version=1, start=start + 1000)
+        + arm_records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
     )
 
 
@@ -252,9 +222,9 @@ def test_a_guardrail_trips_only_on_serving_records_and_then_a_candidate_beats_ng
         session.commit()
     assert phase == "live"
     serving = acme.headers(Role.serving)
-    _post(client, serving, _records("live", 480, tps=1.3, ms=5.2, hit=0.1, version=None, start=40_000))
-    _post(client, serving, _records("canary:2", 60, tps=3.0, ms=2.2, hit=0.6, version=2, start=41_000))
-    _post(client, serving, _records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=42_000))
+    _post(client, serving, arm_records("live", 480, tps=1.3, ms=5.2, hit=0.1, version=None, start=40_000))
+    _post(client, serving, arm_records("canary:2", 60, tps=3.0, ms=2.2, hit=0.6, version=2, start=41_000))
+    _post(client, serving, arm_records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=42_000))
     assert _evaluate(db, settings, deployment_id)["decision"] == "promote"
     deployment = client.get(f"{BASE}/svc", headers=viewer).json()
     assert deployment["speculation_mode"] == "draft_model" and deployment["active_drafter_version"] == 2
@@ -303,7 +273,7 @@ def test_the_incremental_judge_equals_a_full_recount_tick_by_tick(
         for start in range(0, len(split), 17):
             _insert(session, deployment_id, split[start : start + 17])
             # Records from an ingest key, interleaved, never count.
-            _insert(session, deployment_id, _records("canary:1", 2, tps=9, ms=0.1, hit=1, version=1,
+            _insert(session, deployment_id, arm_records("canary:1", 2, tps=9, ms=0.1, hit=1, version=1,
                                                      start=90_000 + start), trusted=False)  # fmt: skip
             view = advance_judge(
                 session=session, canary=canary, max_requests=policy.max_requests, batch_limit=7
@@ -317,7 +287,7 @@ def test_the_incremental_judge_equals_a_full_recount_tick_by_tick(
             compare(session, canary, view)
         assert view.records == len(split)
         # A transaction takes an id, then commits only after a tick saw a newer one: still counted.
-        late = _records("canary:1", 4, tps=3.0, ms=2.2, hit=0.6, version=1, start=99_000)
+        late = arm_records("canary:1", 4, tps=3.0, ms=2.2, hit=0.6, version=1, start=99_000)
         _insert(session, deployment_id, [dict(r) for r in late])
         taken = session.scalar(
             select(AcceptanceRecordRow.id).where(AcceptanceRecordRow.request_id == late[0]["request_id"])

@@ -55,7 +55,7 @@ from controlplane.jobs.service import (
 )
 from controlplane.timestamps import as_utc, utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant
-from tests.fleet.canary_setup import passing_shadow
+from tests.fleet.canary_setup import arm_records, passing_shadow
 from tests.integration.test_drift_monitor import request_record
 from tests.integration.test_recovery import _register_tiny, _tiny_models
 
@@ -63,56 +63,28 @@ BASE = "/v1/accounts/acme/deployments/svc"
 COOLDOWN_S = 900
 
 
-def _records(
-    arm: str, n: int, *, tps: float, ms: float, hit: float, version: int | None, start: int
-) -> list[dict[str, Any]]:
-    """Native acceptance records of one arm: tokens per step, latency per token and hit rate."""
-    rng = random.Random(start)
-    out = []
-    for i in range(n):
-        steps = 20
-        generated = int(round(steps * tps * rng.uniform(0.92, 1.08)))
-        drafted = 0 if arm == "baseline" else steps * 4
-        accepted = 0 if arm == "baseline" else min(drafted, int(round(drafted * hit * rng.uniform(0.8, 1.2))))
-        out.append(
-            {
-                "request_id": f"{arm}-{start + i}",
-                "arm": arm,
-                "drafter_version": version,
-                "k": 0 if arm == "baseline" else 4,
-                "drafted_tokens": drafted,
-                "accepted_tokens": accepted,
-                "verify_steps": generated if arm == "baseline" else steps,
-                "generated_tokens": generated,
-                "accepted_per_position": []
-                if arm == "baseline"
-                else [accepted // 4 + (1 if p < accepted % 4 else 0) for p in range(4)],
-                "inter_token_ms": ms * rng.uniform(0.9, 1.1),
-            }
-        )
-    return out
-
-
 def _slow_split(start: int, version: int = 1) -> list[dict[str, Any]]:
     """The drafter serving (and its candidate) slower than no speculation, at the 80/10/10 split."""
     return (
-        _records("live", 480, tps=1.2, ms=8.0, hit=0.05, version=None, start=start)
-        + _records(f"canary:{version}", 60, tps=1.0, ms=9.5, hit=0.01, version=version, start=start + 1000)
-        + _records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
+        arm_records("live", 480, tps=1.2, ms=8.0, hit=0.05, version=None, start=start)
+        + arm_records(f"canary:{version}", 60, tps=1.0, ms=9.5, hit=0.01, version=version, start=start + 1000)
+        + arm_records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
     )
 
 
 def _candidate_split(version: int, start: int, *, wins: bool) -> list[dict[str, Any]]:
     """n-gram serving faster than no speculation; the candidate clearly beats it, or clearly loses."""
     candidate = (
-        _records(f"canary:{version}", 60, tps=3.0, ms=2.2, hit=0.6, version=version, start=start + 1000)
+        arm_records(f"canary:{version}", 60, tps=3.0, ms=2.2, hit=0.6, version=version, start=start + 1000)
         if wins
-        else _records(f"canary:{version}", 60, tps=1.0, ms=9.0, hit=0.02, version=version, start=start + 1000)
+        else arm_records(
+            f"canary:{version}", 60, tps=1.0, ms=9.0, hit=0.02, version=version, start=start + 1000
+        )
     )
     return (
-        _records("live", 480, tps=1.3, ms=4.2, hit=0.1, version=None, start=start)
+        arm_records("live", 480, tps=1.3, ms=4.2, hit=0.1, version=None, start=start)
         + candidate
-        + _records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
+        + arm_records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
     )
 
 
@@ -479,7 +451,7 @@ def test_a_promotion_the_watch_rolls_back_to_the_fallback_resumes_the_loop_with_
 
     # Served for real, the promoted drafter falls far short of its canary: the watch rolls back
     # to n-gram, and the loop resumes, one loss further on.
-    _post(client, serving, _records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=2, start=90_000))
+    _post(client, serving, arm_records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=2, start=90_000))
     assert _evaluate(db.new_session, settings, pk)["watch"] == "rolled back"
     assert client.get(BASE, headers=viewer).json()["speculation_mode"] == "ngram"
     with db.new_session() as session:
