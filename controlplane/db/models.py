@@ -173,6 +173,11 @@ class Deployment(Base):
     draft_token_count: Mapped[int | None] = mapped_column(SmallInteger)
     ngram_speculation_length: Mapped[int | None] = mapped_column(SmallInteger)
     auto_realign: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Drafting stops at the first token the drafter gives less than this probability (NULL: off).
+    draft_confidence_threshold: Mapped[float | None] = mapped_column(Float)
+    # Standing no-speculation share, continuous realignment, a first drafter for a deployment
+    # without one (controlplane.adaptation.policy).
+    adaptation_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict, server_default="{}")
     drift_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     canary_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     trace_sample_rate: Mapped[float] = mapped_column(Float, default=0.1)
@@ -311,6 +316,9 @@ class AcceptanceRecordRow(Base):
     # Written under a serving key (the fleet itself): only such records steer a canary, so an
     # ingest key cannot forge arm labels into promotion or rollback.
     from_serving_key: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    # What drafting would have done under each candidate draft-stop threshold (engines that
+    # report it; see controlplane.tuning.draft_stop): the threshold tuner's live input.
+    draft_stop_counts: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class AcceptanceRollupPendingRow(Base):
@@ -350,6 +358,7 @@ class AcceptanceRollupRow(Base):
             "bucket_start",
             "arm",
             "drafter_version",
+            "category",
             name="uq_acceptance_rollups_key",
         ),
     )
@@ -362,6 +371,8 @@ class AcceptanceRollupRow(Base):
     arm: Mapped[str] = mapped_column(String(40))
     # 0 stands for "no drafter version" so that the unique key has no NULLs (NULLs never collide).
     drafter_version: Mapped[int] = mapped_column(Integer, default=0)
+    # The records' category ("" where none was given), so per-category figures read rollups too.
+    category: Mapped[str] = mapped_column(String(100), default="", server_default="")
     requests: Mapped[int] = mapped_column(BigInteger, default=0)
     drafted_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     accepted_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -483,6 +494,9 @@ class Job(Base):
     state: Mapped[JobState] = mapped_column(_enum(JobState, "job_state"), default=JobState.queued)
     drift_event_id: Mapped[int | None] = mapped_column(ForeignKey("drift_events.id", ondelete="SET NULL"))
     requested_by: Mapped[str] = mapped_column(String(200), default="system")
+    # What started it: drift, continuous, first_drafter, unprofitable, manual (NULL: before this
+    # was recorded).
+    trigger: Mapped[str | None] = mapped_column(String(40))
     celery_task_id: Mapped[str | None] = mapped_column(String(200))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     progress: Mapped[float] = mapped_column(Float, default=0.0)
@@ -543,6 +557,26 @@ class AuditEntry(Base):
     before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class SpeculationCheck(Base):
+    """Per deployment: the standing test of whether speculation pays against the no-speculation
+    share of its traffic, how far it has read, its verdict and what the service did about it."""
+
+    __tablename__ = "speculation_checks"
+
+    deployment_id: Mapped[int] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True
+    )
+    watermark_record_id: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    records_examined: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    state: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict, server_default="{}")
+    # unknown | pays | not_paying
+    verdict: Mapped[str] = mapped_column(String(20), default="unknown", server_default="unknown")
+    reason: Mapped[str | None] = mapped_column(Text)
+    action: Mapped[str | None] = mapped_column(String(40))
+    checked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    acted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class DriftMonitorState(Base):

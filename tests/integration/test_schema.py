@@ -13,7 +13,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import func, inspect, select
+from sqlalchemy import MetaData, Table, func, inspect, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -27,7 +27,6 @@ from controlplane.db.migrate import (
 from controlplane.db.models import (
     AcceptanceRecordRow,
     AcceptanceRollupPendingRow,
-    AcceptanceRollupRow,
     Base,
     Deployment,
     DrafterState,
@@ -129,29 +128,24 @@ def test_database_enforces_invariants(db: Database) -> None:
 
 
 def _six_hour_rows(url: str) -> list[dict[str, Any]]:
-    return _rollup_rows(url, AcceptanceRollupRow.resolution_s == SIX_HOURS)
+    return _rollup_rows(url, "resolution_s", SIX_HOURS)
 
 
-def _rollup_rows(url: str, *conditions: Any) -> list[dict[str, Any]]:
-    with get_sessionmaker(url)() as session:
-        rows = session.scalars(
-            select(AcceptanceRollupRow)
-            .where(*conditions)
-            .order_by(
-                AcceptanceRollupRow.resolution_s,
-                AcceptanceRollupRow.arm,
-                AcceptanceRollupRow.drafter_version,
-                AcceptanceRollupRow.bucket_start,
-            )
+def _rollup_rows(url: str, column: str, value: int) -> list[dict[str, Any]]:
+    """Rollup rows whose ``column`` equals ``value``, as the database holds them at its current revision (read
+    through the reflected table, not the models: older revisions lack newer columns)."""
+    engine = get_engine(url)
+    table = Table("acceptance_rollups", MetaData(), autoload_with=engine)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(table)
+            .where(table.c[column] == value)
+            .order_by(table.c.resolution_s, table.c.arm, table.c.drafter_version, table.c.bucket_start)
         ).all()
-        return [
-            {
-                column.name: getattr(row, column.name)
-                for column in AcceptanceRollupRow.__table__.columns
-                if column.name not in ("id", "deployment_id")
-            }
-            for row in rows
-        ]
+    return [
+        {name: value for name, value in row._mapping.items() if name not in ("id", "deployment_id")}
+        for row in rows
+    ]
 
 
 def _random_records(rng: random.Random, batch: int, start: datetime, size: int) -> list[AcceptanceRecord]:
@@ -200,8 +194,8 @@ def test_deferred_rollups_fold_into_exactly_what_inline_ingestion_writes(
         assert session.scalar(select(func.count()).select_from(AcceptanceRollupPendingRow)) == left
 
     command.downgrade(alembic_config(url), "0004")
-    written = _rollup_rows(url, AcceptanceRollupRow.deployment_id == inline)
-    folded = _rollup_rows(url, AcceptanceRollupRow.deployment_id == deferred)
+    written = _rollup_rows(url, "deployment_id", inline)
+    folded = _rollup_rows(url, "deployment_id", deferred)
     assert len(written) > 100  # every tier, several arms and versions
     assert [{**row, "total_ms_sum": None} for row in folded] == [
         {**row, "total_ms_sum": None} for row in written
