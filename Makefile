@@ -11,12 +11,15 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install demo test lint typecheck unit bench clean
 
+# uv installs the same requirements in seconds where pip takes minutes. It does not read pip's
+# configuration, so the machine's local wheel folders (the CPU torch) and constraints are passed on.
+PIP_LOCAL := $(shell $(PY) -m pip config list 2>/dev/null | sed -n "s/^[^.]*\.find-links='\(.*\)'/--find-links \1/p; s/^[^.]*\.constraint='\(.*\)'/--constraint \1/p" | sort -u)
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# Pin torch first: the CPU build on disk. An unpinned torch pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[workers,dev]' $(TORCH)
+	$(BIN)/pip install -q uv
+	# Pin torch: the CPU build on disk. An unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/uv pip install -q --python $(BIN)/python $(PIP_LOCAL) $(TORCH) -e '.[workers,dev]'
 	touch $(STAMP)
 
 $(CHROMIUM):
