@@ -199,12 +199,12 @@ def built_target(url: str, records: int, fresh: bool) -> dict[str, Any]:
     minutes = int((last - first).total_seconds() // 60)
     remaining = records - history.records
     began = time.perf_counter()
-    day: dict[tuple[datetime, str, int], RollupDelta] = {}
+    day: dict[tuple[datetime, str, int, str], RollupDelta] = {}
     for i in range(minutes):
         minute = first + timedelta(minutes=i)
         # Spread the remaining records evenly; the first minutes take the remainder.
         requests = remaining // minutes + (1 if i < remaining % minutes else 0)
-        day[(minute, "live", 1)] = _synthetic_minute(rng, minute, requests)
+        day[(minute, "live", 1, "")] = _synthetic_minute(rng, minute, requests)
         if len(day) == 1440 or i == minutes - 1:
             with sessions() as session:
                 apply_deltas(session=session, deployment_id=deployment_id, deltas=day)

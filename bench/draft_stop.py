@@ -3,11 +3,14 @@
 `DraftModelProposer(confidence_threshold=t)` stops drafting once the drafter gives its own token
 less than probability t (Hugging Face's assistant_confidence_threshold does the same). Measured on
 the committed reference pair (12.2M target, generic drafter distilled on prose), batch size 1,
-greedy, on held-out prompts of each domain: prose (the drafter's home ground), code, and the
-structured domain (where the generic drafter is stale). For each k and threshold: hit rate
-(accepted / drafted), tokens per verify step, drafted tokens per round (all exact), and ms per
-token against plain decoding. Arms are interleaved over --reps repetitions on the same prompts and
-the median time is kept: this machine is shared, so only ratios measured side by side count.
+greedy, on held-out prompts of each domain: prose (the drafter's home ground) and the structured
+domain (where the generic drafter is stale), each structured request ending with its one-line
+answer (stop "\n", bench/realign.py's STOPS, as the demo's client ends it); ``--with-code`` adds
+code, which the reference target cannot make pay (bench/domain_ceiling.py says why). For each k
+and threshold: hit rate (accepted / drafted), tokens per verify step, drafted tokens per round (all
+exact), and ms per token against plain decoding. Arms are interleaved over --reps repetitions on
+the same prompts and the median time is kept: this machine is shared, so only ratios measured side
+by side count.
 Writes bench/results/draft_stop.json.
 """
 
@@ -26,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.realign import STOPS  # noqa: E402
 from workers import corpora  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
 from workers.engine.hf_io import load_hf_folder  # noqa: E402
@@ -33,7 +37,7 @@ from workers.engine.proposers import DraftModelProposer  # noqa: E402
 
 REFERENCE = ROOT / "workers" / "models" / "reference"
 RESULTS = ROOT / "bench" / "results"
-DOMAINS = ("prose", "code", "structured")
+DOMAINS = ("prose", "structured")  # --with-code adds "code"
 
 
 def main() -> None:
@@ -44,13 +48,15 @@ def main() -> None:
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.0, 0.3, 0.5])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--with-code", action="store_true", help="measure the code domain too")
     args = ap.parse_args()
+    domains = (*DOMAINS, "code") if args.with_code else DOMAINS
     torch.set_num_threads(args.threads)
     target, tokenizer = load_hf_folder(REFERENCE / "target")
     drafter, _ = load_hf_folder(REFERENCE / "generic-drafter")
     prompts = {
         d: [tokenizer.encode(p.text)[-192:] for p in corpora.prompts(d, "test", n=args.prompts, seed=5)]
-        for d in DOMAINS
+        for d in domains
     }
     arms: dict[str, SpeculativeDecoder] = {"nospec": SpeculativeDecoder(target, tokenizer, None, k=0)}
     for k in args.ks:
@@ -59,7 +65,8 @@ def main() -> None:
             arms[f"k{k}_t{t:g}"] = SpeculativeDecoder(target, tokenizer, proposer, k=k)
     rows: dict[str, dict[str, dict[str, float]]] = {}
     with torch.inference_mode():
-        for domain in DOMAINS:
+        for domain in domains:
+            stop = STOPS.get(domain, ())
             times: dict[str, list[float]] = {name: [] for name in arms}
             counts: dict[str, tuple[int, int, int, int]] = {}
             for _ in range(args.reps):
@@ -67,12 +74,12 @@ def main() -> None:
                     drafted = accepted = steps = tokens = 0
                     start = time.perf_counter()
                     for ids in prompts[domain]:
-                        res = dec.generate(ids, args.new_tokens, stop_at_eos=False)
+                        res = dec.generate(ids, args.new_tokens, stop_at_eos=False, stop=stop)
                         m = res.metrics
                         drafted += m.drafted_tokens
                         accepted += m.accepted_tokens
                         steps += m.verify_steps
-                        tokens += len(res.token_ids)
+                        tokens += m.generated_tokens
                     times[name].append((time.perf_counter() - start) * 1000 / tokens)
                     counts[name] = (drafted, accepted, steps, tokens)
             base = statistics.median(times["nospec"])
@@ -103,6 +110,7 @@ def main() -> None:
         "method": "greedy, batch 1, generic drafter; median ms/token over interleaved repetitions",
         "prompts_per_domain": args.prompts,
         "new_tokens": args.new_tokens,
+        "stop": {d: list(STOPS.get(d, ())) for d in domains},
         "reps": args.reps,
         "threads": args.threads,
         "load_average_1m_at_end": round(os.getloadavg()[0], 2),

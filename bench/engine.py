@@ -1,12 +1,15 @@
 """Speculative-decoding engine benchmark on the committed reference pair (hit rate, speed-up, cost ratios).
 
-Batch size 1, greedy, on CPU, every ratio measured in one run. Per domain (prose, code, structured)
-and k in {2, 4, 6}: hit rate (accepted / drafted), mean accepted length per verify step, tokens/s of
+Batch size 1, greedy, on CPU, every ratio measured in one run. Per domain (prose and structured;
+``--with-code`` adds code, which the reference target cannot make pay: bench/domain_ceiling.py says
+why) and k in {2, 4, 6}: hit rate (accepted / drafted), mean accepted length per verify step, tokens/s of
 plain greedy decoding, of draft-model speculation with the generic drafter and of n-gram prompt
 lookup, and the speed-ups over plain decoding. Beside them: the measured cost ratio c (drafter step /
 target step), the measured cost of verifying k+1 tokens vs one, the Leviathan et al. prediction
 from the measured α and those costs, and our engine against Hugging Face
-`generate(assistant_model=...)` on the same pair, prompts and k.
+`generate(assistant_model=...)` on the same pair, prompts and k. A structured request ends with
+its one-line answer (stop "\n", bench/realign.py's STOPS, as the demo's client ends it); the others
+run to --new-tokens. Transformers runs each request to the length ours served.
 
 Timing on a shared machine drifts, so arms are interleaved (every arm runs on a prompt before the
 next prompt; arm order shuffled per prompt with a fixed seed), repeated, and summarised by medians
@@ -15,7 +18,7 @@ decoding is deterministic), so they do not need repetitions.
 
 Prints a table and writes bench/results/engine.json.
 
-Usage: .venv/bin/python bench/engine.py [--prompts 8] [--new-tokens 128] [--reps 3] [--threads 2]
+Usage: .venv/bin/python bench/engine.py [--prompts 8] [--new-tokens 128] [--reps 3] [--with-code]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.realign import STOPS  # noqa: E402
 from workers import corpora  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
 from workers.engine.hf_io import load_hf_folder  # noqa: E402
@@ -46,6 +50,7 @@ from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer  # noqa: E
 REFERENCE = ROOT / "workers" / "models" / "reference"
 RESULTS = ROOT / "bench" / "results" / "engine.json"
 KS = (2, 4, 6)
+DOMAINS = ("prose", "structured")  # --with-code adds "code"
 NGRAM_N = 3
 # Prompts stay short enough that prompt + new tokens fit the 512-token window with room to spare,
 # and inside the positions the drafter was distilled on (<= 448).
@@ -72,6 +77,8 @@ class Cell:
     rounds: list[int] = field(default_factory=list)
     acc: list[int] = field(default_factory=list)
     rej: list[int] = field(default_factory=list)
+    # Output tokens of each request (the first repetition): its length up to the stop string, if any.
+    request_tokens: list[int] = field(default_factory=list)
 
     def tps(self) -> list[float]:
         return [t / s for t, s in zip(self.tokens, self.seconds, strict=True)]
@@ -96,9 +103,9 @@ def load_pair(folder: Path) -> tuple[Transformer, Transformer, Tokenizer]:
     return target, drafter, tok_t
 
 
-def make_prompts(tokenizer: Tokenizer, n: int) -> dict[str, list[list[int]]]:
+def make_prompts(tokenizer: Tokenizer, n: int, domains: tuple[str, ...]) -> dict[str, list[list[int]]]:
     out = {}
-    for domain in corpora.DOMAINS:
+    for domain in domains:
         prompts = corpora.prompts(domain, "test", n, seed=1, max_prompt_chars=MAX_PROMPT_CHARS)
         out[domain] = [tokenizer.encode(p.text)[-MAX_PROMPT_TOKENS:] for p in prompts]
     return out
@@ -131,7 +138,8 @@ def run_speculation(
                 order = list(decoders)
                 rng.shuffle(order)
                 for name in order:
-                    res = decoders[name].generate(ids, new_tokens, stop_at_eos=False)
+                    stop = STOPS.get(domain, ())
+                    res = decoders[name].generate(ids, new_tokens, stop_at_eos=False, stop=stop)
                     m = res.metrics
                     cell = cells[domain][name]
                     cell.seconds[-1] += m.total_ms / 1000.0
@@ -156,6 +164,7 @@ def run_speculation(
                         cell.steps += m.verify_steps
                         cell.generated += m.generated_tokens
                         cell.rejections += rejections
+                        cell.request_tokens.append(m.generated_tokens)
         print(f"  repetition {rep + 1}/{reps} took {time.perf_counter() - t_rep:.0f}s", flush=True)
     return cells
 
@@ -208,12 +217,13 @@ def leviathan(alpha: float, k: int, c: float, verify_cost: float) -> tuple[float
 def hf_assisted(
     folder: Path,
     prompts: dict[str, list[list[int]]],
-    new_tokens: int,
+    lengths: dict[str, list[int]],
     k: int,
     reps: int,
     ours: dict[str, Any],
 ) -> dict[str, Any]:
-    """tokens/s of transformers' assisted generation on the same pair, prompts and k."""
+    """tokens/s of transformers' assisted generation on the same pair, prompts and k, each request
+    run to the length ours served (``lengths``, per domain and prompt)."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -224,8 +234,6 @@ def hf_assisted(
     target = AutoModelForCausalLM.from_pretrained(folder / "target", dtype=torch.float32).eval()
     drafter = AutoModelForCausalLM.from_pretrained(folder / "generic-drafter", dtype=torch.float32).eval()
     gen_kwargs: dict[str, Any] = {
-        "max_new_tokens": new_tokens,
-        "min_new_tokens": new_tokens,  # the same number of tokens as our runs (which ignore end-of-text)
         "do_sample": False,
         "assistant_model": drafter,
         "num_assistant_tokens": k,
@@ -238,17 +246,18 @@ def hf_assisted(
     drafter.generation_config.assistant_confidence_threshold = 0.0
     out: dict[str, Any] = {"transformers": transformers.__version__, "k": k, "per_domain": {}}
     with torch.inference_mode():
-        target.generate(
-            torch.tensor([prompts["prose"][0]]), **{**gen_kwargs, "max_new_tokens": 8, "min_new_tokens": 8}
-        )
+        target.generate(torch.tensor([prompts["prose"][0]]), max_new_tokens=8, min_new_tokens=8, **gen_kwargs)
         for domain, plist in prompts.items():
             tps = []
             for _ in range(reps):
                 tokens, seconds = 0, 0.0
-                for ids in plist:
+                for ids, n in zip(plist, lengths[domain], strict=True):
                     x = torch.tensor([ids])
                     t0 = time.perf_counter()
-                    y = target.generate(x, attention_mask=torch.ones_like(x), **gen_kwargs)
+                    # The same number of tokens as our run (which ignores end-of-text).
+                    y = target.generate(
+                        x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, **gen_kwargs
+                    )
                     seconds += time.perf_counter() - t0
                     tokens += y.shape[1] - x.shape[1]
                 tps.append(tokens / seconds)
@@ -278,12 +287,18 @@ def main() -> None:
         help="decode one-row steps in NumPy (off by default in the engine: see workers/engine/model.py)",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--with-code",
+        action="store_true",
+        help="measure the code domain too (the reference target cannot make it pay: bench/domain_ceiling.py)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
     target, drafter, tokenizer = load_pair(args.reference)
-    prompts = make_prompts(tokenizer, args.prompts)
+    domains = (*DOMAINS, "code") if args.with_code else DOMAINS
+    prompts = make_prompts(tokenizer, args.prompts, domains)
     kernel, other = ("numpy", "torch") if args.numpy_steps else ("torch", "numpy")
 
     def use_steps(name: str) -> None:
@@ -389,7 +404,8 @@ def main() -> None:
     hf: dict[str, Any] = {"skipped": "--no-hf"}
     if not args.no_hf:
         ours = {d: by[(d, 4)]["draft_tokens_per_s"] for d in cells}
-        hf = hf_assisted(args.reference, prompts, args.new_tokens, 4, args.hf_reps, ours)
+        lengths = {d: cells[d]["plain"].request_tokens for d in cells}
+        hf = hf_assisted(args.reference, prompts, lengths, 4, args.hf_reps, ours)
         if "per_domain" in hf:
             print("\nHF generate(assistant_model=generic drafter), k=4 vs our engine (tokens/s):")
             for d, v in hf["per_domain"].items():
@@ -398,13 +414,11 @@ def main() -> None:
                     f"{v['ratio']:.2f}x"
                 )
 
-    result = {
-        "generic_code_hit_rate": by[("code", 4)]["draft_hit_rate"],
-        "generic_code_speedup": by[("code", 4)]["draft_speedup"],
-        "generic_prose_hit_rate": by[("prose", 4)]["draft_hit_rate"],
-        "generic_prose_speedup": by[("prose", 4)]["draft_speedup"],
-        "generic_structured_hit_rate": by[("structured", 4)]["draft_hit_rate"],
-        "generic_structured_speedup": by[("structured", 4)]["draft_speedup"],
+    result: dict[str, Any] = {}
+    for d in cells:
+        result[f"generic_{d}_hit_rate"] = by[(d, 4)]["draft_hit_rate"]
+        result[f"generic_{d}_speedup"] = by[(d, 4)]["draft_speedup"]
+    result |= {
         "efficiency_vs_leviathan": min(efficiency),
         # What a drafter that never misses would reach at k=4 with the costs measured in situ: the
         # most any realignment can give, and so the most it can beat the generic drafter by.
@@ -424,6 +438,9 @@ def main() -> None:
             "greedy": True,
             "batch_size": 1,
             "mean_prompt_tokens": n_prompt,
+            "domains": list(cells),
+            "stop": {d: list(STOPS.get(d, ())) for d in cells},
+            "mean_output_tokens": {d: statistics.mean(cells[d]["plain"].request_tokens) for d in cells},
             # Timing depends on what else the machine runs: record its load beside the numbers.
             "loadavg_at_end": os.getloadavg(),
             "reference": str(args.reference),
@@ -432,11 +449,11 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    per_domain = "; ".join(
+        f"{d} hit {result[f'generic_{d}_hit_rate']:.1%} {result[f'generic_{d}_speedup']:.2f}x" for d in cells
+    )
     print(
-        f"\ngeneric drafter, k=4: prose hit {result['generic_prose_hit_rate']:.1%} "
-        f"{result['generic_prose_speedup']:.2f}x; code hit {result['generic_code_hit_rate']:.1%} "
-        f"{result['generic_code_speedup']:.2f}x; structured hit {result['generic_structured_hit_rate']:.1%} "
-        f"{result['generic_structured_speedup']:.2f}x; lowest efficiency vs Leviathan "
+        f"\ngeneric drafter, k=4: {per_domain}; lowest efficiency vs Leviathan "
         f"{result['efficiency_vs_leviathan']:.2f}; vs HF assisted {result['speedup_vs_hf_assisted']}"
     )
     ceiling = result["perfect_drafter_speedup_k4"]

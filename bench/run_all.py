@@ -17,6 +17,7 @@ SCRIPTS = [
     "realign.py",
     "domain_ceiling.py",
     "canary.py",
+    "drafters.py",
     "models.py",
     "router.py",
     "scrub.py",

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from controlplane.api import (
     acceptance,
+    adaptation,
     canaries,
     deployments,
     drift,
@@ -24,6 +25,7 @@ from controlplane.api import (
     keys,
     models,
     scrape,
+    speculation,
     traces,
 )
 from controlplane.api.deps import DeploymentIdCache, PrincipalCache
@@ -151,6 +153,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     routers = (acceptance, health, keys, deployments, drift, traces, jobs, canaries, models, scrape, fleet)
     for module in routers:
         app.include_router(module.router)
+    app.include_router(adaptation.router)
+    app.include_router(speculation.router)
     app.include_router(dashboard.api)
     app.include_router(dashboard.pages)
     app.include_router(observability.router)

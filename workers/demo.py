@@ -20,6 +20,12 @@ from the shift to the promotion, the canary's decision) and writes it as JSON. S
 shift come from the canary's own live split (the three arms interleaved on the same traffic, so
 the machine's load falls on all alike); before the shift from the calibration requests.
 
+A shift need not be whole: a phase may mix domains (scenarios/partial_shift.toml moves half the
+traffic to structured requests). Each stage is then named by its mix, and the summary adds each
+domain's hit rate at every stage, read back through the stats API's category filter (the traffic
+driver labels every request with its domain), with its speed-up against the same domain's
+no-speculation calibration.
+
 On the embedded default (SQLite) the demo keeps its state in ``var/demo`` and starts afresh every
 run; with CONTROLPLANE_DATABASE_URL / CONTROLPLANE_BROKER_URL set (PostgreSQL, Redis) it runs on
 those instead, with exactly the same code path.
@@ -35,6 +41,7 @@ import threading
 import time
 import tomllib
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +104,9 @@ FAST_OVERRIDES: dict[str, Any] = {
         "tune_draft_length": True,
     },
     "realign": {"time_budget_s": 45, "min_traces": 120, "max_wait_s": 150},
-    # Requests per phase (prose, shift cap, after) and tokens per request.
+    # Requests per phase (before, shift cap, after) and tokens per request. A scenario may set its
+    # own fast-run knobs in [demo.fast] (a mixed phase splits its requests between domains, and
+    # each domain's figures need enough of them; a drafter for two domains needs more training).
     "phase_requests": [90, 2000, 30],
     "max_tokens": 32,
 }
@@ -128,6 +137,17 @@ class Api:
 
     def of(self, path: str) -> Any:
         return self("GET", f"/{self.deployment}{path}")
+
+    def stats(self, **params: Any) -> dict[str, Any]:
+        """The deployment's stats total over the filters (category, arm, drafter_version, start, end)."""
+        query = {name: value for name, value in params.items() if value is not None}
+        response = self._http.get(
+            f"{self.prefix}/{self.deployment}/stats", params={"bucket_seconds": 3600, **query}
+        )
+        if response.status_code >= 400:
+            raise RuntimeError(f"GET stats {query}: HTTP {response.status_code} {response.text[:300]}")
+        total: dict[str, Any] = response.json()["total"]
+        return total
 
 
 def _epoch(iso: str | None) -> float | None:
@@ -232,12 +252,11 @@ class Watcher(threading.Thread):
                 self.observed.decided = True
 
 
-def _phases(scenario: Scenario, fast: bool, max_tokens: int | None) -> list[Phase]:
+def _phases(scenario: Scenario, fast: bool, max_tokens: int | None, sizes: list[int]) -> list[Phase]:
     phases = list(scenario.phases)
     if len(phases) != 3:
         raise SystemExit("the demo scenario needs three [[phase]]s: before the shift, the shift, after it")
     if fast:
-        sizes = FAST_OVERRIDES["phase_requests"]
         phases = [
             replace(p, requests=n, max_tokens=max_tokens or p.max_tokens)
             for p, n in zip(phases, sizes, strict=True)
@@ -264,7 +283,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     knobs = _merge(DEMO_DEFAULTS, raw.get("demo", {}))
     if args.fast:
         knobs = _merge(knobs, FAST_OVERRIDES)
-    phases = _phases(scenario, args.fast, knobs.get("max_tokens"))
+        # A scenario's own fast-run knobs ([demo.fast]) win over the defaults above.
+        knobs = _merge(knobs, raw.get("demo", {}).get("fast", {}))
+    phases = _phases(scenario, args.fast, knobs.get("max_tokens"), knobs.get("phase_requests", []))
     name = str(knobs["deployment"])
 
     from rich.console import Console
@@ -369,15 +390,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ),
                 f"no speculation ({domain})",
             )
-        api(
-            "PATCH",
-            f"/{name}",
-            {"draft_model": knobs["draft_model"], "draft_token_count": int(knobs["draft_token_count"])},
-        )
-        time.sleep(2.5)  # the reference server caches its serving config for a second or two
+        # `draft_model = ""`: day 0, no drafter; the service trains the first one on its own.
+        if knobs["draft_model"]:
+            api(
+                "PATCH",
+                f"/{name}",
+                {"draft_model": knobs["draft_model"], "draft_token_count": int(knobs["draft_token_count"])},
+            )
+            time.sleep(2.5)  # the reference server caches its serving config for a second or two
 
         # 2. Before the shift: the generic drafter on its home ground.
-        say(f"[bold]2/4[/bold] {phases[0].name}: generic drafter")
+        say(f"[bold]2/4[/bold] {phases[0].name}: {_drafter_label(knobs)}")
+        before_started = time.time()
         before = drive(phases[0], "before the shift")
 
         # 3. The shift: the service must notice, realign, canary and promote by itself.
@@ -409,6 +433,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary = _summary(
             knobs, calibration, before, shift, after, observed, shift_started, shift_results, phases
         )
+        if _mixed(phases):
+            try:
+                summary["per_category"] = per_category_figures(
+                    api, phases, calibration, before, after, observed, before_started, shift_results
+                )
+            except (RuntimeError, httpx.HTTPError) as exc:  # the loop's figures above still stand
+                say(f"[red]per-category figures unavailable[/red]: {exc}")
+                summary["per_category_error"] = str(exc)
+            for stage_name, figures in summary.get("per_category", {}).items():
+                summary["stages"][stage_name]["per_category"] = figures
         summary["wall_s"] = round(time.monotonic() - started, 1)
         summary["deployment"] = name
         summary["api_url"] = api_url
@@ -423,8 +457,129 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def _drafter_label(knobs: dict[str, Any]) -> str:
+    return "generic drafter" if knobs["draft_model"] else "no drafter yet"
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 3) if num and den else None
+
+
+def mix_label(phase: Phase) -> str:
+    """A phase's traffic in words: "prose", or "50% prose + 50% structured" (largest share first)."""
+    if len(phase.mix) == 1:
+        return next(iter(phase.mix))
+    shares = sorted(phase.mix.items(), key=lambda item: (-item[1], item[0]))
+    return " + ".join(f"{share:.0%} {domain}" for domain, share in shares)
+
+
+def nospec_ms_per_token(report: PhaseReport, calibration: dict[str, PhaseReport]) -> float | None:
+    """What the phase's tokens would have cost without speculation: each domain's calibrated ms
+    per token, weighted by the tokens the phase generated in that domain (one domain: its own)."""
+    weighted, tokens = 0.0, 0
+    for domain, group in report.by_domain.items():
+        if not group.completion_tokens:
+            continue
+        cost = calibration[domain].ms_per_token if domain in calibration else None
+        if cost is None:
+            return None  # a domain never calibrated: no fair denominator
+        weighted += cost * group.completion_tokens
+        tokens += group.completion_tokens
+    return weighted / tokens if tokens else None
+
+
+def _mixed(phases: list[Phase]) -> bool:
+    return any(len(phase.mix) > 1 for phase in phases)
+
+
+def _iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, tz=UTC).isoformat()
+
+
+def _ms_per_token(results: list[RequestResult]) -> float | None:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    return 1000.0 * sum(r.latency_s for r in ok) / tokens if tokens else None
+
+
+def per_category_figures(
+    api: Api,
+    phases: list[Phase],
+    calibration: dict[str, PhaseReport],
+    before: PhaseReport,
+    after: PhaseReport | None,
+    observed: Observed,
+    before_started: float,
+    shift_results: list[RequestResult],
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each domain's hit rate at every stage, read back through the stats API's category filter,
+    and its speed-up against the same domain's no-speculation calibration (client-side ms per
+    token, as every other speed-up here).
+
+    The generic drafter before the shift: the live arm from the before phase to the alarm (the
+    calibration's requests draft nothing, so they do not move a hit rate). The stale drafter:
+    the live arm from the alarm to the decision. The realigned drafter: the canary's candidate
+    arm. The promoted drafter: the live arm at the promoted version.
+    """
+    canary = observed.canary or {}
+    version = canary.get("candidate_version")
+    detected = _epoch((observed.drift_event or {}).get("detected_at"))
+    decided = _epoch(canary.get("decided_at"))
+    nospec = {domain: report.ms_per_token for domain, report in calibration.items()}
+
+    def figures(domain: str, ms_per_token: float | None, **filters: Any) -> dict[str, Any]:
+        total = api.stats(category=domain, **filters)
+        return {
+            "hit_rate": total["hit_rate"],
+            # The records the hit rate counts (those of the range's edge minutes included).
+            "records": total["requests"],
+            "drafted_tokens": total["drafted_tokens"],
+            "speedup_vs_nospec": _ratio(nospec.get(domain), ms_per_token),
+        }
+
+    def shifted(domain: str, arm: str) -> list[RequestResult]:
+        return [r for r in shift_results if r.domain == domain and r.arm == arm]
+
+    stages: dict[str, dict[str, dict[str, Any]]] = {}
+    before_end = detected or time.time()
+    stages["before_shift"] = {
+        domain: figures(
+            domain,
+            before.by_domain[domain].ms_per_token if domain in before.by_domain else None,
+            arm="live",
+            start=_iso(before_started),
+            end=_iso(before_end),
+        )
+        for domain in sorted(phases[0].mix)
+    }
+    if detected is not None and decided is not None:
+        stages["after_shift_stale"] = {
+            domain: figures(
+                domain,
+                _ms_per_token(shifted(domain, "live")),
+                arm="live",
+                start=_iso(detected),
+                end=_iso(decided),
+            )
+            for domain in sorted(phases[1].mix)
+        }
+    if version is not None:
+        candidate_arm = f"canary:{version}"
+        stages["after_realignment"] = {
+            domain: figures(domain, _ms_per_token(shifted(domain, candidate_arm)), arm=candidate_arm)
+            for domain in sorted(phases[1].mix)
+        }
+    if version is not None and after is not None:
+        stages["after_promotion_live"] = {
+            domain: figures(
+                domain,
+                after.by_domain[domain].ms_per_token if domain in after.by_domain else None,
+                arm="live",
+                drafter_version=version,
+            )
+            for domain in sorted(phases[2].mix)
+        }
+    return stages
 
 
 def _summary(
@@ -438,8 +593,7 @@ def _summary(
     shift_results: list[RequestResult],
     phases: list[Phase],
 ) -> dict[str, Any]:
-    shifted_domain = max(phases[1].mix, key=lambda d: phases[1].mix[d])
-    home_domain = max(phases[0].mix, key=lambda d: phases[0].mix[d])
+    home_traffic, shifted_traffic, after_traffic = (mix_label(p) for p in phases)
     canary = observed.canary or {}
     figures = (canary.get("arms") or {}).get("decision_figures") or {}
     arms = figures.get("arm_counts") or {}
@@ -452,18 +606,14 @@ def _summary(
         delay = sum(1 for r in shift_results if r.ok and r.finished_at <= detected)
     decided = _epoch(canary.get("decided_at"))
     stale_live = shift.by_arm.get("live")
-    nospec_home = calibration.get(home_domain)
-    nospec_shifted = calibration.get(shifted_domain)
     stages = {
         "before_shift": {
-            "what": f"generic drafter on {home_domain}",
+            "what": f"{_drafter_label(knobs)} on {home_traffic}",
             **_stage(before),
-            "speedup_vs_nospec": _ratio(
-                nospec_home.ms_per_token if nospec_home else None, before.ms_per_token
-            ),
+            "speedup_vs_nospec": _ratio(nospec_ms_per_token(before, calibration), before.ms_per_token),
         },
         "after_shift_stale": {
-            "what": f"generic (stale) drafter on {shifted_domain}",
+            "what": f"generic (stale) drafter on {shifted_traffic}",
             "hit_rate": stale_live.hit_rate if stale_live else None,
             "requests": stale_live.requests if stale_live else 0,
             "ms_per_token": incumbent.get("ms_per_token"),
@@ -471,7 +621,7 @@ def _summary(
             "source": "canary live split (interleaved arms)",
         },
         "after_realignment": {
-            "what": f"realigned drafter on {shifted_domain}",
+            "what": f"realigned drafter on {shifted_traffic}",
             "hit_rate": candidate.get("hit_rate"),
             "requests": candidate.get("requests"),
             "ms_per_token": candidate.get("ms_per_token"),
@@ -480,10 +630,11 @@ def _summary(
             "source": "canary live split (interleaved arms)",
         },
         "after_promotion_live": {
-            "what": f"promoted drafter serving all {shifted_domain} traffic",
+            "what": f"promoted drafter serving all traffic ({after_traffic})",
             **_stage(after),
             "speedup_vs_nospec": _ratio(
-                nospec_shifted.ms_per_token if nospec_shifted else None, after.ms_per_token if after else None
+                nospec_ms_per_token(after, calibration) if after else None,
+                after.ms_per_token if after else None,
             ),
             "source": "after phase vs the calibration's no-speculation requests",
         },
@@ -539,6 +690,20 @@ def print_summary(summary: dict[str, Any]) -> None:
             x(stage.get("speedup_vs_stale")),
         )
     console.print(table)
+    if summary.get("per_category"):
+        by_category = Table(title="per request category (hit rate from the stats API's category filter)")
+        for column in ("stage", "category", "hit rate", "records", "vs no speculation"):
+            by_category.add_column(column)
+        for stage_name, domains in summary["per_category"].items():
+            for domain, figures in domains.items():
+                by_category.add_row(
+                    summary["stages"][stage_name]["what"],
+                    domain,
+                    pct(figures.get("hit_rate")),
+                    str(figures.get("records")),
+                    x(figures.get("speedup_vs_nospec")),
+                )
+        console.print(by_category)
     console.print(
         f"detection delay: {summary['detection_delay_requests']} requests after the shift; "
         f"shift to promotion: {summary['shift_to_promotion_s']} s; canary decision: {summary['decision']}"

@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from controlplane import messaging
+from controlplane.adaptation.service import AdaptationOutcome, adapt_deployment
 from controlplane.artifacts.store import open_store
 from controlplane.config import Settings, get_settings
 from controlplane.db.models import DriftResolution
@@ -33,6 +34,7 @@ from controlplane.jobs.service import (
     renew_lease,
     report_progress,
 )
+from controlplane.speculation_check.service import CheckOutcome, run_check
 from controlplane.timestamps import utcnow
 from controlplane.traces.service import apply_retention
 from workers.celery_app import (
@@ -77,6 +79,12 @@ def monitor_deployment(deployment_id: int) -> dict[str, Any]:
     except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
     messages = [messaging.TaskMessage(messaging.REALIGN, (job_id,)) for job_id in outcome.realign_jobs]
+    adapted = _adapt(deployment_id, settings)
+    if adapted is not None and adapted.job_id is not None:
+        messages.append(messaging.TaskMessage(messaging.REALIGN, (adapted.job_id,)))
+    checked = _check_speculation(deployment_id, settings)
+    if checked is not None:
+        messages += [messaging.TaskMessage(messaging.REALIGN, (job_id,)) for job_id in checked.realign_jobs]
     if outcome.pending:
         # Newer records settle within one interval; come back for them rather than wait for beat.
         messages.append(
@@ -94,7 +102,31 @@ def monitor_deployment(deployment_id: int) -> dict[str, Any]:
         "events_raised": outcome.events_raised,
         "realign_jobs": outcome.realign_jobs,
         "skipped": outcome.skipped,
+        "adaptation": adapted.as_dict() if adapted is not None else None,
+        "speculation_check": {"verdict": checked.verdict, "action": checked.action} if checked else None,
     }
+
+
+def _adapt(deployment_id: int, settings: Settings) -> AdaptationOutcome | None:
+    """The first-drafter and continuous triggers, in their own unit of work: a failure here is
+    logged and leaves the drift monitor's work (already committed) and other deployments alone."""
+    try:
+        with unit_of_work(settings.database_url) as session:
+            return adapt_deployment(session=session, deployment_id=deployment_id, settings=settings)
+    except Exception:
+        log.exception("adaptation triggers of deployment %s failed; the next pass tries again", deployment_id)
+        return None
+
+
+def _check_speculation(deployment_id: int, settings: Settings) -> CheckOutcome | None:
+    """Does speculation pay: the standing test and its actions, in their own unit of work, so a
+    failure here is logged and leaves the drift monitor and other deployments alone."""
+    try:
+        with unit_of_work(settings.database_url) as session:
+            return run_check(session=session, deployment_id=deployment_id, settings=settings)
+    except Exception:
+        log.exception("speculation check of deployment %s failed; the next pass tries again", deployment_id)
+        return None
 
 
 @project_task(messaging.JOBS_RESEND_STALE_QUEUED, ignore_result=True)
@@ -347,17 +379,11 @@ def _train_and_save(
         save_drafter,
     )
 
-    if inputs.incumbent is None:
-        raise _Permanent(
-            "the deployment has no drafter to realign: name a draft_model or give its target a "
-            "default drafter"
-        )
     device = resolve_device(settings.worker_device)
     dtype = weights_dtype(device)
     torch.set_num_threads(torch_threads_for_this_process())
     models = VerifiedModels(settings)
     target_folder = models.folder(inputs.target)
-    incumbent_folder = models.folder(inputs.incumbent)
     target, tokenizer = TARGETS.get(
         target_folder,
         identity=inputs.target.identity,
@@ -365,10 +391,19 @@ def _train_and_save(
         dtype=dtype,
         loader=lambda: load_hf_folder(target_folder, device=device, dtype=dtype),
     )
-    # The incumbent is trained in place, so it is loaded fresh (never from the shared cache), in
-    # float32: the optimizer keeps master weights at full precision (autocast runs bf16 on CUDA).
-    incumbent, incumbent_tok = load_hf_folder(incumbent_folder, device=device)
-    ensure_same_tokenizer(tokenizer, incumbent_tok, inputs.target.name, inputs.incumbent.name)
+    if inputs.incumbent is None:
+        # No drafter yet (day 0): the first one is cut from the target itself, then distilled.
+        from workers.training.first_drafter import first_drafter_from_target
+
+        incumbent = first_drafter_from_target(target)
+        incumbent_name = f"first-drafter:{incumbent.config.n_layers}-layers-of-{inputs.target.name}"
+        incumbent_identity = f"{inputs.target.identity}:layers[:{incumbent.config.n_layers}]"
+    else:
+        # The incumbent is trained in place, so it is loaded fresh (never from the shared cache), in
+        # float32: the optimizer keeps master weights at full precision (autocast runs bf16 on CUDA).
+        incumbent, incumbent_tok = load_hf_folder(models.folder(inputs.incumbent), device=device)
+        ensure_same_tokenizer(tokenizer, incumbent_tok, inputs.target.name, inputs.incumbent.name)
+        incumbent_name, incumbent_identity = inputs.incumbent.name, inputs.incumbent.identity
     params = inputs.params
     cfg = RealignConfig(
         seed=int(params.get("seed", 0)),
@@ -378,8 +413,8 @@ def _train_and_save(
     )
     if params.get("replay_share") is not None:
         cfg.replay_share = float(params["replay_share"])
-    recent = [TraceText(t.key, t.prompt, t.completion) for t in inputs.recent]
-    older = [TraceText(t.key, t.prompt, t.completion) for t in inputs.older]
+    recent = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.recent]
+    older = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.older]
     try:
         result = realign(target, incumbent, tokenizer, recent, older, cfg, progress=progress)
     except RealignCancelledError as exc:
@@ -403,8 +438,8 @@ def _train_and_save(
         "device": str(device),
         "target": inputs.target.name,
         "target_identity": inputs.target.identity,
-        "incumbent": inputs.incumbent.name,
-        "incumbent_identity": inputs.incumbent.identity,
+        "incumbent": incumbent_name,
+        "incumbent_identity": incumbent_identity,
         "tokenizer_fingerprint": tokenizer.fingerprint,
     }
     # Each attempt writes its own folder: a late attempt that was given up never writes into the

@@ -30,6 +30,7 @@ from controlplane.ingest.batcher import IngestBatcher
 from controlplane.ingest.formats import (
     EARLIEST,
     LATEST,
+    MAX_CATEGORY_CHARS,
     BatchTooLargeError,
     BatchValidationError,
     parse_batch,
@@ -184,8 +185,14 @@ def stats(
     bucket_seconds: int = Query(default=300, ge=60, le=MAX_BUCKET_SECONDS),
     arm: str | None = None,
     drafter_version: int | None = Query(default=None, ge=0, le=INT32_MAX),
+    category: str | None = Query(
+        default=None,
+        max_length=MAX_CATEGORY_CHARS,
+        description='records of this category only (exact match; "" or absent: every category)',
+    ),
 ) -> schemas.AcceptanceSeries:
-    """Hit rate, accepted length, per-position acceptance, latency percentiles and throughput."""
+    """Hit rate, accepted length, per-position acceptance, latency percentiles and throughput,
+    over time and per request category."""
     # Default window: the last 24 h, ending on the bucket grid just after now, so that buckets line
     # up with the coarser rollup tiers (the fast path) and the current minute is included.
     now = utcnow().timestamp()
@@ -201,5 +208,7 @@ def stats(
         bucket_seconds=bucket_seconds,
         arm=arm,
         drafter_version=drafter_version,
+        category=category,
+        per_category=True,
     )
     return schemas.AcceptanceSeries.model_validate(series)

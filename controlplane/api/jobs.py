@@ -21,7 +21,14 @@ from controlplane.api.deps import (
     SettingsDep,
     WorkQueueDep,
 )
-from controlplane.jobs.service import cancel_job, get_job, job_summary, list_jobs, request_realign
+from controlplane.jobs.service import (
+    TRIGGER_MANUAL,
+    cancel_job,
+    get_job,
+    job_summary,
+    list_jobs,
+    request_realign,
+)
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments", tags=["jobs"])
 
@@ -86,6 +93,7 @@ def realign(
         actor=principal.actor,
         params=(body.params if body else None),
         settings=settings,
+        trigger=TRIGGER_MANUAL,
     )
     session.commit()
     if outcome.created:

@@ -91,6 +91,10 @@ class Deployment(Reply):
     draft_token_count: int | None
     effective_draft_token_count: int
     ngram_speculation_length: int | None
+    draft_confidence_threshold: float | None = Field(
+        description="draft rounds stop at the first token the drafter gives less than this "
+        "probability (null: off); set by the draft-stop tuner when a canary promotes"
+    )
     active_drafter_version: int | None
     registered_drafter: str | None = Field(
         description="the registered drafter speculated with while no trained version is active"
@@ -172,16 +176,39 @@ class AcceptanceBucket(AcceptanceFigures):
     start: str
 
 
+class CategoryFigures(Reply):
+    """One request category's figures over the whole range ("" holds records without one)."""
+
+    category: str
+    requests: int
+    drafted_tokens: int
+    accepted_tokens: int
+    generated_tokens: int
+    hit_rate: float | None
+    mean_accepted_length: float | None
+    decode_tokens_per_s: float | None
+    no_speculation_requests: int = Field(description="records of the no-speculation arm in this category")
+    speedup_vs_no_speculation: float | None = Field(
+        description="no-speculation ms per token / speculating arms' ms per token, same category and range"
+    )
+
+
 class AcceptanceSeries(Reply):
     start: str
     end: str
     bucket_seconds: int
     arm: str | None
     drafter_version: int | None
+    category: str | None = Field(default=None, description="the category filter (null: all categories)")
     buckets: list[AcceptanceBucket] = Field(description="buckets with records only, in time order")
     total: AcceptanceFigures
     quarantined_records: int = Field(
         description="stored records the rollups could not sum (set aside, in no bucket), all time"
+    )
+    per_category: list[CategoryFigures] = Field(
+        default_factory=list,
+        description="each category's figures over the range, most requests first (categories past "
+        "the rollups' cap of 32 per deployment are counted as the category other)",
     )
 
 
@@ -277,6 +304,11 @@ class Job(Reply):
     deployment_id: int
     drift_event_id: int | None
     requested_by: str
+    trigger: str | None = Field(
+        default=None,
+        description="what started it: drift, continuous, first_drafter, unprofitable or manual "
+        "(null: not recorded)",
+    )
     attempts: int
     progress: float
     progress_message: str
@@ -325,6 +357,10 @@ class ServingArm(Reply):
     drafter_version: int | None
     k: int
     ngram_length: int
+    draft_confidence_threshold: float | None = Field(
+        default=None,
+        description="draft rounds stop at the first draft below this probability (null: never early)",
+    )
 
 
 class ServingBackend(Reply):
@@ -405,6 +441,8 @@ class CanaryPolicy(Reply):
     watch_requests: int
     shadow_prompts: int
     shadow_new_tokens: int
+    judge_per_category: bool
+    tune_draft_stop: bool
 
 
 class DraftLengthRow(Reply):
@@ -433,6 +471,12 @@ class DraftLengthTable(Reply):
     cost_ratio: float | None = None
     extrapolated_acceptance: float | None = None
     rows: list[DraftLengthRow] | None = None
+    draft_stop: dict[str, Any] | None = Field(
+        default=None,
+        description="expected speed-up per draft-stop confidence threshold from the live records' "
+        "counterfactual counts (only thresholds at or above the serving one are observable), and "
+        "the threshold the tuner would serve",
+    )
 
 
 # --- registered models -------------------------------------------------------------------------
@@ -498,3 +542,79 @@ class ActuatorDelivery(Reply):
 
 class ActuatorDeliveryList(Reply):
     deliveries: list[ActuatorDelivery]
+
+
+# --- adaptation policy ------------------------------------------------------------------------
+
+
+class AdaptationSkip(Reply):
+    trigger: str | None
+    reason: str | None
+    at: str | None
+
+
+class AdaptationStatus(Reply):
+    gpu_seconds_last_24h: float = Field(description="run time of the deployment's jobs in the last 24 h")
+    has_drafter: bool = Field(description="whether a drafter model serves the live arm")
+    next_trigger: str | None = Field(
+        description="the automatic realignment the next monitor pass would request (null: none)"
+    )
+    reason: str = Field(description="why, or why not")
+    last_skip: AdaptationSkip | None = Field(description="the last automatic realignment skipped over budget")
+
+
+class AdaptationPolicy(Reply):
+    standing_baseline_share: float
+    pays_alpha: float
+    pays_min_requests_per_arm: int
+    continuous: bool
+    continuous_every_traces: int
+    continuous_every_minutes: float
+    gpu_seconds_per_day: float
+    first_drafter: bool
+    status: AdaptationStatus
+
+
+# --- does speculation pay ---------------------------------------------------------------------
+
+
+class SpeculationCheckArm(Reply):
+    requests: int = Field(description="requests with a latency in the current test")
+    ms_per_token: float | None = Field(description="mean latency per output token (ms)")
+
+
+class SpeculationCheckAction(Reply):
+    action: str
+    at: str
+    detail: str
+    ratio: float | None
+
+
+class SpeculationCheck(Reply):
+    verdict: str = Field(
+        description="not_paying: the live arm is slower than no speculation at the policy's "
+        "pays_alpha (anytime-valid); pays: faster; unknown: not enough evidence yet"
+    )
+    reason: str | None
+    action: str | None = Field(
+        description="the last action taken: draft_length, realign, fallback_ngram or fallback_disabled"
+    )
+    acted_at: str | None
+    checked_at: str | None
+    records_examined: int
+    standing_baseline_share: float
+    alpha: float
+    min_requests_per_arm: int
+    arms: dict[str, SpeculationCheckArm] = Field(description="live and baseline (no speculation)")
+    ratio: float | None = Field(description="live / no-speculation latency per token (above 1: slower)")
+    ratio_low: float | None = Field(description="anytime-valid lower bound of the ratio, one-sided at alpha")
+    ratio_high: float | None = Field(description="anytime-valid upper bound of the ratio, one-sided at alpha")
+    serving: dict[str, Any] | None = Field(
+        description="the set-up the current test measures (mode, drafter version, k, threshold)"
+    )
+    test_started_at: str | None
+    draft_length_plan: dict[str, Any] | None = Field(
+        description="the k the live acceptance and measured step cost say pays best"
+    )
+    ladder: list[str] = Field(description="actions tried since speculation last paid, in order")
+    history: list[SpeculationCheckAction]

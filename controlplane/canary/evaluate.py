@@ -9,7 +9,9 @@ tokens per verify step (generated ÷ verify steps: exact, noise-free of the mach
 latency per output token in ms (what users feel). Only records written under a serving key
 (``from_serving_key``) are judged or watched: an ingest key can write arm labels, but it must not
 steer a promotion, a rollback or a guardrail. The judge and the watch keep running per-arm sums
-(``canary.tally``) on the canary row with a watermark, so each tick reads only new records.
+(``canary.tally``) on the canary row with a watermark, so each tick reads only new records. The
+judge's sums are split by request category too; ``arms["per_category"]`` shows each category's
+figures and verdict.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from controlplane.canary.service import (
 )
 from controlplane.canary.statistics import ArmAccumulator
 from controlplane.canary.tally import ArmTally, JudgeTally
+from controlplane.canary.tuning_view import arm_draft_stop_counts, draft_stop_plan, verify_cost_of
 from controlplane.config import Settings
 from controlplane.db.models import (
     AcceptanceRecordRow,
@@ -101,6 +104,7 @@ def _judged_records(
                 AcceptanceRecordRow.inter_token_ms,
                 AcceptanceRecordRow.total_ms,
                 AcceptanceRecordRow.ttft_ms,
+                AcceptanceRecordRow.category,
             )
             .where(
                 AcceptanceRecordRow.deployment_id == canary.deployment_id,
@@ -243,6 +247,36 @@ def recount_judge(*, session: Session, canary: Canary, max_requests: int) -> Jud
     return tally
 
 
+def category_figures(tally: JudgeTally, categories: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per category bucket: each arm's requests, hit rate, tokens/step and latency/token, with the
+    decision's verdict and comparisons (``categories`` is a decision's ``figures["categories"]``)."""
+    verdicts = categories.get("verdicts") or {}
+    out: dict[str, dict[str, Any]] = {}
+    ordered = sorted(
+        tally.categories.items(), key=lambda item: (-sum(t.timed for t in item[1].values()), item[0])
+    )
+    for bucket, per_arm in ordered:
+        figures: dict[str, Any] = {}
+        for name, arm in per_arm.items():
+            n = arm.timed
+            figures[name] = {
+                "requests": n,
+                "hit_rate": round(arm.hit_rate, 4) if arm.hit_rate is not None else None,
+                "tokens_per_step": round(arm.tokens_per_step_sum / n, 4) if n else None,
+                "latency_per_token_ms": round(arm.ms_per_token_sum / n, 4) if n else None,
+            }
+        judged = verdicts.get(bucket) or {}
+        figures["verdict"] = judged.get("verdict", "no requests to judge")
+        figures["comparisons"] = judged.get("comparisons", {})
+        out[bucket] = figures
+    return out
+
+
+def category_accumulators(tally: JudgeTally) -> dict[str, dict[str, ArmAccumulator]]:
+    """The decision's running state per category bucket and arm."""
+    return {bucket: live_accumulators(per_arm) for bucket, per_arm in tally.categories.items()}
+
+
 def arm_figures(arms: dict[str, ArmTally]) -> dict[str, dict[str, Any]]:
     """Plain per-arm figures for the canary row (the decision adds its confidence intervals)."""
     out: dict[str, dict[str, Any]] = {}
@@ -299,6 +333,7 @@ def record_shadow_result(
     if not policy.live_canary:
         _apply_decision(session, canary, outcome, policy, source="shadow replay", arms=None)
         return canary.phase
+    _live_k_for_a_first_drafter(canary, result, policy)
     if waits_for_pool(deployment):
         # The fleet loads the candidate first: traffic splits once its pool is ready.
         wait_for_pool(
@@ -311,6 +346,46 @@ def record_shadow_result(
         return canary.phase
     go_live(session=session, canary=canary, policy=policy, shadow_decision=outcome.decision)
     return canary.phase
+
+
+def _live_k_for_a_first_drafter(canary: Canary, result: dict[str, Any], policy: CanaryPolicy) -> None:
+    """Against an incumbent that does not speculate (a deployment's first drafter), the candidate
+    goes live at the k its own shadow replay says pays best, not the deployment's configured k.
+
+    A first drafter is cut from the target, so it costs more per step than a purpose-built one;
+    judged live at a k its costs cannot carry, it would lose to no speculation and be rejected
+    although a shorter draft pays. With a speculating incumbent the candidate keeps the
+    incumbent's k, so the two drafters are compared like for like; the tuner then picks k from
+    live records at promotion.
+    """
+    if not policy.tune_draft_length:
+        return
+    arms = result.get("arms") or {}
+    incumbent, candidate = arms.get(INCUMBENT) or {}, arms.get(CANDIDATE) or {}
+    if incumbent.get("speculative", True) or not candidate.get("verify_steps"):
+        return
+    costs = result.get("costs") or {}
+    cost_ratio = (costs.get("cost_ratio_by_arm") or {}).get(CANDIDATE) or costs.get("cost_ratio")
+    if not isinstance(cost_ratio, int | float) or cost_ratio <= 0:
+        return
+    plan = plan_draft_length(
+        candidate.get("accepted_per_position") or [],
+        int(candidate["verify_steps"]),
+        float(cost_ratio),
+        verify_cost=verify_cost_of(costs),
+    )
+    if plan.best_k < 1:
+        return  # no k pays by the replay's measure: the live split judges the configured k
+    canary.arms = {
+        **canary.arms,
+        "k": plan.best_k,
+        "live_k_source": {
+            "reason": "first drafter: k from its shadow replay's per-position acceptance and costs",
+            "configured_k": canary.arms.get("k"),
+            "expected_speedup": plan.best_speedup,
+            "cost_ratio": float(cost_ratio),
+        },
+    }
 
 
 def shadow_accumulators(result: dict[str, Any]) -> dict[str, ArmAccumulator]:
@@ -350,16 +425,78 @@ def _chosen_k(canary: Canary, arms: dict[str, ArmTally] | None) -> tuple[int | N
         )
     if not isinstance(cost_ratio, int | float) or steps <= 0 or not per_position:
         return None, {"note": "no cost measurement or acceptance counts: k unchanged"}
-    verify_cost = costs.get("verify_cost")
-    plan = plan_draft_length(
-        per_position,
-        steps,
-        float(cost_ratio),
-        verify_cost={int(k): float(v) for k, v in verify_cost.items()}
-        if isinstance(verify_cost, dict)
-        else None,
-    )
+    plan = plan_draft_length(per_position, steps, float(cost_ratio), verify_cost=verify_cost_of(costs))
     return plan.best_k, plan.as_dict()
+
+
+def _chosen_threshold(session: Session, canary: Canary) -> tuple[float | None, dict[str, Any]]:
+    """The draft-stop tuner's threshold for the candidate (None: none), from the counterfactual
+    counts of its live records and the measured costs. The candidate arm drafts without a
+    threshold (serving config), so every threshold of the grid is observable there; drafting
+    without one is what the canary measured, and what stands when no threshold pays."""
+    candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
+    counts = arm_draft_stop_counts(
+        session,
+        canary.deployment_id,
+        f"{ARM_CANARY_PREFIX}{candidate.version}",
+        after_record_id=int(canary.arms.get("live_since_record_id") or 0),
+        serving_key_only=True,  # an ingest key must not steer what the fleet serves
+        limit=JUDGE_BATCH_LIMIT,
+    )
+    costs = (canary.arms.get("shadow") or {}).get("costs") or {}
+    return draft_stop_plan(counts, costs)
+
+
+def _k_or_threshold(
+    new_k: int | None,
+    canary_k: int,
+    k_tuning: dict[str, Any],
+    threshold: float | None,
+    stop_tuning: dict[str, Any],
+) -> tuple[int | None, float | None]:
+    """The thresholds were counted at the canary's k: when both tuners want a change, the
+    promotion makes the one expected to gain more (each against what the canary ran)."""
+    if threshold is None or new_k is None or new_k == canary_k:
+        return new_k, threshold
+    rows = {int(r["k"]): float(r["expected_speedup"]) for r in k_tuning.get("rows", [])}
+    k_gain = rows[new_k] / rows[canary_k] if canary_k in rows and new_k in rows else float("inf")
+    stop_gain = float(stop_tuning.get("gain") or 1.0)
+    if stop_gain > k_gain:
+        stop_tuning["k_kept"] = (
+            f"k stays {canary_k}: threshold x{stop_gain:.3f} beats k={new_k} x{k_gain:.3f}"
+        )
+        return None, threshold
+    stop_tuning["threshold_dropped"] = (
+        f"k={new_k} (x{k_gain:.3f}) beats threshold {threshold} (x{stop_gain:.3f}), which was "
+        f"counted at k={canary_k}: no threshold"
+    )
+    return new_k, None
+
+
+def _apply_draft_stop(session: Session, canary: Canary, threshold: float | None, reason: str) -> None:
+    """A promotion serves the tuner's threshold (None: none): the candidate's own, not the old
+    drafter's; the watch knows it, to revert it with k if the promoted drafter falls short."""
+    deployment = lock_deployment(session=session, deployment_id=canary.deployment_id)
+    before = deployment.draft_confidence_threshold
+    watch = dict(canary.arms.get("watch") or {})
+    canary.arms = {
+        **canary.arms,
+        "draft_stop": {"candidate_threshold": None, "chosen_threshold": threshold},
+        "watch": {**watch, "canary_threshold": None, "tuned_threshold": threshold},
+    }
+    if before == threshold:
+        return
+    deployment.draft_confidence_threshold = threshold
+    deployment.row_version += 1
+    record_change(
+        session=session,
+        account_id=deployment.account_id,
+        actor="system",
+        action="deployment.draft_stop_tuned",
+        resource=resource_of(session, deployment),
+        before={"draft_confidence_threshold": before},
+        after={"draft_confidence_threshold": threshold, "reason": reason, "canary_id": canary.id},
+    )
 
 
 def _apply_decision(
@@ -383,13 +520,26 @@ def _apply_decision(
         best_k, tuning = _chosen_k(canary, arms)
         figures["draft_length"] = tuning
         new_k = best_k if policy.tune_draft_length else None
+        canary_k = int(canary.arms.get("k") or 0)
+        threshold: float | None = None
+        stop_tuning: dict[str, Any] = {"note": "tune_draft_stop is off: the threshold is left as set"}
+        if policy.tune_draft_stop:
+            threshold, stop_tuning = _chosen_threshold(session, canary)
+        new_k, threshold = _k_or_threshold(new_k, canary_k, tuning, threshold, stop_tuning)
+        figures["draft_stop"] = stop_tuning
         expected_hit = None
-        if new_k is not None and new_k != int(canary.arms.get("k") or 0):
+        if new_k is not None and new_k != canary_k:
             # accepted / drafted at the new k, from the tuner's (conservative) per-position rates.
             row = next((r for r in tuning.get("rows", []) if r["k"] == new_k), None)
             if row is not None and new_k > 0:
                 expected_hit = (float(row["expected_tokens_per_step"]) - 1.0) / new_k
                 figures["expected_hit_rate_at_new_k"] = expected_hit
+        elif threshold is not None:
+            # Stopping at doubtful drafts raises the hit rate: the watch expects what was counted.
+            stop_row = next((r for r in stop_tuning.get("rows", []) if r["threshold"] == threshold), None)
+            if stop_row is not None and stop_row.get("hit_rate") is not None:
+                expected_hit = float(stop_row["hit_rate"])
+                figures["expected_hit_rate_at_threshold"] = expected_hit
         candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
         try:
             promote(
@@ -406,6 +556,9 @@ def _apply_decision(
         except UnverifiedArtifactError as exc:
             # It won on the numbers, but its files changed since: it must not serve.
             reject(session=session, canary=canary, actor="system", reason=str(exc), figures=figures)
+        else:
+            if policy.tune_draft_stop:
+                _apply_draft_stop(session, canary, threshold, reason=f"{source}: {outcome.reason}")
     elif outcome.decision == CanaryDecision.reject:
         reject(
             session=session,
@@ -449,7 +602,8 @@ def evaluate_deployment(
         return _await_pool(session, canary, policy, probe)
     if canary.phase == CanaryPhase.watching:
         return _watch(session, canary, policy)
-    arms = advance_judge(session=session, canary=canary, max_requests=policy.max_requests).arms
+    tally = advance_judge(session=session, canary=canary, max_requests=policy.max_requests)
+    arms = tally.arms
     weights = canary.routing_weights or {}
     routing = {
         INCUMBENT: 1.0 - float(weights.get("candidate", 0)) - float(weights.get("baseline", 0)),
@@ -459,8 +613,22 @@ def evaluate_deployment(
     started = canary.arms.get("live_started_at")
     elapsed = (utcnow() - parse_utc(started)).total_seconds() if started else 0.0
     outcome = decision_policy.decide(
-        live_accumulators(arms), policy, elapsed_s=elapsed, routing_weights=routing
+        live_accumulators(arms),
+        policy,
+        elapsed_s=elapsed,
+        routing_weights=routing,
+        categories=category_accumulators(tally),
     )
+    canary.arms = {
+        **canary.arms,
+        "per_category": category_figures(tally, outcome.figures.get("categories") or {}),
+        "per_category_judge": {
+            key: value
+            for key, value in (outcome.figures.get("categories") or {}).items()
+            if key != "verdicts"
+        }
+        | {"records_covered": tally.category_records, "records": tally.records},
+    }
     findings = _guardrails(arms, deployment)
     if findings:
         canary.arms = {**canary.arms, "guardrails": [f.as_dict() for f in findings]}
@@ -591,7 +759,7 @@ def _watch(session: Session, canary: Canary, policy: CanaryPolicy) -> dict[str, 
         version=candidate.version,
         since=int(watch.get("since_record_id") or 0),
         # Servers pick a reverted k up within a config poll: judge only what ran at it.
-        k=int(reverted["to"]) if reverted else None,
+        k=int(reverted["to"]) if reverted and reverted.get("to") is not None else None,
         max_requests=policy.watch_requests * 4 or 1,
     )
     live = tally.arms[WATCH_ARM]
@@ -622,26 +790,45 @@ def _watch(session: Session, canary: Canary, policy: CanaryPolicy) -> dict[str, 
 
 
 def _revert_draft_length(session: Session, canary: Canary, watch: dict[str, Any], reason: str) -> bool:
-    """A promotion that also changed k and then falls short: go back to the k the canary measured.
+    """A promotion that also changed k or the draft-stop threshold and then falls short: go back
+    to the k and threshold the canary measured.
 
-    The shortfall may be the tuner's extrapolation to a longer draft, not the drafter: the drafter
-    keeps serving at the canary's k, and the watch starts over against the rate measured there.
-    Only a shortfall at that k rolls the drafter back. Returns whether k was reverted.
+    The shortfall may be the tuners' doing (an extrapolation to a longer draft, a threshold that
+    cut more accepted drafts than counted), not the drafter: the drafter keeps serving at the
+    canary's settings, and the watch starts over against the rate measured there. Only a
+    shortfall there rolls the drafter back. Returns whether anything was reverted.
     """
     canary_k, measured = watch.get("canary_k"), watch.get("measured_hit_rate")
-    if watch.get("draft_length_reverted") or not isinstance(canary_k, int) or canary_k <= 0:
+    if watch.get("draft_length_reverted"):
         return False
     if not isinstance(measured, int | float) or not 0 < measured < 1:
         return False
     deployment = lock_deployment(session=session, deployment_id=canary.deployment_id)
     tuned_k = deployment.draft_token_count
-    if tuned_k is None or tuned_k == canary_k:
+    revert_k = isinstance(canary_k, int) and canary_k > 0 and tuned_k is not None and tuned_k != canary_k
+    tuned_threshold = watch.get("tuned_threshold")
+    revert_threshold = (
+        tuned_threshold is not None and deployment.draft_confidence_threshold == tuned_threshold
+    )
+    if not revert_k and not revert_threshold:
         return False
-    deployment.draft_token_count = canary_k
+    to_k = canary_k if revert_k else tuned_k
+    to_threshold = (
+        watch.get("canary_threshold") if revert_threshold else deployment.draft_confidence_threshold
+    )
+    deployment.draft_token_count = to_k
+    deployment.draft_confidence_threshold = to_threshold
     deployment.row_version += 1
     # A new dict: ``watch`` is already the stored value (flushed by the lock's query), and an
     # in-place change of it would compare equal to itself and never be written.
-    reverted = {"from": tuned_k, "to": canary_k, "reason": reason, "at": utcnow().isoformat()}
+    reverted = {
+        "from": tuned_k,
+        "to": to_k,
+        "threshold_from": tuned_threshold if revert_threshold else to_threshold,
+        "threshold_to": to_threshold,
+        "reason": reason,
+        "at": utcnow().isoformat(),
+    }
     watch = {
         **watch,
         "draft_length_reverted": reverted,
@@ -656,7 +843,7 @@ def _revert_draft_length(session: Session, canary: Canary, watch: dict[str, Any]
         actor="system",
         action="drafter.draft_length_reverted",
         resource=resource_of(session, deployment),
-        before={"draft_token_count": tuned_k},
-        after={"draft_token_count": canary_k, "reason": reason},
+        before={"draft_token_count": tuned_k, "draft_confidence_threshold": reverted["threshold_from"]},
+        after={"draft_token_count": to_k, "draft_confidence_threshold": to_threshold, "reason": reason},
     )
     return True

@@ -20,6 +20,12 @@ evaluated after every ingested batch without inflating its errors.
   when the arm counts do not fit the routing weights (sample-ratio mismatch): no comparison of
   a broken split can be trusted.
 - *Continue* otherwise, and always before ``min_samples_per_arm`` requests in every arm.
+- *Per category* (:func:`judge_categories`, ``judge_per_category``): the overall mix can hide a
+  loss on one kind of traffic, so the candidate is also compared with the incumbent within each
+  request category; harm shown on any category rejects even when the mix wins. A promotion waits
+  while a category with enough samples looks worse beyond the margin, and while a category that
+  holds a real share of the traffic has too few samples to be judged (the candidate's arm is
+  small, so the overall rule can be ready long before a minority category is).
 
 :func:`decision_codes` is the same rule vectorised over many streams (the benchmark runs it);
 :func:`decide` wraps it for one canary and adds the report.
@@ -96,6 +102,11 @@ class CanaryPolicy:
     flag ends a canary, so it is small). ``live_canary`` False decides on the shadow replay alone
     (a fleet that cannot split traffic); ``tune_draft_length`` applies the tuner's k on promotion;
     ``watch_requests`` are checked after a promotion against the canary's estimate.
+    ``judge_per_category`` also judges each request category on its own (:func:`judge_categories`);
+    a promotion waits for every category holding at least ``category_min_share`` of the requests
+    to have ``min_samples_per_arm`` in the compared arms (smaller ones never hold it).
+    ``tune_draft_stop`` applies the draft-stop tuner's confidence threshold (or none) on promotion
+    (controlplane.tuning.draft_stop).
     """
 
     live_canary: bool = True
@@ -114,6 +125,9 @@ class CanaryPolicy:
     watch_requests: int = 500
     shadow_prompts: int = 24
     shadow_new_tokens: int = 64
+    judge_per_category: bool = True
+    category_min_share: float = 0.1
+    tune_draft_stop: bool = True
 
     # The fields a deployment's stored policy may set (the rest are the decision rule's internals).
     SETTABLE: ClassVar[frozenset[str]] = frozenset(
@@ -130,6 +144,8 @@ class CanaryPolicy:
             "watch_requests",
             "shadow_prompts",
             "shadow_new_tokens",
+            "judge_per_category",
+            "tune_draft_stop",
         }
     )
 
@@ -198,7 +214,7 @@ def _problems(values: Mapping[str, Any], only: set[str] | None = None) -> list[s
         return only is None or key in only
 
     problems: list[str] = []
-    for key in ("live_canary", "tune_draft_length"):
+    for key in ("live_canary", "tune_draft_length", "judge_per_category", "tune_draft_stop"):
         if checked(key) and not isinstance(values[key], bool):
             problems.append(f"{key} must be true or false")
     for key in ("candidate_weight", "baseline_weight"):
@@ -216,6 +232,10 @@ def _problems(values: Mapping[str, Any], only: set[str] | None = None) -> list[s
         _is_number(values["max_duration_s"]) and 60 <= values["max_duration_s"] <= 30 * 86400
     ):
         problems.append("max_duration_s must be in [60, 2592000] seconds")
+    if checked("category_min_share") and not (
+        _is_number(values["category_min_share"]) and 0 <= values["category_min_share"] <= 1
+    ):
+        problems.append("category_min_share must be in [0, 1]")
     if checked("srm_alpha") and not (_is_number(values["srm_alpha"]) and 0 < values["srm_alpha"] < 0.5):
         problems.append("srm_alpha must be in (0, 0.5)")
     for key, (low, high) in _INTEGER_RANGES.items():
@@ -408,11 +428,16 @@ def decide(
     *,
     elapsed_s: float = 0.0,
     routing_weights: Mapping[str, float] | None = None,
+    categories: Mapping[str, Mapping[str, ArmAccumulator]] | None = None,
 ) -> Decision:
     """Judge one canary from its arms' running state (``baseline``, ``incumbent``, ``candidate``).
 
     A missing arm counts as empty. ``routing_weights`` (arm -> share), when given, turns on the
-    sample-ratio check. ``elapsed_s``: time since the live canary started.
+    sample-ratio check. ``elapsed_s``: time since the live canary started. ``categories``: the
+    same running state split by request category (:func:`judge_categories`): harm shown on any
+    category rejects, even when the overall mix wins; a promotion waits while a category with
+    enough samples looks worse beyond the margin without it being shown yet (at the limits it
+    ends inconclusive). Categories with too few samples never block; the reason lists them.
     """
     unknown = set(arms_stats) - set(ARMS)
     if unknown:
@@ -429,6 +454,8 @@ def decide(
         "arms": _arm_figures(accumulators, policy),
         "comparisons": _comparison_figures(evaluation, policy),
     }
+    judgement = judge_categories(categories or {}, policy)
+    figures["categories"] = judgement.as_dict()
     srm = None
     if routing_weights is not None:
         srm = sample_ratio_check(
@@ -448,13 +475,51 @@ def decide(
             "trusted; keeping the incumbent"
         )
         return Decision("inconclusive", reason, figures)
+    worse_categories = "; ".join(v.sentence() for v in judgement.having("worse"))
     if code == REJECT:
         shown = [t for t in TESTS if t.family == "harm" and bool(evaluation.rejected[t.name])]
         reason = "harm shown: " + "; ".join(_test_sentence(t, comparisons) for t in shown)
+        if worse_categories:
+            reason += f"; also {worse_categories}"
         return Decision("reject", reason, figures)
+    if worse_categories:
+        overall = "even though it wins overall" if code == PROMOTE else "whatever the overall mix shows"
+        return Decision("reject", f"harm shown on a category, {overall}: {worse_categories}", figures)
     if code == PROMOTE:
+        doubtful = judgement.having("looks worse")
+        if doubtful:
+            seen = "; ".join(v.sentence() for v in doubtful)
+            if bool(evaluation.exhausted):
+                return Decision(
+                    "inconclusive",
+                    f"limit reached while a category looks worse than the incumbent, not shown: {seen}; "
+                    "keeping the incumbent",
+                    figures,
+                )
+            return Decision(
+                "continue",
+                f"promotion held: a category looks worse than the incumbent, not yet shown: {seen}",
+                figures,
+            )
+        awaited = [v for v in judgement.having("too few samples") if v.awaited]
+        if awaited and not bool(evaluation.exhausted):
+            listed = ", ".join(
+                f"{category_label(v.category)} ({v.share:.0%} of requests; candidate "
+                f"{v.requests[ARM_CANDIDATE]}, incumbent {v.requests[ARM_INCUMBENT]})"
+                for v in awaited
+            )
+            return Decision(
+                "continue",
+                f"promotion waits for {policy.min_samples_per_arm} requests per arm in every category "
+                f"holding at least {policy.category_min_share:.0%} of the traffic: {listed}",
+                figures,
+            )
         held = [t for t in TESTS if t.family in ("promote", "better") and bool(evaluation.rejected[t.name])]
         reason = "candidate promoted: " + "; ".join(_test_sentence(t, comparisons) for t in held)
+        if judgement.judged:
+            judged = len(judgement.having("no harm shown"))
+            reason += f"; no harm shown on {judged} of {judgement.family_size} categories"
+            reason += _too_few_text(judgement, policy)
         return Decision("promote", reason, figures)
     if not bool(evaluation.ready):
         short = {arm: acc.n for arm, acc in accumulators.items() if acc.n < policy.min_samples_per_arm}
@@ -572,6 +637,215 @@ def _verdict(comparison: _Comparison, tests: Mapping[str, Any]) -> str:
     if tests.get("non_inferior_tokens_per_step", {}).get("shown"):
         return "not worse"
     return "undetermined"
+
+
+# --------------------------------------------------------------------------------- per category
+
+# Candidate vs incumbent within one category; both against ``non_inferiority_margin``, since a
+# slice of the traffic may be a little worse without anyone noticing, but not by more.
+CATEGORY_TESTS = (
+    _Test("worse_tokens_per_step", "tokens_per_step_vs_incumbent", "less", "harm",
+          "tokens/step below the incumbent beyond the margin"),
+    _Test("slower_than_incumbent", "latency_vs_incumbent", "greater", "harm",
+          "latency/token above the incumbent beyond the margin"),
+)  # fmt: skip
+_CATEGORY_METRICS = {
+    "tokens_per_step_vs_incumbent": TOKENS_PER_STEP,
+    "latency_vs_incumbent": LATENCY_MS_PER_TOKEN,
+}
+CategoryVerdictName = Literal["worse", "looks worse", "no harm shown", "too few samples", "not judged"]
+
+
+def category_label(category: str) -> str:
+    """How a reason names a category bucket (the empty name is the uncategorised requests)."""
+    return repr(category) if category else "uncategorised requests"
+
+
+@dataclass(frozen=True, slots=True)
+class CategoryVerdict:
+    """One category's candidate-vs-incumbent comparison.
+
+    ``worse``: harm shown (rejects); ``looks worse``: enough samples and an estimate beyond the
+    margin, not yet shown (holds a promotion); ``no harm shown``; ``too few samples`` (does not
+    block); ``not judged`` (per-category judging is off or there is one category only).
+    """
+
+    category: str
+    verdict: CategoryVerdictName
+    requests: dict[str, int]
+    comparisons: dict[str, Any]
+    share: float = 0.0  # of the requests in every category, all arms
+    awaited: bool = False  # too few samples, but a share that must be judged before a promotion
+
+    def sentence(self) -> str:
+        """The category, what was shown (or seen) and the figures behind it."""
+        parts = []
+        for test in CATEGORY_TESTS:
+            figures = self.comparisons[test.name]
+            if self.verdict == "worse" and not figures["shown"]:
+                continue
+            if self.verdict == "looks worse" and not figures["beyond_margin"]:
+                continue
+            bound = figures["bound"]
+            parts.append(
+                f"{test.description} ({figures['metric']} {_pct(figures['estimate'])}, "
+                f"bound {_pct(bound if bound is not None else math.nan)}, "
+                f"margin {_pct(figures['null_value'])}, p = {figures['p_value']:.2g} "
+                f"at level {figures['level']:.2g})"
+            )
+        counts = (
+            f"candidate {self.requests[ARM_CANDIDATE]} vs incumbent {self.requests[ARM_INCUMBENT]} requests"
+        )
+        return f"category {category_label(self.category)}: " + "; ".join(parts) + f" [{counts}]"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "requests": dict(self.requests),
+            "share": self.share,
+            "awaited": self.awaited,
+            "comparisons": self.comparisons,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CategoryJudgement:
+    """Every category's verdict; ``level`` is what each category's harm family was held to."""
+
+    judged: bool
+    note: str
+    family_size: int
+    level: float
+    verdicts: tuple[CategoryVerdict, ...] = ()
+
+    def having(self, verdict: CategoryVerdictName) -> list[CategoryVerdict]:
+        return [v for v in self.verdicts if v.verdict == verdict]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "judged": self.judged,
+            "note": self.note,
+            "family_size": self.family_size,
+            "level": self.level,
+            "verdicts": {v.category: v.as_dict() for v in self.verdicts},
+        }
+
+
+def judge_categories(
+    categories: Mapping[str, Mapping[str, ArmAccumulator]], policy: CanaryPolicy
+) -> CategoryJudgement:
+    """Is the candidate worse than the incumbent on some category of requests?
+
+    ``categories[name][arm]``: each category's running state per arm (a missing arm is empty).
+    Two harm tests per category (tokens/step below, latency/token above the incumbent's, each
+    beyond ``non_inferiority_margin``), on anytime p-values like the overall rule's. The
+    categories are one family: Bonferroni over the categories holding any request splits
+    ``harm_alpha`` among them, and Holm runs over each category's two tests at its share, so the
+    chance that a candidate within the margin on every category is rejected by this family is at
+    most ``harm_alpha`` (for the categories present when the first one was tested; a category
+    first seen later raises the count, so earlier looks were held to a looser level). A category is
+    tested once both the incumbent and the candidate have ``min_samples_per_arm`` requests in it;
+    one below that is ``awaited`` when it holds at least ``category_min_share`` of the requests.
+    With a single category the overall rule already judges that traffic, so nothing is judged.
+    """
+    present = {
+        name: {arm: per_arm.get(arm) or ArmAccumulator() for arm in ARMS}
+        for name, per_arm in categories.items()
+        if any(acc.n > 0 for acc in per_arm.values())
+    }
+    family_size = len(present)
+    judged = policy.judge_per_category and family_size >= 2
+    level = policy.effective_harm_alpha / max(family_size, 1)
+    if not policy.judge_per_category:
+        note = "per-category judging is off (judge_per_category = false)"
+    elif family_size == 0:
+        note = "no requests split by category"
+    elif family_size == 1:
+        note = "one category of requests: the overall comparison judges it"
+    else:
+        note = (
+            f"{family_size} categories, each held to harm level {policy.effective_harm_alpha:g} / "
+            f"{family_size} = {level:.3g} (Bonferroni)"
+        )
+    margin = policy.non_inferiority_margin
+    nulls = {"worse_tokens_per_step": -margin, "slower_than_incumbent": margin}
+    ordered = sorted(present.items(), key=lambda item: (-sum(a.n for a in item[1].values()), item[0]))
+    total = sum(acc.n for per_arm in present.values() for acc in per_arm.values())
+    verdicts = []
+    for name, per_arm in ordered:
+        candidate, incumbent = per_arm[ARM_CANDIDATE], per_arm[ARM_INCUMBENT]
+        ready = min(candidate.n, incumbent.n) >= policy.min_samples_per_arm
+        diffs = {
+            t.name: relative_difference(
+                candidate.summary(_CATEGORY_METRICS[t.comparison]),
+                incumbent.summary(_CATEGORY_METRICS[t.comparison]),
+            )
+            for t in CATEGORY_TESTS
+        }
+        p_values = np.array(
+            [
+                float(
+                    one_sided_p_value(
+                        diffs[t.name],
+                        nulls[t.name],
+                        t.alternative,
+                        tuning_n=policy.tuning_requests,
+                        alpha=policy.alpha,
+                    )
+                )
+                for t in CATEGORY_TESTS
+            ]
+        )
+        shown = holm_reject(p_values, level) & (ready and judged)
+        levels = holm_levels(p_values, level)
+        comparisons: dict[str, Any] = {}
+        for i, t in enumerate(CATEGORY_TESTS):
+            diff = diffs[t.name]
+            est, se, n_eff = float(diff.estimate), float(diff.se), float(diff.n_eff)
+            low, high = confidence_bounds(
+                est, se, n_eff, float(levels[i]), tuning_n=policy.tuning_requests, alpha=policy.alpha
+            )
+            bound = float(low) if t.alternative == "greater" else float(high)
+            beyond = n_eff > 0 and (est < nulls[t.name] if t.alternative == "less" else est > nulls[t.name])
+            comparisons[t.name] = {
+                "metric": _CATEGORY_METRICS[t.comparison],
+                "hypothesis": t.description,
+                "estimate": est,
+                "null_value": nulls[t.name],
+                "p_value": float(p_values[i]),
+                "level": float(levels[i]),
+                "bound": _finite(bound),
+                "beyond_margin": bool(beyond),
+                "shown": bool(shown[i]),
+            }
+        verdict: CategoryVerdictName
+        if not judged:
+            verdict = "not judged"
+        elif not ready:
+            verdict = "too few samples"
+        elif bool(shown.any()):
+            verdict = "worse"
+        elif any(c["beyond_margin"] for c in comparisons.values()):
+            verdict = "looks worse"
+        else:
+            verdict = "no harm shown"
+        requests = {arm: acc.n for arm, acc in per_arm.items()}
+        share = sum(requests.values()) / total if total else 0.0
+        awaited = verdict == "too few samples" and share >= policy.category_min_share
+        verdicts.append(CategoryVerdict(name, verdict, requests, comparisons, share, awaited))
+    return CategoryJudgement(judged, note, family_size, level, tuple(verdicts))
+
+
+def _too_few_text(judgement: CategoryJudgement, policy: CanaryPolicy) -> str:
+    short = judgement.having("too few samples")
+    if not short:
+        return ""
+    listed = ", ".join(
+        f"{category_label(v.category)} (candidate {v.requests[ARM_CANDIDATE]}, "
+        f"incumbent {v.requests[ARM_INCUMBENT]})"
+        for v in short
+    )
+    return f"; not judged for want of {policy.min_samples_per_arm} requests per arm: {listed}"
 
 
 # ----------------------------------------------------------------------------------- guardrails

@@ -46,11 +46,13 @@ from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
 from controlplane.fleet import actuators
 from controlplane.fleet.payloads import EVENT_CANARY_START, EVENT_PROMOTION, EVENT_ROLLBACK
 from controlplane.jobs.service import (
+    TRIGGER_MANUAL,
     candidate_lost_to_fallback,
     end_guardrail_fallback,
     guardrail_fallback,
     resume_guardrail_fallback,
 )
+from controlplane.speculation_check.policy import canary_weights, standing_share
 from controlplane.timestamps import parse_utc, utcnow
 
 # --- policy ---------------------------------------------------------------------------------
@@ -213,11 +215,15 @@ def start_canary(
         if config.mode not in (SpeculationMode.ngram, SpeculationMode.disabled)
         else None
     )
+    training = session.get(Job, version.training_job_id) if version.training_job_id is not None else None
     job = Job(
         deployment_id=deployment.id,
         kind=JobKind.canary,
         state=JobState.queued,
         requested_by=actor,
+        # The canary answers what started its candidate's training (a candidate registered by
+        # hand has no training job: a person asked).
+        trigger=training.trigger if training is not None else TRIGGER_MANUAL,
         params={"candidate_version_id": version.id},
         result={},
         progress=0.0,
@@ -263,7 +269,14 @@ def start_canary(
 def go_live(*, session: Session, canary: Canary, policy: CanaryPolicy, shadow_decision: str) -> None:
     """shadow -> live: the serving config starts splitting traffic by the policy's weights."""
     canary.phase = move(canary.phase, CanaryPhase.live)
-    canary.routing_weights = policy.routing_weights
+    # The split judged (and checked for sample-ratio mismatch) is the one the serving config
+    # routes: its baseline arm takes the deployment's standing no-speculation share when larger.
+    owner = session.get_one(Deployment, canary.deployment_id)
+    share = standing_share(
+        owner.adaptation_policy, speculating=owner.speculation_mode != SpeculationMode.disabled
+    )
+    split = canary_weights(policy.candidate_weight, policy.baseline_weight, share)
+    canary.routing_weights = {"candidate": split["candidate"], "baseline": split["baseline"]}
     canary.arms = {
         **canary.arms,
         "live_since_record_id": latest_record_id(session, canary.deployment_id),

@@ -8,6 +8,14 @@ request-level standard error of the hit rate (``policy.request_level_spread``, t
 variance ``sum((a_i - p d_i)^2) n / (n - 1) / D^2``) expands into integer sums of ``d^2``, ``a d``
 and ``a^2``, so it is computed exactly, never from a float cancellation. Folding the same records
 in the same (id) order gives the same floats whether they arrive in one batch or many.
+
+The same sums are also kept per request category (``AcceptanceRecordRow.category``), so the
+decision can refuse a candidate that wins on the overall mix while losing one kind of traffic.
+A client chooses category names, so at most :data:`CATEGORY_LIMIT` named categories get their
+own sums: the first ones seen in record (id) order, which in steady traffic are the frequent
+ones (a category with share ``s`` shows up within about ``1 / s`` requests); later names pool
+into :data:`OTHER_CATEGORIES`. Records without a category share :data:`UNCATEGORISED`. Admission
+by id order keeps an incremental tally and a recount identical.
 """
 
 from __future__ import annotations
@@ -20,7 +28,18 @@ from typing import Any
 
 from controlplane.canary.statistics import ArmAccumulator
 
-TALLY_VERSION = 1
+# 2 added the per-category sums; a version-1 state (written before) is still read: its earlier
+# records are in the per-arm sums only, and the per-category sums start from the next record.
+TALLY_VERSION = 2
+READABLE_TALLY_VERSIONS = (1, 2)
+UNCATEGORISED = ""  # records without a category (``None`` or empty), as the rollups key them
+OTHER_CATEGORIES = "other"  # named categories beyond the limit, pooled
+CATEGORY_LIMIT = 16  # named categories with their own sums per tally
+
+
+def category_key(category: str | None) -> str:
+    """The bucket name of a record's category before the limit applies (``None`` -> uncategorised)."""
+    return category if category else UNCATEGORISED
 
 
 def ms_per_token(
@@ -157,17 +176,36 @@ class ArmTally:
 
 @dataclass
 class JudgeTally:
-    """Every arm's tally plus how many records were folded (``max_requests`` caps them)."""
+    """Every arm's tally plus how many records were folded (``max_requests`` caps them), and the
+    same tallies split by category: ``categories[bucket][arm]``. ``category_records`` counts the
+    records in the category split (fewer than ``records`` only for a tally restored from a state
+    written before categories were kept)."""
 
     arms: dict[str, ArmTally]
     records: int = 0
+    categories: dict[str, dict[str, ArmTally]] = field(default_factory=dict)
+    category_records: int = 0
 
     @classmethod
     def empty(cls, arm_names: Iterable[str]) -> JudgeTally:
         return cls({name: ArmTally() for name in arm_names})
 
+    def bucket_of(self, category: str | None) -> str:
+        """The bucket a record of ``category`` is folded into now."""
+        key = category_key(category)
+        if key in self.categories or key in (UNCATEGORISED, OTHER_CATEGORIES):
+            return key
+        named = sum(1 for name in self.categories if name not in (UNCATEGORISED, OTHER_CATEGORIES))
+        return key if named < CATEGORY_LIMIT else OTHER_CATEGORIES
+
     def fold(self, arm: str, row: Any) -> None:
         self.arms[arm].add(row)
+        bucket = self.bucket_of(getattr(row, "category", None))
+        per_arm = self.categories.get(bucket)
+        if per_arm is None:
+            per_arm = self.categories[bucket] = {name: ArmTally() for name in self.arms}
+        per_arm[arm].add(row)
+        self.category_records += 1
         self.records += 1
 
     def fold_counts(self, arm: str, row: Any) -> None:
@@ -182,15 +220,28 @@ class JudgeTally:
             "version": TALLY_VERSION,
             "records": self.records,
             "arms": {name: tally.to_state() for name, tally in self.arms.items()},
+            "category_records": self.category_records,
+            "categories": {
+                bucket: {name: tally.to_state() for name, tally in per_arm.items()}
+                for bucket, per_arm in self.categories.items()
+            },
         }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], arm_names: Iterable[str]) -> JudgeTally:
         """Restore a stored tally; ValueError for a state this code did not write."""
-        if state.get("version") != TALLY_VERSION:
+        if state.get("version") not in READABLE_TALLY_VERSIONS:
             raise ValueError(f"unsupported judge state version {state.get('version')!r}")
+        names = tuple(arm_names)
         try:
-            arms = {name: ArmTally.from_state(state["arms"][name]) for name in arm_names}
-            return cls(arms, int(state["records"]))
+            arms = {name: ArmTally.from_state(state["arms"][name]) for name in names}
+            stored = state.get("categories") or {}
+            if not isinstance(stored, Mapping):
+                raise TypeError("categories must be an object")
+            categories = {
+                str(bucket): {name: ArmTally.from_state(per_arm[name]) for name in names}
+                for bucket, per_arm in stored.items()
+            }
+            return cls(arms, int(state["records"]), categories, int(state.get("category_records", 0)))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed judge state: {exc!r}") from exc

@@ -139,6 +139,20 @@ class Marker(schemas.Reply):
     label: str
 
 
+class CategoryRow(schemas.Reply):
+    """One request category over the page's range ("" holds requests without one)."""
+
+    category: str
+    requests: int
+    hit_rate: float | None
+    mean_accepted_length: float | None
+    no_speculation_requests: int
+    speedup_vs_no_speculation: float | None = Field(
+        description="measured against the no-speculation arm's records of the same category"
+    )
+    speedup_estimate: float | None = Field(description="from the hit rate, k and the assumed cost ratio")
+
+
 class DashboardDeployment(schemas.Reply):
     deployment: schemas.Deployment
     range: SeriesRange
@@ -146,6 +160,7 @@ class DashboardDeployment(schemas.Reply):
     total: SeriesPoint
     positions: PositionAcceptance
     markers: list[Marker]
+    categories: list[CategoryRow] = Field(description="per request category, most requests first")
 
 
 class DashboardCanaries(schemas.Reply):

@@ -207,7 +207,8 @@ def deployment_view(
     end: datetime | None,
     now: datetime,
 ) -> dict[str, Any]:
-    """The deployment page's data in one request: the series, markers and per-position acceptance."""
+    """The deployment page's data in one request: the series, markers, per-position acceptance and
+    the figures of each request category."""
     start_at, end_at, bucket_seconds = resolve_range(name=range_name, end=end, now=now)
     series = acceptance_series(
         session=session,
@@ -215,6 +216,7 @@ def deployment_view(
         start=start_at,
         end=end_at,
         bucket_seconds=bucket_seconds,
+        per_category=True,
     )
     current = acceptance_series(
         session=session,
@@ -229,8 +231,9 @@ def deployment_view(
         select(DriftEvent).where(DriftEvent.deployment_id == deployment.id).order_by(DriftEvent.id.desc())
     )
     event_baseline = (last_event.evidence or {}).get("baseline_per_position") if last_event else None
+    info = describe(session=session, deployment=deployment, account_name=account_name)
     return {
-        "deployment": describe(session=session, deployment=deployment, account_name=account_name),
+        "deployment": info,
         "range": {
             "name": range_name,
             "start": start_at.isoformat(),
@@ -254,7 +257,27 @@ def deployment_view(
             end=end_at,
             now=now,
         ),
+        "categories": category_rows(series["per_category"], k=info["effective_draft_token_count"]),
     }
+
+
+def category_rows(per_category: list[dict[str, Any]], *, k: int | None) -> list[dict[str, Any]]:
+    """The per-category table: requests, hit rate, and speed-up against no speculation, measured
+    where the category has no-speculation records in the range, else Leviathan's estimate."""
+    return [
+        {
+            "category": figures["category"],
+            "requests": figures["requests"],
+            "hit_rate": figures["hit_rate"],
+            "mean_accepted_length": figures["mean_accepted_length"],
+            "no_speculation_requests": figures["no_speculation_requests"],
+            "speedup_vs_no_speculation": figures["speedup_vs_no_speculation"],
+            "speedup_estimate": speedup_estimate(
+                hit_rate=figures["hit_rate"], k=k, cost_ratio=ASSUMED_DRAFT_COST_RATIO
+            ),
+        }
+        for figures in per_category
+    ]
 
 
 def markers(

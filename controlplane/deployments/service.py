@@ -74,6 +74,8 @@ def describe(*, session: Session, deployment: Deployment, account_name: str) -> 
         "draft_token_count": config.draft_token_count,
         "effective_draft_token_count": config.effective_draft_token_count,
         "ngram_speculation_length": config.ngram_speculation_length,
+        # Set by the draft-stop tuner at a promotion (controlplane.tuning.draft_stop); None: off.
+        "draft_confidence_threshold": deployment.draft_confidence_threshold,
         "active_drafter_version": active.version if active else None,
         # The registered drafter used when no trained version is active, and where it comes from.
         "registered_drafter": choice.model.name if choice.model is not None else None,

@@ -16,6 +16,8 @@ LiteLLM's weighted ``simple-shuffle`` (it draws ``weight / sum(weights)``) and G
 (``weight`` is an integer, 0 to 1,000,000, proportional) read as proportions. Backends that get no
 traffic are left out of both exports. A config without any backend (none registered yet) exports
 an empty ``model_list`` / ``backendRefs``.
+Outside a canary, the standing no-speculation share of a fleet without a baseline pool goes to
+the other arms (as the arm router sends it): the export still works, that share speculates.
 
 LiteLLM (docs.litellm.ai/docs/routing, ``router_strategy/simple_shuffle.py``): one ``model_list``
 entry per backend, all under the deployment's model name, ``litellm_params`` = ``model``
@@ -91,6 +93,7 @@ def weighted_backends(config: Mapping[str, Any]) -> list[tuple[dict[str, Any], s
     if not backends:  # nothing registered yet: an export with no destinations, not an error
         return []
     rows: list[tuple[dict[str, Any], str, float]] = []
+    canary_live = any(str(a.get("arm") or "").startswith(ARM_CANARY_PREFIX) for a in arms)
     for arm in arms:
         name = str(arm.get("arm") or ARM_LIVE)
         weight = float(arm.get("weight", 1.0))
@@ -104,6 +107,10 @@ def weighted_backends(config: Mapping[str, Any]) -> list[tuple[dict[str, Any], s
             if b.get("pool") == pool
             and (version is None or b.get("drafter_version") is None or b.get("drafter_version") == version)
         ]
+        if not members and name == ARM_BASELINE and not canary_live:
+            # The standing no-speculation share needs a baseline pool; a fleet without one serves
+            # that share with speculation (as the arm router does), rather than exporting nothing.
+            continue
         if not members:
             raise ExportError(
                 f"arm {name!r} has weight {weight:g} but the {pool} pool has no backend"

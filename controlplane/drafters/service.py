@@ -242,6 +242,8 @@ def promote_version(
         "draft_model": deployment.draft_model,
         "draft_token_count": deployment.draft_token_count,
         "ngram_speculation_length": deployment.ngram_speculation_length,
+        # Tuned for the drafter serving before: it returns with it.
+        "draft_confidence_threshold": deployment.draft_confidence_threshold,
     }
     if old is not None:
         _move(old, DrafterState.retired)
@@ -338,6 +340,8 @@ def roll_back(*, session: Session, deployment: Deployment, actor: str, reason: s
         deployment.draft_token_count = restore.get("draft_token_count")
         deployment.draft_model = restore.get("draft_model", deployment.draft_model)
         deployment.ngram_speculation_length = restore.get("ngram_speculation_length")
+        if "draft_confidence_threshold" in restore:  # promotions recorded before it was tuned lack it
+            deployment.draft_confidence_threshold = restore["draft_confidence_threshold"]
     deployment.row_version += 1
     record_change(
         session=session,

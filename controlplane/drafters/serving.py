@@ -1,5 +1,11 @@
 """The serving config: what the fleet should run now for a deployment (target, drafter, k, the
-canary's traffic split while one is live, and the backends of each pool).
+canary's traffic split while one is live, the standing no-speculation share, and the backends of
+each pool).
+
+Every deployment that speculates routes a small share of its traffic (``standing_baseline_share``
+of its adaptation policy, 0 for none) to a ``baseline`` arm without speculation, canary or not, so
+whether speculation pays is always measured (``controlplane.speculation_check``). During a live
+canary the baseline arm serves the larger of the canary's share and the standing share.
 
 Every model is named by location and digest (``ModelRef``): a registered model's folder with the
 sha256 of each file, or a trained drafter's artifact URI with its manifest's sha256. Servers load
@@ -24,6 +30,7 @@ from controlplane.fleet.backends import backend_summary, list_backends
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
 from controlplane.models.location import ModelLocation
 from controlplane.models.service import drafter_choice, find_model, location_of
+from controlplane.speculation_check.policy import canary_weights, standing_share, standing_weights
 
 
 def target_location(*, session: Session, deployment: Deployment) -> ModelLocation:
@@ -52,7 +59,8 @@ def incumbent_location(
 
 
 def serving_config(*, session: Session, deployment: Deployment) -> dict[str, Any]:
-    """What the serving fleet should run now: one ``live`` arm, plus the canary's arms while live."""
+    """What the serving fleet should run now: the ``live`` arm, the canary's arm while one is live,
+    and the ``baseline`` arm (no speculation) whenever its share is above 0."""
     config = speculation_of(deployment)
     active = active_drafter(session=session, deployment_id=deployment.id)
     drafter = incumbent_location(session=session, deployment=deployment, active=active)
@@ -69,8 +77,21 @@ def serving_config(*, session: Session, deployment: Deployment) -> dict[str, Any
         "drafter_version": active.version if active and uses_drafter else None,
         "k": k or DEFAULT_DRAFT_TOKEN_COUNT,
         "ngram_length": deployment.ngram_speculation_length or 3,
+        # Draft rounds stop at the first draft below this probability (None: never early).
+        "draft_confidence_threshold": deployment.draft_confidence_threshold if uses_drafter else None,
     }
     arms = [live]
+    share = standing_share(deployment.adaptation_policy, speculating=mode != SpeculationMode.disabled.value)
+    baseline: dict[str, Any] = {
+        "arm": ARM_BASELINE,
+        "weight": 0.0,
+        "speculation": SpeculationMode.disabled.value,
+        "drafter": None,
+        "drafter_version": None,
+        "k": 0,
+        "ngram_length": live["ngram_length"],
+        "draft_confidence_threshold": None,
+    }
     canary = session.scalar(
         select(Canary)
         .where(Canary.deployment_id == deployment.id, Canary.phase == CanaryPhase.live)
@@ -78,8 +99,10 @@ def serving_config(*, session: Session, deployment: Deployment) -> dict[str, Any
     )
     if canary is not None and canary.routing_weights:
         candidate = session.get_one(DrafterVersion, canary.candidate_version_id)
-        weights = canary.routing_weights
-        live["weight"] = round(1.0 - weights["candidate"] - weights["baseline"], 6)
+        weights = canary_weights(
+            float(canary.routing_weights["candidate"]), float(canary.routing_weights["baseline"]), share
+        )
+        live["weight"] = weights["live"]
         arms.append(
             {
                 "arm": f"{ARM_CANARY_PREFIX}{candidate.version}",
@@ -89,19 +112,15 @@ def serving_config(*, session: Session, deployment: Deployment) -> dict[str, Any
                 "drafter_version": candidate.version,
                 "k": int(canary.arms.get("k") or live["k"]),
                 "ngram_length": live["ngram_length"],
+                # Never early: its records then count every draft-stop threshold for the tuner.
+                "draft_confidence_threshold": None,
             }
         )
-        arms.append(
-            {
-                "arm": ARM_BASELINE,
-                "weight": weights["baseline"],
-                "speculation": SpeculationMode.disabled.value,
-                "drafter": None,
-                "drafter_version": None,
-                "k": 0,
-                "ngram_length": live["ngram_length"],
-            }
-        )
+        arms.append({**baseline, "weight": weights["baseline"]})
+    elif share > 0:
+        weights = standing_weights(share)
+        live["weight"] = weights["live"]
+        arms.append({**baseline, "weight": weights["baseline"]})
     body = {
         "model": deployment.name,
         "target": target_location(session=session, deployment=deployment).to_dict(),

@@ -12,7 +12,8 @@ per-position accepted counts, which every histogram determines exactly.
 
 Exact vs estimated, per format (each adapter's docstring has the details):
 
-* native: exactly what the caller sent, validated.
+* native: exactly what the caller sent, validated, including the optional counterfactual
+  ``draft_stop_counts`` (``draft_stop_counts()`` checks them against the record's own counts).
 * vllm / trtllm: counts exact; ``accepted_per_position[i]`` = steps that accepted >= i+1 draft
   tokens, exact from the histogram. ``generated_tokens`` exact from ``usage.completion_tokens``,
   else the lower bound ``accepted + steps``.
@@ -73,9 +74,15 @@ NATIVE_FIELDS: Final = (
     "drafter_version",
     "category",
     "created_at",
+    # Content like the counts above: a retry under the same request id must repeat it (409 else).
+    "draft_stop_counts",
 )
 _NATIVE_KEYS: Final = frozenset(NATIVE_FIELDS)
 _BATCH_KEYS: Final = frozenset({"format", "records"})
+# draft_stop_counts: its keys, and at most this many thresholds (a grid, not a histogram).
+DRAFT_STOP_KEYS: Final = ("thresholds", "rounds", "drafted", "accepted")
+_DRAFT_STOP_KEYS: Final = frozenset(DRAFT_STOP_KEYS)
+MAX_DRAFT_STOP_THRESHOLDS: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -759,6 +766,9 @@ def _from_native(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
             drafter_version = arm_version  # canary:<n> is served by drafter version n by definition
         elif drafter_version != arm_version:
             errs.append(("drafter_version", f"is {drafter_version} but arm is canary:{arm_version}"))
+    stop_counts = get("draft_stop_counts")
+    if stop_counts is not None:
+        stop_counts = draft_stop_counts(stop_counts, drafted, accepted, steps, k, errs)
     if errs or positions is None or arm is None:
         return None
     record = AcceptanceRecord(
@@ -777,9 +787,110 @@ def _from_native(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
         drafter_version,
         category,
         created_at,
+        stop_counts,
     )
     errs.extend(storage_problems(record))
     return None if errs else record
+
+
+def draft_stop_counts(
+    value: object,
+    drafted_tokens: int | None,
+    accepted_tokens: int | None,
+    verify_steps: int | None,
+    k: int | None,
+    errs: _Errs,
+) -> dict[str, Any] | None:
+    """A record's counterfactual draft-stop counts (workers.engine.metrics ``DraftStopCounts``),
+    checked against the record's own counts, as a clean dict; None after appending problems.
+
+    Per threshold t (strictly increasing, in (0, 1)): over ``rounds`` drafting rounds, the tokens
+    a round stopping at its first draft below t would have drafted and had accepted. So
+    ``rounds <= drafted[i] <= rounds * k`` (every round drafts its first token), ``accepted[i] <=
+    drafted[i]``, both non-increasing in t (stopping earlier never drafts or keeps more), and
+    never above the record's own drafted / accepted tokens (a threshold at or above the one the
+    request ran with stops no later than it did).
+    """
+    name = "draft_stop_counts"
+    if type(value) is not dict:
+        errs.append(
+            (name, f"must be an object {{{', '.join(DRAFT_STOP_KEYS)}}} or null, got {_type_name(value)}")
+        )
+        return None
+    before = len(errs)
+    _unknown_keys(value, _DRAFT_STOP_KEYS, errs, prefix=f"{name}.")
+    thresholds = value.get("thresholds", _MISSING)
+    clean_thresholds: list[float] = []
+    if type(thresholds) is not list or not thresholds:
+        shown = "missing" if thresholds is _MISSING else _type_name(thresholds)
+        errs.append((f"{name}.thresholds", f"must be a non-empty array of probabilities, got {shown}"))
+    elif len(thresholds) > MAX_DRAFT_STOP_THRESHOLDS:
+        errs.append(
+            (f"{name}.thresholds", f"has {len(thresholds)} entries; at most {MAX_DRAFT_STOP_THRESHOLDS}")
+        )
+    else:
+        for i, t in enumerate(thresholds):
+            if type(t) not in (int, float) or not 0.0 < t < 1.0:
+                errs.append((f"{name}.thresholds[{i}]", f"must be a number in (0, 1), got {_echo(t)}"))
+                break
+            if clean_thresholds and t <= clean_thresholds[-1]:
+                errs.append(
+                    (
+                        f"{name}.thresholds[{i}]",
+                        f"must exceed the previous threshold ({clean_thresholds[-1]}), got {t}",
+                    )
+                )
+                break
+            clean_thresholds.append(float(t))
+    rounds = _count(value.get("rounds", _MISSING), f"{name}.rounds", errs)
+    drafted = _count_array(value, "drafted", errs)
+    accepted = _count_array(value, "accepted", errs)
+    if len(errs) > before:
+        return None
+    assert rounds is not None and drafted is not None and accepted is not None
+    for field_name, counts in (("drafted", drafted), ("accepted", accepted)):
+        if len(counts) != len(clean_thresholds):
+            errs.append(
+                (
+                    f"{name}.{field_name}",
+                    f"has {len(counts)} entries but thresholds has {len(clean_thresholds)}",
+                )
+            )
+    if len(errs) > before:
+        return None
+    if verify_steps is not None and rounds > verify_steps:
+        errs.append((f"{name}.rounds", f"({rounds}) exceeds verify_steps ({verify_steps})"))
+    for i, (d, a) in enumerate(zip(drafted, accepted, strict=True)):
+        where = f"{name}.drafted[{i}]"
+        if d < rounds:
+            errs.append((where, f"({d}) is below rounds ({rounds}): every round drafts its first token"))
+        elif k is not None and d > rounds * k:
+            errs.append((where, f"({d}) exceeds rounds × k ({rounds} × {k})"))
+        elif drafted_tokens is not None and d > drafted_tokens:
+            errs.append((where, f"({d}) exceeds drafted_tokens ({drafted_tokens})"))
+        elif i and d > drafted[i - 1]:
+            errs.append((where, f"({d}) exceeds the count at the lower threshold ({drafted[i - 1]})"))
+        where = f"{name}.accepted[{i}]"
+        if a > d:
+            errs.append((where, f"({a}) exceeds drafted[{i}] ({d})"))
+        elif accepted_tokens is not None and a > accepted_tokens:
+            errs.append((where, f"({a}) exceeds accepted_tokens ({accepted_tokens})"))
+        elif i and a > accepted[i - 1]:
+            errs.append((where, f"({a}) exceeds the count at the lower threshold ({accepted[i - 1]})"))
+        if len(errs) > before:
+            return None
+    if max(rounds, *drafted) > MAX_COUNT:
+        errs.append((name, f"counts must be at most {MAX_COUNT}"))
+        return None
+    return {"thresholds": clean_thresholds, "rounds": rounds, "drafted": drafted, "accepted": accepted}
+
+
+def _count_array(value: dict[str, Any], key: str, errs: _Errs) -> list[int] | None:
+    """``draft_stop_counts[key]``: a required array of counts."""
+    if key not in value:
+        errs.append((f"draft_stop_counts.{key}", "required field is missing"))
+        return None
+    return _counts(value[key], f"draft_stop_counts.{key}", errs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1606,7 +1717,10 @@ def _from_fireworks(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None
 
     acc_field, acc_raw = get("speculation-acceptance")
     if acc_raw is _MISSING or acc_raw is None or acc_raw == "":
-        if env is not None and env.arm == ARM_BASELINE:
+        # Neither speculation key: the server ran without speculation (a deployment without a
+        # drafter, on any arm), as vLLM's null block says. One key without the other hides lost
+        # acceptance, and is refused outside the no-speculation arm.
+        if env is not None and (env.arm == ARM_BASELINE or gen_raw is _MISSING):
             generated = (
                 completion
                 if completion is not None

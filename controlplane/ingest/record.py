@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 ARM_LIVE = "live"
 ARM_BASELINE = "baseline"  # no speculation (the control arm of a canary)
@@ -39,6 +40,10 @@ class AcceptanceRecord:
     drafter_version: int | None = None
     category: str | None = None
     created_at: datetime | None = None  # None: the server stamps the ingest time
+    # What drafting would have done under each confidence threshold of a grid:
+    # {"thresholds": [...], "rounds": R, "drafted": [...], "accepted": [...]} (engines that count
+    # it; validated by controlplane.ingest.formats; the draft-stop tuner's input).
+    draft_stop_counts: dict[str, Any] | None = None
     # Provenance, not content: set by the write path when the caller holds the fleet's serving
     # key (only such records steer a canary); no format sets it, and idempotency ignores it.
     from_serving_key: bool = False

@@ -1,10 +1,14 @@
 """Rollups of acceptance records: pure aggregation, log histograms, and the database upsert.
 
-Records are summed per (minute, arm, drafter version) and, in the same transaction, per coarser
-tier (5 min, 1 h, 6 h, 1 day): ``acceptance_rollups`` holds one row per (resolution, bucket, arm,
-drafter version), so a stats query reads at most a few hundred rows whatever the range. Every
-tier's buckets start at multiples of its resolution since the Unix epoch, and each resolution
-divides the next.
+Records are summed per (minute, arm, drafter version, category) and, in the same transaction,
+per coarser tier (5 min, 1 h, 6 h, 1 day): ``acceptance_rollups`` holds one row per (resolution,
+bucket, arm, drafter version, category), so a stats query reads at most a few hundred rows
+whatever the range. Every tier's buckets start at multiples of its resolution since the Unix
+epoch, and each resolution divides the next.
+
+Categories are free text from clients, so the rollups keep at most MAX_ROLLUP_CATEGORIES of them
+per deployment: once that many are stored, records of any further category are summed under
+OVERFLOW_CATEGORY (the raw record keeps its own). A client cannot grow the table without bound.
 
 Latency percentiles come from log-spaced histograms (bucket edges grow by 5%), so a percentile
 read from a rollup is within about 2.5% of the exact value whatever the range. Histograms are
@@ -138,8 +142,19 @@ def merge_positions(into: list[int], other: Sequence[int]) -> None:
         into[i] += int(count)
 
 
-RollupKey = tuple[datetime, str, int]
-TierKey = tuple[int, datetime, str, int]
+# (minute, arm, drafter version or 0, category or NO_CATEGORY)
+RollupKey = tuple[datetime, str, int, str]
+# (resolution, bucket start, arm, drafter version or 0, category)
+TierKey = tuple[int, datetime, str, int, str]
+
+# The category of records that gave none: part of the unique key, so never NULL.
+NO_CATEGORY = ""
+# Where the records of categories past the cap are summed.
+OVERFLOW_CATEGORY = "other"
+# Distinct categories the rollups keep per deployment (NO_CATEGORY and OVERFLOW_CATEGORY aside).
+# Two writers admitting new categories at the same moment may each take the last free place, so
+# the bound holds up to the number of concurrent writers; it exists to stop unbounded growth.
+MAX_ROLLUP_CATEGORIES = 32
 
 
 @dataclass(slots=True)
@@ -170,7 +185,7 @@ class RollupDelta:
 
 
 def aggregate(records: Iterable[AcceptanceRecord], *, when_default: datetime) -> dict[RollupKey, RollupDelta]:
-    """Group records by (minute, arm, drafter version) and sum them.
+    """Group records by (minute, arm, drafter version, category) and sum them.
 
     Grouped first, then summed a column at a time (``sum(map(...))``, histograms in NumPy for
     large groups), which runs in C: a 10,000-record batch of one deployment's minute sums in
@@ -183,7 +198,7 @@ def aggregate(records: Iterable[AcceptanceRecord], *, when_default: datetime) ->
         minute = minute_cache.get(when)
         if minute is None:
             minute = minute_cache[when] = when.replace(second=0, microsecond=0)
-        key = (minute, rec.arm, rec.drafter_version or 0)
+        key = (minute, rec.arm, rec.drafter_version or 0, rec.category or NO_CATEGORY)
         group = groups.get(key)
         if group is None:
             groups[key] = [rec]
@@ -262,9 +277,9 @@ def floor_to(when: datetime, resolution_s: int) -> datetime:
 def tier_deltas(deltas: Mapping[RollupKey, RollupDelta]) -> dict[TierKey, RollupDelta]:
     """The minute deltas summed into every coarser tier's buckets."""
     tiers: dict[TierKey, RollupDelta] = {}
-    for (minute, arm, version), delta in deltas.items():
+    for (minute, arm, version, category), delta in deltas.items():
         for resolution in TIER_RESOLUTIONS:
-            key = (resolution, floor_to(minute, resolution), arm, version)
+            key = (resolution, floor_to(minute, resolution), arm, version, category)
             into = tiers.get(key)
             if into is None:
                 into = tiers[key] = RollupDelta()
@@ -292,15 +307,23 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
     concurrent batches touching the same buckets serialise instead of losing counts or
     deadlocking. Three statements whatever the number of tiers (two on PostgreSQL, where one
     upsert creates, locks and reads): this runs in every ingest transaction, where round trips
-    dominate.
+    dominate. Deltas that name a category take one more, to keep the categories within the cap
+    (see rollup_categories).
     """
     if not deltas:
         return
+    named = {key[3] for key in deltas} - {NO_CATEGORY}
+    kept = rollup_categories(session=session, deployment_id=deployment_id, categories=named) if named else {}
     minutes: dict[RollupKey, RollupDelta] = {}
-    for (minute, arm, version), delta in deltas.items():
+    for (minute, arm, version, category), delta in deltas.items():
         # Tier buckets are UTC-aligned; normalising here also merges keys that named the same
         # minute in different time zones.
-        key = (minute.astimezone(UTC) if minute.tzinfo is not None else minute, arm, version)
+        key = (
+            minute.astimezone(UTC) if minute.tzinfo is not None else minute,
+            arm,
+            version,
+            kept.get(category, category),
+        )
         into = minutes.get(key)
         if into is None:
             minutes[key] = delta
@@ -319,7 +342,7 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
     _insert_empty(session, deployment_id, keys)
     current = _lock_rows(session, deployment_id, keys)
     locked = {
-        (row.resolution_s, _aware(row.bucket_start, like), row.arm, row.drafter_version): row
+        (row.resolution_s, _aware(row.bucket_start, like), row.arm, row.drafter_version, row.category): row
         for row in current
     }
     # A Core executemany on the table: the ORM's bulk-update path costs several times more CPU
@@ -328,14 +351,54 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
     session.expire_all()
 
 
+# Categories found stored in a deployment's rollups, by (database URL, deployment id): only ever
+# grows while the rows exist (a deployment is soft-deleted, its id never reused).
+_STORED_CATEGORIES: dict[tuple[str, int], frozenset[str]] = {}
+_MAX_REMEMBERED_DEPLOYMENTS = 10_000
+
+
+def rollup_categories(*, session: Session, deployment_id: int, categories: Iterable[str]) -> dict[str, str]:
+    """The category each of ``categories`` is rolled up under: itself while the deployment's
+    rollups hold fewer than MAX_ROLLUP_CATEGORIES categories (or already hold this one), else
+    OVERFLOW_CATEGORY. New categories take the free places in name order.
+
+    Read from the daily tier, which holds every record once in the fewest rows. A category once
+    stored stays stored, so the categories each read found are remembered per database and
+    deployment, and a batch naming only those skips the read: this runs in every ingest flush
+    whose records carry a category.
+    """
+    wanted = set(categories)
+    known_key = (session.get_bind().engine.url.render_as_string(hide_password=True), deployment_id)
+    known = _STORED_CATEGORIES.get(known_key)
+    if known is not None and wanted <= known:
+        return {category: category for category in wanted}
+    r = AcceptanceRollupRow
+    daily = (r.deployment_id == deployment_id, r.resolution_s == RESOLUTIONS[-1])
+    stored = set(session.scalars(select(r.category).where(*daily).distinct()))
+    if len(_STORED_CATEGORIES) >= _MAX_REMEMBERED_DEPLOYMENTS:
+        _STORED_CATEGORIES.clear()
+    _STORED_CATEGORIES[known_key] = frozenset(stored)
+    counted = stored - {NO_CATEGORY, OVERFLOW_CATEGORY}
+    out: dict[str, str] = {}
+    for category in sorted(wanted):
+        if category in (NO_CATEGORY, OVERFLOW_CATEGORY) or category in counted:
+            out[category] = category
+        elif len(counted) < MAX_ROLLUP_CATEGORIES:
+            counted.add(category)
+            out[category] = category
+        else:
+            out[category] = OVERFLOW_CATEGORY
+    return out
+
+
 def _insert_empty(session: Session, deployment_id: int, keys: Sequence[TierKey]) -> None:
     """SQLite: create the missing rows of ``keys`` (PostgreSQL uses _upsert_locking)."""
     empty = _empty_row(deployment_id)
     session.execute(
         sqlite_insert(AcceptanceRollupRow).on_conflict_do_nothing(),
         [
-            {**empty, "resolution_s": r, "bucket_start": b, "arm": a, "drafter_version": v}
-            for r, b, a, v in keys
+            {**empty, "resolution_s": r, "bucket_start": b, "arm": a, "drafter_version": v, "category": c}
+            for r, b, a, v, c in keys
         ],
     )
 
@@ -373,11 +436,12 @@ def _apply_postgres(
                 "starts": [key[1] for key in keys],
                 "arms": [key[2] for key in keys],
                 "versions": [key[3] for key in keys],
+                "categories": [key[4] for key in keys],
             },
             prepare=True,
         )
         locked = {
-            (row.resolution_s, row.bucket_start, row.arm, row.drafter_version): row
+            (row.resolution_s, row.bucket_start, row.arm, row.drafter_version, row.category): row
             for row in cursor.fetchall()
         }
         updates = []
@@ -394,14 +458,14 @@ LOCK_CHUNK = 1000
 
 
 def _lock_rows(session: Session, deployment_id: int, keys: Sequence[TierKey]) -> list[Any]:
-    """Lock and read the rows of sorted ``keys`` (resolution, bucket start, arm, version).
+    """Lock and read the rows of sorted ``keys`` (resolution, bucket start, arm, version, category).
 
     Locks are taken in the database's order of the key columns. Chunks split only between
     (resolution, bucket start) pairs, whose order is the same in Python and SQL, so the order is
     global across chunks (arm names may collate differently in the database than in Python).
     """
     r = AcceptanceRollupRow
-    key_columns = (r.resolution_s, r.bucket_start, r.arm, r.drafter_version)
+    key_columns = (r.resolution_s, r.bucket_start, r.arm, r.drafter_version, r.category)
     columns = [r.id, *key_columns]
     columns += [getattr(r, name) for name in (*_SUM_COLUMNS, "accepted_per_position", *HISTOGRAMS)]
     rows: list[Any] = []
@@ -463,18 +527,20 @@ _LOCKED_COLUMNS = (
     "bucket_start",
     "arm",
     "drafter_version",
+    "category",
     *_SUM_COLUMNS,
     "accepted_per_position",
     *HISTOGRAMS,
 )
 _UPSERT_LOCKING_SQL = f"""
     INSERT INTO acceptance_rollups (deployment_id, resolution_s, bucket_start, arm, drafter_version,
-        {", ".join(_SUM_COLUMNS)}, accepted_per_position, {", ".join(HISTOGRAMS)})
-    SELECT %(deployment_id)s, k.resolution_s, k.bucket_start, k.arm, k.drafter_version,
+        category, {", ".join(_SUM_COLUMNS)}, accepted_per_position, {", ".join(HISTOGRAMS)})
+    SELECT %(deployment_id)s, k.resolution_s, k.bucket_start, k.arm, k.drafter_version, k.category,
         {", ".join("0" for _ in _SUM_COLUMNS)}, '[]', {", ".join("'[]'" for _ in HISTOGRAMS)}
     FROM unnest(CAST(%(resolutions)s AS integer[]), CAST(%(starts)s AS timestamptz[]),
-                CAST(%(arms)s AS varchar[]), CAST(%(versions)s AS integer[]))
-         WITH ORDINALITY AS k(resolution_s, bucket_start, arm, drafter_version, position)
+                CAST(%(arms)s AS varchar[]), CAST(%(versions)s AS integer[]),
+                CAST(%(categories)s AS varchar[]))
+         WITH ORDINALITY AS k(resolution_s, bucket_start, arm, drafter_version, category, position)
     ORDER BY k.position
     ON CONFLICT ON CONSTRAINT uq_acceptance_rollups_key DO UPDATE SET requests = acceptance_rollups.requests
     RETURNING {", ".join(_LOCKED_COLUMNS)}

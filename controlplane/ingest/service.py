@@ -13,7 +13,8 @@ rollups are updated from exactly the rows that were new, so a retried batch chan
 in the same transaction, or, for a small batch on PostgreSQL when the caller asks
 (``defer_rollups``), by a later fold that sums many such batches' records at once
 (fold_pending_rollups; the API's batcher runs it within a fraction of a second, and every
-reader of rollups runs it first).
+reader of rollups runs it first). Every path sums through controlplane.ingest.rollups, which keys
+the rollups by the records' category too (capped per deployment; the raw record keeps its own).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ COPY_COLUMNS = (
     "total_ms",
     "category",
     "from_serving_key",
+    "draft_stop_counts",
 )
 COPY_TYPES = (
     "int4",
@@ -84,6 +86,7 @@ COPY_TYPES = (
     "float8",
     "text",
     "bool",
+    "json",
 )
 COPY_SQL = f"COPY acceptance_records ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
 
@@ -122,7 +125,11 @@ FOLD_CHUNK_RECORDS = 5_000
 # A fold reads the columns every write path stores (aggregate() reads most of them by name),
 # except who wrote the record, which no rollup splits by: earlier revisions' migrations fold
 # with this code on a table that has no such column yet.
-_FOLDED_COLUMNS = ", ".join(["r.id", *(f"r.{name}" for name in COPY_COLUMNS if name != "from_serving_key")])
+# The draft-stop counts are left out for the same reason (and no rollup sums them).
+_UNFOLDED_COLUMNS = ("from_serving_key", "draft_stop_counts")
+_FOLDED_COLUMNS = ", ".join(
+    ["r.id", *(f"r.{name}" for name in COPY_COLUMNS if name not in _UNFOLDED_COLUMNS)]
+)
 # Pending rows are taken, and so locked, in record order by every fold, whatever its filter,
 # and each fold runs in a transaction of its own that locks rollup rows only after it holds
 # every pending row it takes: a transaction waiting for pending rows then never holds a rollup
@@ -220,6 +227,7 @@ def _row(deployment_id: int, rec: AcceptanceRecord, now: datetime) -> tuple[Any,
         rec.total_ms,
         rec.category,
         rec.from_serving_key,
+        rec.draft_stop_counts,
     )
 
 
@@ -238,6 +246,7 @@ def _column_arrays(deployment_id: int, records: Sequence[AcceptanceRecord], now:
     params: dict[str, Any] = dict(zip(COPY_COLUMNS, columns, strict=True))
     params["deployment_id"] = deployment_id
     params["accepted_per_position"] = [json_dumps(p) for p in params["accepted_per_position"]]
+    params["draft_stop_counts"] = [None if c is None else json_dumps(c) for c in params["draft_stop_counts"]]
     return params
 
 

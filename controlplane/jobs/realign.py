@@ -161,6 +161,9 @@ class TrainingTrace:
     key: str
     prompt: str
     completion: str
+    # The request's category (None: the client gave none): the trainer sizes its replay of older
+    # traffic per category, by how much of each the recent window still carries.
+    category: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,8 @@ class RealignInputs:
     incumbent: ModelLocation | None
     parent_version_id: int | None
     recent: list[TrainingTrace]
+    # Traffic before the window (newest ``MAX_REPLAY_TRACES``): replayed against forgetting, and
+    # part of it held out to measure what the new drafter kept of it.
     older: list[TrainingTrace]
     window_start: datetime | None
     window_end: datetime | None
@@ -183,7 +188,7 @@ class RealignInputs:
 
 
 def _training_traces(rows: list[Trace]) -> list[TrainingTrace]:
-    return [TrainingTrace(trace_key(t.id), t.prompt, t.completion) for t in rows]
+    return [TrainingTrace(trace_key(t.id), t.prompt, t.completion, t.category) for t in rows]
 
 
 def last_drafter_location(*, session: Session, deployment: Deployment) -> ModelLocation | None:

@@ -50,6 +50,17 @@ MAX_PAGE_SIZE = 500
 # Job params a caller may set by hand; everything else is chosen by the trainer.
 REALIGN_PARAM_KEYS = frozenset({"time_budget_s", "seed", "since", "replay_share", "max_traces"})
 
+# What started a job (``Job.trigger``): a drift alarm, the continuous policy, a deployment's first
+# drafter, speculation found not to pay (a guardrail's fallback), or a person.
+TRIGGER_DRIFT = "drift"
+TRIGGER_CONTINUOUS = "continuous"
+TRIGGER_FIRST_DRAFTER = "first_drafter"
+TRIGGER_UNPROFITABLE = "unprofitable"
+TRIGGER_MANUAL = "manual"
+TRIGGERS = frozenset(
+    {TRIGGER_DRIFT, TRIGGER_CONTINUOUS, TRIGGER_FIRST_DRAFTER, TRIGGER_UNPROFITABLE, TRIGGER_MANUAL}
+)
+
 
 @dataclass(frozen=True, slots=True)
 class RealignRequest:
@@ -181,17 +192,22 @@ def request_realign(
     drift_event_id: int | None = None,
     params: dict[str, Any] | None = None,
     settings: Settings | None = None,
+    trigger: str = TRIGGER_MANUAL,
 ) -> RealignRequest:
     """Create a queued realignment job, or return the one already queued or running.
 
-    ``settings`` bounds the time budget by the broker's visibility timeout (the API passes them).
+    ``settings`` bounds the time budget by the broker's visibility timeout (the API passes them);
+    ``trigger`` says what asked for it (one of ``TRIGGERS``).
     """
+    if trigger not in TRIGGERS:
+        raise ValueError(f"unknown job trigger {trigger!r}; known: {sorted(TRIGGERS)}")
     job = Job(
         deployment_id=deployment.id,
         kind=JobKind.realign,
         state=JobState.queued,
         drift_event_id=drift_event_id,
         requested_by=actor,
+        trigger=trigger,
         attempts=0,
         progress=0.0,
         progress_message="queued",
@@ -216,7 +232,12 @@ def request_realign(
         action="job.create",
         resource=_resource(session, deployment, job.id),
         before=None,
-        after={"kind": job.kind.value, "drift_event_id": drift_event_id, "params": job.params},
+        after={
+            "kind": job.kind.value,
+            "trigger": trigger,
+            "drift_event_id": drift_event_id,
+            "params": job.params,
+        },
     )
     return RealignRequest(job, created=True)
 
@@ -270,6 +291,8 @@ def schedule_guardrail_realign(
         kind=JobKind.realign,
         state=JobState.queued,
         requested_by=GUARDRAIL_ACTOR,
+        # Speculation measured slower than none: the fallback serves until a drafter pays again.
+        trigger=TRIGGER_UNPROFITABLE,
         attempts=0,
         progress=0.0,
         progress_message=f"queued {reason}; starts after {delay_s:g} s"[:500],
@@ -450,7 +473,11 @@ def realign_on_drift(*, session: Session, deployment: Deployment, event: DriftEv
     ):
         return None
     outcome = request_realign(
-        session=session, deployment=deployment, actor=f"drift-event:{event.id}", drift_event_id=event.id
+        session=session,
+        deployment=deployment,
+        actor=f"drift-event:{event.id}",
+        drift_event_id=event.id,
+        trigger=TRIGGER_DRIFT,
     )
     job = outcome.job
     if (
@@ -838,6 +865,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "deployment_id": job.deployment_id,
         "drift_event_id": job.drift_event_id,
         "requested_by": job.requested_by,
+        "trigger": job.trigger,
         "attempts": job.attempts,
         "progress": job.progress,
         "progress_message": job.progress_message,

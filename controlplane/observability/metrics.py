@@ -8,7 +8,9 @@ over ten records as over ten million.
 
 Names follow Prometheus conventions: a ``specctl_`` prefix, base units in the name (``_seconds``,
 ``_ratio``, ``_tokens``), ``_total`` on counters, and labels for the dimensions (account,
-deployment, arm, kind, state, decision).
+deployment, arm, category, kind, state, decision). The request category comes from clients; its
+values are bounded by the rollups' per-deployment cap (controlplane.ingest.rollups), so it
+cannot explode the series count.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from controlplane.deployments.lookup import resource_name
 from controlplane.drafters.service import active_drafter
 from controlplane.drift.service import monitor_status
 from controlplane.ingest.service import fold_before_reading, quarantined_counts
+from controlplane.speculation_check.metrics import speculation_families
 from controlplane.timestamps import as_utc
 
 DAY = 86400
@@ -95,6 +98,9 @@ def account_metrics(
     families += _jobs(session, account_name, names, now)
     families += _canaries(session, account_name, names)
     families += _drafter_moves(session, account_id, account_name, names)
+    families += speculation_families(
+        session=session, account_id=account_id, account=account_name, names=names
+    )
     scrape = GaugeMetricFamily(
         "specctl_metrics_scrape_duration_seconds",
         "Time this API process took to compute the account's metrics from the database.",
@@ -169,29 +175,45 @@ def _acceptance_recent(session: Session, account: str, names: dict[int, str], no
         f"Mean tokens per target verify step (1 + accepted / steps) over the last {window} minutes.",
         labels=labels,
     )
+    by_category = GaugeMetricFamily(
+        "specctl_category_hit_ratio",
+        f'Hit rate per request category over the last {window} minutes of rollups (category "": '
+        'requests without one; "other": categories past the per-deployment cap).',
+        labels=[*labels, "category"],
+    )
     if not names:
-        return [hit, length]
+        return [hit, length, by_category]
     r = AcceptanceRollupRow
     since = (now - RECENT_WINDOW).replace(second=0, microsecond=0)
     rows = session.execute(
         select(
             r.deployment_id,
             r.arm,
+            r.category,
             func.sum(r.drafted_tokens),
             func.sum(r.accepted_tokens),
             func.sum(r.verify_steps),
         )
         .where(r.deployment_id.in_(list(names)), r.resolution_s == 60, r.bucket_start >= since)
-        .group_by(r.deployment_id, r.arm)
-        .order_by(r.deployment_id, r.arm)
+        .group_by(r.deployment_id, r.arm, r.category)
+        .order_by(r.deployment_id, r.arm, r.category)
     )
-    for deployment_id, arm, draft, accept, steps in rows:
+    # Per (deployment, arm): drafted, accepted, verify steps over every category.
+    per_arm: dict[tuple[int, str], list[int]] = {}
+    for deployment_id, arm, category, draft, accept, steps in rows:
+        sums = per_arm.setdefault((deployment_id, arm), [0, 0, 0])
+        sums[0] += int(draft or 0)
+        sums[1] += int(accept or 0)
+        sums[2] += int(steps or 0)
+        if draft:
+            by_category.add_metric([account, names[deployment_id], arm, category], accept / draft)
+    for (deployment_id, arm), (draft, accept, steps) in per_arm.items():
         key = [account, names[deployment_id], arm]
         if draft:
             hit.add_metric(key, accept / draft)
         if steps:
             length.add_metric(key, 1 + accept / steps)
-    return [hit, length]
+    return [hit, length, by_category]
 
 
 def _drafters_and_drift(

@@ -6,6 +6,11 @@ fewest rollup rows that tile it exactly (see controlplane.ingest.rollups for the
 start on a tier's grid and a bucket that is a multiple of that tier, that is one row per bucket
 (per arm and drafter version). A bucket that is one row takes its latency percentiles from the
 row; only buckets made of several rows decode and merge histograms.
+
+Rollup rows are also keyed by the records' category (see controlplane.ingest.rollups), so a
+series can be narrowed to one category, and the figures of every category over the range, with
+the speed-up of speculation against the no-speculation arm of the same category, come from one
+more grouped read of the same rows.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, and_, or_, select
+from sqlalchemy import Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import AcceptanceRollupRow
 from controlplane.errors import ValidationProblem
+from controlplane.ingest.formats import MAX_CATEGORY_CHARS
+from controlplane.ingest.record import ARM_BASELINE
 from controlplane.ingest.rollups import (
     HISTOGRAMS,
     MINUTE,
@@ -188,6 +195,7 @@ def _select(
     deployment_id: int,
     arm: str | None,
     drafter_version: int | None,
+    category: str | None,
     hists: bool,
 ) -> Select[Any]:
     """One statement reading every rollup row of ``blocks``."""
@@ -210,6 +218,8 @@ def _select(
         query = query.where(r.arm == arm)
     if drafter_version is not None:
         query = query.where(r.drafter_version == drafter_version)
+    if category is not None:
+        query = query.where(r.category == category)
     return query
 
 
@@ -315,16 +325,20 @@ def acceptance_series(
     bucket_seconds: int,
     arm: str | None = None,
     drafter_version: int | None = None,
+    category: str | None = None,
     percentiles: bool = True,
     fold_pending: bool = True,
+    per_category: bool = False,
 ) -> dict[str, Any]:
     """Buckets of ``bucket_seconds`` between start (inclusive) and end (exclusive), plus a total.
 
     A record belongs to the range when its minute starts in [start, end); buckets start at
-    ``start``, and the last one may be partial. ``percentiles=False`` leaves the latency
+    ``start``, and the last one may be partial. ``category`` keeps the records of that category
+    only (exact match; None or "" keeps all). ``percentiles=False`` leaves the latency
     percentiles out (None) and reads no histogram: for callers that want only the counts.
     ``fold_pending=False`` skips folding the deployment's deferred rollup sums first, for a
     caller that has just folded them (controlplane.ingest.service.fold_before_reading).
+    ``per_category`` adds each category's figures over the whole range (see category_figures).
     """
     if bucket_seconds < 60 or bucket_seconds % 60:
         raise ValidationProblem("bucket_seconds must be a positive multiple of 60 (rollups are per minute)")
@@ -333,11 +347,19 @@ def acceptance_series(
         raise ValidationProblem("end must be after start")
     if (end - start).total_seconds() / bucket_seconds > MAX_BUCKETS:
         raise ValidationProblem(f"at most {MAX_BUCKETS} buckets per query; widen bucket_seconds")
+    if category is not None and len(category) > MAX_CATEGORY_CHARS:
+        raise ValidationProblem(f"category must be at most {MAX_CATEGORY_CHARS} characters")
+    category = category or None
     # Sums small ingest flushes deferred are added first: the series counts every acknowledged
     # record.
     if fold_pending:
         fold_before_reading(session=session, deployment_ids=[deployment_id])
-    filters = {"deployment_id": deployment_id, "arm": arm, "drafter_version": drafter_version}
+    filters = {
+        "deployment_id": deployment_id,
+        "arm": arm,
+        "drafter_version": drafter_version,
+        "category": category,
+    }
     # The minutes counted are those starting in [start, end), i.e. in [lo, hi). Bucket edges at
     # start + j * bucket_seconds group minutes exactly as edges at lo + j * bucket_seconds do
     # (lo - start < 60 and every edge distance is a multiple of 60), so the grid starts at lo.
@@ -385,12 +407,13 @@ def acceptance_series(
         for index in sorted(buckets)
     ]
     span = int((end - start).total_seconds())
-    return {
+    out: dict[str, Any] = {
         "start": start.isoformat(),
         "end": end.isoformat(),
         "bucket_seconds": bucket_seconds,
         "arm": arm,
         "drafter_version": drafter_version,
+        "category": category,
         "buckets": series,
         "total": summarise(total, bucket_seconds=max(span, 1)),
         # Records the rollup fold set aside (values it could not sum), whatever the range: they
@@ -399,3 +422,115 @@ def acceptance_series(
             deployment_id, 0
         ),
     }
+    if per_category:
+        out["per_category"] = category_figures(
+            session,
+            cover(lo, hi) if lo < hi else [],
+            deployment_id=deployment_id,
+            arm=arm,
+            drafter_version=drafter_version,
+            category=category,
+        )
+    return out
+
+
+_CATEGORY_SUMS = (
+    "requests",
+    "drafted_tokens",
+    "accepted_tokens",
+    "verify_steps",
+    "generated_tokens",
+    "total_ms_sum",
+)
+
+
+@dataclass(slots=True)
+class _CategorySums:
+    requests: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    generated_tokens: int = 0
+    total_ms_sum: float = 0.0
+
+    def add(self, row: Any) -> None:
+        # PostgreSQL sums BIGINT columns as NUMERIC: convert back to the field's type.
+        for name in _CATEGORY_SUMS:
+            value = getattr(row, name) or 0
+            added = float(value) if name == "total_ms_sum" else int(value)
+            setattr(self, name, getattr(self, name) + added)
+
+    def ms_per_token(self) -> float | None:
+        return _ratio(self.total_ms_sum, self.generated_tokens)
+
+
+def category_figures(
+    session: Session,
+    blocks: Sequence[Block],
+    *,
+    deployment_id: int,
+    arm: str | None,
+    drafter_version: int | None,
+    category: str | None,
+) -> list[dict[str, Any]]:
+    """Each category's figures over the rows of ``blocks``, most requests first.
+
+    The counts and ratios are those of the records the arm and drafter-version filters keep.
+    ``speedup_vs_no_speculation`` compares their speculating arms' milliseconds per generated
+    token with the no-speculation arm's (``baseline``, whatever the filters) in the same category
+    and range: the standing no-speculation share makes it a like-for-like figure; None where
+    either side has no timed tokens. Records without a category are listed under "".
+    """
+    if not blocks:
+        return []
+    r = AcceptanceRollupRow
+    runs = [
+        and_(r.resolution_s == resolution, r.bucket_start >= _at(first), r.bucket_start < _at(last))
+        for resolution, first, last in blocks
+    ]
+    query = (
+        select(
+            r.category,
+            r.arm,
+            r.drafter_version,
+            *(func.sum(getattr(r, name)).label(name) for name in _CATEGORY_SUMS),
+        )
+        .where(r.deployment_id == deployment_id, or_(*runs))
+        .group_by(r.category, r.arm, r.drafter_version)
+    )
+    if category is not None:
+        query = query.where(r.category == category)
+    kept: dict[str, _CategorySums] = {}
+    speculating: dict[str, _CategorySums] = {}
+    baseline: dict[str, _CategorySums] = {}
+    for row in session.execute(query):
+        if row.arm == ARM_BASELINE:
+            baseline.setdefault(row.category, _CategorySums()).add(row)
+        if arm in (None, row.arm) and drafter_version in (None, row.drafter_version):
+            kept.setdefault(row.category, _CategorySums()).add(row)
+            if row.arm != ARM_BASELINE:
+                speculating.setdefault(row.category, _CategorySums()).add(row)
+    figures: list[dict[str, Any]] = []
+    for name, sums in kept.items():
+        spec = speculating.get(name)
+        plain = baseline.get(name)
+        spec_ms = spec.ms_per_token() if spec else None
+        plain_ms = plain.ms_per_token() if plain else None
+        figures.append(
+            {
+                "category": name,
+                "requests": sums.requests,
+                "drafted_tokens": sums.drafted_tokens,
+                "accepted_tokens": sums.accepted_tokens,
+                "generated_tokens": sums.generated_tokens,
+                "hit_rate": _ratio(sums.accepted_tokens, sums.drafted_tokens),
+                "mean_accepted_length": (1 + sums.accepted_tokens / sums.verify_steps)
+                if sums.verify_steps
+                else None,
+                "decode_tokens_per_s": _ratio(sums.generated_tokens * 1000.0, sums.total_ms_sum),
+                "no_speculation_requests": plain.requests if plain else 0,
+                "speedup_vs_no_speculation": _ratio(plain_ms, spec_ms) if plain_ms and spec_ms else None,
+            }
+        )
+    figures.sort(key=lambda f: (-f["requests"], f["category"]))
+    return figures

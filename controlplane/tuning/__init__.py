@@ -1,4 +1,5 @@
-"""Draft-length tuning: the expected speed-up of each draft-token count k and the best k (pure)."""
+"""Draft tuning (pure): the expected speed-up of each draft-token count k and the best k, and of
+each draft-stop confidence threshold and the threshold to serve."""
 
 from controlplane.tuning.draft_length import (
     DraftLengthPlan,
@@ -8,8 +9,20 @@ from controlplane.tuning.draft_length import (
     plan_draft_length,
     plan_from_conditional_rates,
 )
+from controlplane.tuning.draft_stop import (
+    DraftStopPlan,
+    DraftStopRow,
+    SummedDraftStopCounts,
+    plan_draft_stop,
+    sum_counts,
+)
 
 __all__ = [
+    "DraftStopPlan",
+    "DraftStopRow",
+    "SummedDraftStopCounts",
+    "plan_draft_stop",
+    "sum_counts",
     "DraftLengthPlan",
     "DraftLengthRow",
     "conditional_acceptance",

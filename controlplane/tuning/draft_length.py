@@ -115,7 +115,7 @@ def _wilson_lower(successes: float, trials: float, z: float) -> float:
     return max(0.0, (centre - spread) / denominator)
 
 
-def _verify_cost_function(verify_cost: Mapping[int, float] | None) -> dict[int, float]:
+def verify_cost_function(verify_cost: Mapping[int, float] | None) -> dict[int, float]:
     """Measured ``v(k)`` points with ``v(0) = 1``; validated."""
     points = {0: 1.0}
     for k, value in (verify_cost or {}).items():
@@ -125,11 +125,12 @@ def _verify_cost_function(verify_cost: Mapping[int, float] | None) -> dict[int, 
     return points
 
 
-def _verify_cost_at(points: Mapping[int, float], k: int) -> float:
-    """Linear interpolation between measured points; beyond the last, continue the last segment's slope
+def verify_cost_at(points: Mapping[int, float], k: float) -> float:
+    """``v(k)`` at a draft count ``k`` (a mean over rounds may be fractional): linear interpolation
+    between measured points; beyond the last, continue the last segment's slope
     (never downwards): a wider verify pass is assumed to cost at least as much as the trend says."""
-    if k in points:
-        return points[k]
+    if float(k).is_integer() and int(k) in points:
+        return points[int(k)]
     known = sorted(points)
     below = [x for x in known if x < k]
     above = [x for x in known if x > k]
@@ -179,7 +180,7 @@ def plan_from_conditional_rates(
             )
         else:
             extrapolated_rate = min(rates)
-    costs = _verify_cost_function(verify_cost)
+    costs = verify_cost_function(verify_cost)
 
     rows = [DraftLengthRow(0, None, 1.0, 1.0, 1.0, False)]
     tokens, reach = 1.0, 1.0  # reach: probability that every position so far was accepted
@@ -189,7 +190,7 @@ def plan_from_conditional_rates(
         assert beta is not None
         reach *= beta
         tokens += reach
-        cost = k * cost_ratio + _verify_cost_at(costs, k)
+        cost = k * cost_ratio + verify_cost_at(costs, k)
         rows.append(DraftLengthRow(k, beta, tokens, cost, tokens / cost, not observed))
     # Ties go to the smaller k: the same speed for less drafting and verify work.
     best = max(rows, key=lambda r: (r.expected_speedup, -r.k))

@@ -139,8 +139,14 @@ def _traffic(now: datetime, seed: int) -> list[AcceptanceRecord]:
             plan = [("live", 2, ALPHA_REALIGNED)] * 4
         for i, (arm, version, alpha) in enumerate(plan):
             at = minute + timedelta(seconds=5 + 11 * i)
-            records.append(_record(rng, len(records), at, arm, version, alpha))
+            record = _record(rng, len(records), at, arm, version, alpha)
+            # Mixed traffic, as a client that names its request kinds sends it.
+            record.category = SEED_CATEGORIES[(minutes_ago + i) % len(SEED_CATEGORIES)]
+            records.append(record)
     return records
+
+
+SEED_CATEGORIES = ("prose", "structured", None)
 
 
 def _detector_state(seed: int, settings: Settings) -> tuple[dict[str, object], int]:

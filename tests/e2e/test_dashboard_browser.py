@@ -192,6 +192,14 @@ def test_admin_sees_the_loop_live_jobs_and_can_cancel(
     page.wait_for_selector("#latency-chart .plot-container", timeout=WAIT_MS)
     page.wait_for_selector("#detector-chart .plot-container", timeout=WAIT_MS)
     assert "baseline (drift detector reference)" in page.inner_text("#positions-panel")
+    # Per request category: a row each (requests without one too), with hit rate and speed-up.
+    page.wait_for_selector("#category-table tr[data-category='structured']", timeout=WAIT_MS)
+    shown = page.eval_on_selector_all("#category-table tbody tr", "rows => rows.map(r => r.dataset.category)")
+    assert set(shown) == {"prose", "structured", ""}, shown
+    for category in shown:
+        row = f"#category-table tr[data-category='{category}']"
+        assert "%" in page.inner_text(f"{row} .hit-rate")
+        assert "x" in page.inner_text(f"{row} .speedup")
 
     # Timings on a fresh load of the signed-in page (plotly.js may come from the cache, as it
     # would for an operator; the HTML and data never do).
@@ -307,7 +315,7 @@ def test_viewer_sees_no_admin_button_and_empty_panels_say_none_yet(live_app: Liv
     # A deployment with no traffic, no drift and no canary: every panel says so.
     page.goto(f"{base}/dashboard/deployments/{history.idle_deployment}")
     page.wait_for_selector("#hit-rate-panel .none-yet", timeout=WAIT_MS)
-    for panel in ("hit-rate", "positions", "latency", "detector"):
+    for panel in ("hit-rate", "positions", "latency", "detector", "categories"):
         assert "none yet" in page.inner_text(f"#{panel}-panel"), panel
     page.goto(f"{base}/dashboard/deployments/{history.idle_deployment}/canary")
     page.wait_for_selector("#canary-summary .none-yet", timeout=WAIT_MS)

@@ -79,6 +79,7 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/drift-events/{event_id}", READ, None),
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/drift-events/{event_id}:dismiss", ADMIN, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/drift-status", READ, None),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/speculation-check", READ, None),
     ("PATCH", "/v1/accounts/{account}/deployments/{deployment}/drift-policy", ADMIN, {"min_drop": 0.1}),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/jobs", READ, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/jobs/{job_id}", READ, None),
@@ -121,6 +122,14 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/canaries/{canary_id}/ready", ADMIN, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/canary-policy", READ, None),
     ("PATCH", "/v1/accounts/{account}/deployments/{deployment}/canary-policy", ADMIN, {"alpha": 0.1}),
+    ("GET", "/v1/accounts/{account}/deployments/{deployment}/adaptation-policy", READ, None),
+    ("PUT", "/v1/accounts/{account}/deployments/{deployment}/adaptation-policy", ADMIN, {"continuous": True}),
+    (
+        "PATCH",
+        "/v1/accounts/{account}/deployments/{deployment}/adaptation-policy",
+        ADMIN,
+        {"gpu_seconds_per_day": 600},
+    ),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/draft-length", READ, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/backends", READ, None),
     (

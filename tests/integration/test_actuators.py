@@ -187,7 +187,8 @@ def test_a_canary_waits_for_its_pool_then_goes_live_and_each_event_is_delivered_
 
     canary_id, deployment_id = _shadow_passes(db, settings)
     config = client.get(f"{BASE}/serving-config", headers=acme.headers(Role.serving)).json()
-    assert [a["arm"] for a in config["arms"]] == ["live"]
+    # Outside the live split: the live arm and the standing no-speculation share.
+    assert [a["arm"] for a in config["arms"]] == ["live", "baseline"]
     assert [b["name"] for b in config["backends"]] == ["cand-0", "inc-0"]
     pool = client.get(f"{BASE}/canaries/{canary_id}", headers=viewer).json()["arms"]["pool"]
     assert pool["state"] == "waiting" and pool["deadline"] > pool["since"]
@@ -305,7 +306,7 @@ def test_a_pool_that_never_becomes_ready_ends_the_canary_inconclusive(
     assert [
         a["arm"]
         for a in client.get(f"{BASE}/serving-config", headers=acme.headers(Role.serving)).json()["arms"]
-    ] == ["live"]
+    ] == ["live", "baseline"]
 
 
 def test_the_ready_callback_takes_the_webhook_signature_or_an_admin_key(

@@ -78,7 +78,7 @@ def test_promote_then_rollback_restores_the_previous_version_and_its_k(
     _add_version(db, 2)
 
     config = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.serving)).json()
-    assert [a["arm"] for a in config["arms"]] == ["live"]
+    assert [a["arm"] for a in config["arms"]] == ["live", "baseline"]  # the standing no-speculation share
     assert config["arms"][0]["drafter_version"] is None
     drafter = config["arms"][0]["drafter"]  # the registered drafter, by folder and per-file sha256
     assert drafter["name"] == "reference-drafter" and drafter["uri"].endswith("generic-drafter")
@@ -437,7 +437,7 @@ def test_a_live_canary_that_wins_is_promoted_and_serving_follows(
         # The watch compares the live hit rate with what the new k should give, not the canary's k.
         assert got["arms"]["watch"]["expected_hit_rate"] == figures["expected_hit_rate_at_new_k"]
     live = client.get(f"{BASE}/svc/serving-config", headers=acme.headers(Role.serving)).json()["arms"]
-    assert [a["arm"] for a in live] == ["live"] and live[0]["drafter_version"] == 1
+    assert [a["arm"] for a in live] == ["live", "baseline"] and live[0]["drafter_version"] == 1
     assert (
         client.get(f"{BASE}/svc", headers=viewer).json()["draft_token_count"]
         == figures["draft_length"]["best_k"]

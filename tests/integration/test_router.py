@@ -256,7 +256,8 @@ def test_a_promotion_reaches_the_router_within_five_seconds(fleet: Fleet) -> Non
     assert promoted.status_code == 200, promoted.text
     started = time.monotonic()
     while fleet.health()["deployments"]["chat"]["arms"] != [
-        {"arm": "live", "weight": 1.0, "drafter_version": 1}
+        {"arm": "live", "weight": 0.95, "drafter_version": 1},
+        {"arm": "baseline", "weight": 0.05, "drafter_version": None},  # the standing share
     ]:
         assert time.monotonic() - started < 5.0, fleet.health()["deployments"]["chat"]
         time.sleep(0.1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -234,4 +235,43 @@ def test_six_hour_backfill_rebuilds_exactly_what_ingestion_writes(dialect: str, 
     ]
     # Summed in another order: equal up to floating-point rounding.
     assert [row["total_ms_sum"] for row in rebuilt] == pytest.approx([row["total_ms_sum"] for row in written])
+    get_engine(url).dispose()
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_downgrade_past_categories_sums_them_into_one_row_per_old_key(dialect: str, tmp_path: Path) -> None:
+    """The same records, ingested with categories into one deployment and without into another,
+    give identical rollup rows once 0010 is downgraded: the per-category rows of each old key are
+    summed into one (on PostgreSQL some of them still pending, folded by the downgrade first)."""
+    url = (
+        f"sqlite:///{tmp_path / 'c.db'}"
+        if dialect == "sqlite"
+        else recreate_pg_database("controlplane_categories")
+    )
+    upgrade_to_head(url)
+    rng = random.Random(10)
+    start = datetime(2026, 11, 1, 3, 17, tzinfo=UTC)
+    with get_sessionmaker(url)() as session:
+        split, whole = _deployment(session).id, add_deployment(session, "whole").id
+        for batch in range(30):
+            records = _random_records(rng, batch, start, rng.randint(1, 30))
+            named = [
+                replace(record, category=rng.choice([None, "", "prose", "structured", "code"]))
+                for record in records
+            ]
+            store_records(session=session, deployment_id=whole, records=records)
+            store_batches(session=session, batches=[(split, named)], defer_rollups=batch % 2 == 1)
+            session.commit()
+    by_category = _rollup_rows(url, "deployment_id", split)
+    assert {row["category"] for row in by_category} == {"", "prose", "structured", "code"}
+
+    command.downgrade(alembic_config(url), "0009")
+    merged = _rollup_rows(url, "deployment_id", split)
+    written = _rollup_rows(url, "deployment_id", whole)
+    assert len(written) > 100  # every tier, several arms and versions
+    assert "category" not in written[0]
+    assert [{**row, "total_ms_sum": None} for row in merged] == [
+        {**row, "total_ms_sum": None} for row in written
+    ]
+    assert [row["total_ms_sum"] for row in merged] == pytest.approx([row["total_ms_sum"] for row in written])
     get_engine(url).dispose()

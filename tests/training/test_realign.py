@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,11 @@ from controlplane.db.models import (
     TraceSource,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.jobs.realign import realign_inputs
 from controlplane.jobs.service import cancel_job, request_realign
 from controlplane.models.service import ModelSource, register_model
-from tests.conftest import TEST_SECRET, make_tenant
+from controlplane.timestamps import utcnow
+from tests.conftest import TEST_SECRET, Database, add_deployment, make_tenant
 from workers.engine.hf_io import load_hf_folder, save_hf_folder
 from workers.engine.model import ModelConfig, Transformer, build_model
 from workers.engine.tokenizer import Tokenizer
@@ -123,6 +126,7 @@ FAST = RealignConfig(
     lr=3e-3,
     device="cpu",
     teacher="topk",
+    replay_share=0.25,  # fixed: the planned replay has its own tests
 )
 
 
@@ -139,17 +143,62 @@ def test_dataset_holds_out_by_request_and_replays_a_share(tokenizer: Tokenizer) 
     assert again.train.keys == data.train.keys  # the split and the replay choice follow the seed
 
 
+def test_planned_replay_follows_the_categories_and_the_incumbents_old_agreement(tokenizer: Tokenizer) -> None:
+    recent = [replace(t, category="code") for t in traces(80)]
+    prose = [replace(t, category="prose") for t in traces(100, prefix="old")]
+    cfg = RealignConfig(seed=0, holdout_share=0.2, replay_share=None)
+    scored: list[list[str]] = []
+
+    def agreement(value: float) -> Any:
+        def score(rows: Rows) -> float:
+            scored.append(list(rows.keys))
+            return value
+
+        return score
+
+    data = build_dataset(recent, prose, tokenizer, cfg, max_len=256, old_agreement=agreement(0.9))
+    # The incumbent was scored on the held-out old rows, which are never replayed.
+    assert scored == [data.held_out_old.keys] and len(data.held_out_old) >= 8
+    assert all(k.startswith("old") for k in data.held_out_old.keys)
+    assert not set(data.held_out_old.keys) & set(data.train.keys)
+    # The old traffic is wholly gone and well known: the largest share, half the training rows.
+    assert data.replay_plan is not None and data.replay_plan.absent_share == 1.0
+    assert data.replay_rows == data.recent_rows
+    # An incumbent that barely agrees there has little to lose: a smaller replay.
+    little = build_dataset(recent, prose, tokenizer, cfg, max_len=256, old_agreement=agreement(0.14))
+    assert 0 < little.replay_rows < data.replay_rows / 3
+    # Half the recent window is still prose: only the other half of the old traffic is missing.
+    mixed = [replace(t, category="prose") if i % 2 else t for i, t in enumerate(recent)]
+    half = build_dataset(mixed, prose, tokenizer, cfg, max_len=256, old_agreement=agreement(0.9))
+    assert half.replay_plan is not None and half.replay_plan.absent_share == pytest.approx(0.5, abs=0.05)
+    assert half.replay_rows < data.replay_rows
+    # A fixed share overrides the plan (and is what a job's replay_share parameter sets).
+    fixed = build_dataset(recent, prose, tokenizer, replace(cfg, replay_share=0.2), max_len=256)
+    assert fixed.replay_plan is None and fixed.replay_rows == round(fixed.recent_rows * 0.2 / 0.8)
+
+
 def test_realign_lowers_held_out_tvd_and_reproduces(
     tokenizer: Tokenizer, models: tuple[Transformer, Transformer]
 ) -> None:
     target, drafter = models
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
-    first = realign(target, drafter, tokenizer, traces(48), traces(16, "old"), FAST)
+    first = realign(target, drafter, tokenizer, traces(48), traces(24, "old"), FAST)
     m = first.metrics
     assert m["held_out_after"]["expected_acceptance"] > m["held_out_before"]["expected_acceptance"] + 0.05
+    # Both windows are scored for both drafters; the new one's figures are the selection's.
+    assert (
+        m["held_out_new"]["rows"] == m["held_out_rows"]
+        and m["held_out_new"]["realigned"] == m["held_out_after"]
+    )
+    old = m["held_out_old"]
+    assert old["rows"] >= 1 and set(old["incumbent"]) == set(old["realigned"]) == {
+        "expected_acceptance",
+        "greedy_agreement",
+    }
+    assert m["replay_plan"] is None and m["replay_rows"] == round(m["recent_rows"] * 0.25 / 0.75)
     assert m["steps_run"] >= 2 and m["train_tokens_per_s"] > 0
     assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in before.items())  # incumbent untouched
-    second = realign(target, drafter, tokenizer, traces(48), traces(16, "old"), FAST)
+    second = realign(target, drafter, tokenizer, traces(48), traces(24, "old"), FAST)
     if second.metrics["steps_run"] == m["steps_run"]:  # a loaded machine may fit fewer steps in the budget
         for k, v in first.model.state_dict().items():
             assert torch.equal(v, second.model.state_dict()[k]), k
@@ -160,9 +209,22 @@ def test_token_targets_need_no_target_pass_and_still_train(
 ) -> None:
     target, drafter = models
     # "auto" with no budget for a target pass over the training rows falls back to the tokens.
-    cfg = replace(FAST, teacher="auto", teacher_budget_share=0.0, ce_weight=0.5, select_on="greedy_agreement")
-    m = realign(target, drafter, tokenizer, traces(48), traces(16, "old"), cfg).metrics
+    cfg = replace(
+        FAST,
+        teacher="auto",
+        teacher_budget_share=0.0,
+        ce_weight=0.5,
+        select_on="greedy_agreement",
+        replay_share=None,
+    )
+    m = realign(target, drafter, tokenizer, traces(48), traces(24, "old"), cfg).metrics
     assert m["teacher"] == "tokens" and m["select_on"] == "greedy_agreement"
+    # The replay was planned from the incumbent's agreement on the held-out old rows.
+    assert m["replay_plan"]["old_agreement"] == m["held_out_old"]["incumbent"]["greedy_agreement"]
+    assert m["replay_plan"]["rows"] == m["replay_rows"]
+    # Weights were judged on both windows, the old one at the replay's share of the training rows.
+    assert m["select_old_weight"] == round(m["replay_rows"] / m["train_rows"], 4)
+    assert all("old_greedy_agreement" in h for h in m["history"]) == (m["replay_rows"] > 0)
     losses = [h["loss"] for h in m["history"] if "loss" in h]
     assert losses[-1] < losses[0]  # it fits the completion tokens
     # The best held-out weights are kept, so the result is never worse than the incumbent.
@@ -337,3 +399,32 @@ def test_task_stops_when_the_job_is_cancelled(task_db: tuple[str, int], monkeypa
     with get_sessionmaker(url)() as session:
         assert session.scalar(select(func.count()).select_from(DrafterVersion)) == 0
         assert session.get_one(Job, job_id).state == JobState.cancelled
+
+
+def test_realign_inputs_carry_each_traces_category(db: Database) -> None:
+    since = utcnow() - timedelta(minutes=5)
+    with db.new_session() as session:
+        deployment = add_deployment(session, "cats")
+        for i, (category, at) in enumerate(
+            [
+                ("prose", since - timedelta(hours=1)),
+                (None, since - timedelta(minutes=30)),
+                ("structured", since),
+            ]
+        ):
+            session.add(
+                Trace(
+                    deployment_id=deployment.id,
+                    source=TraceSource.sampled,
+                    category=category,
+                    prompt=f"prompt {i}",
+                    completion="completion",
+                    created_at=at + timedelta(seconds=1),
+                )
+            )
+        job = request_realign(session=session, deployment=deployment, params={"since": since.isoformat()}).job
+        session.flush()
+        inputs = realign_inputs(session=session, job_id=job.id)
+    # Before the window: replayed (or held out) by category; in it: what the plan compares them with.
+    assert [(t.prompt, t.category) for t in inputs.older] == [("prompt 0", "prose"), ("prompt 1", None)]
+    assert [(t.prompt, t.category) for t in inputs.recent] == [("prompt 2", "structured")]

@@ -850,10 +850,17 @@ def test_fireworks_without_speculation() -> None:
     serverless = copy.deepcopy(FIREWORKS_RESPONSE)
     for key in ("speculation-acceptance", "speculation-generated-tokens"):
         del serverless["perf_metrics"][key]
-    (problem,) = problems_of({"format": "fireworks", "records": [serverless]})
-    assert problem.field == "perf_metrics.speculation-acceptance"
+    # Neither speculation key: served without speculation, on any arm (a deployment with no drafter
+    # yet serves its live arm so).
+    (record,) = parse_batch({"format": "fireworks", "records": [serverless]})
+    assert (record.drafted_tokens, record.verify_steps, record.arm) == (0, 0, "live")
     (record,) = parse_batch({"format": "fireworks", "records": [{**serverless, "arm": "baseline"}]})
     assert (record.drafted_tokens, record.generated_tokens, record.ttft_ms) == (0, 141, 50.0)
+    # One key without the other hides lost acceptance: refused outside the no-speculation arm.
+    partial = copy.deepcopy(FIREWORKS_RESPONSE)
+    del partial["perf_metrics"]["speculation-acceptance"]
+    (problem,) = problems_of({"format": "fireworks", "records": [partial]})
+    assert problem.field == "perf_metrics.speculation-acceptance"
 
 
 def test_fireworks_predicted_outputs_are_not_drafts() -> None:

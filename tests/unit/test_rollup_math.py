@@ -71,12 +71,12 @@ def test_aggregate_groups_by_minute_arm_and_version() -> None:
     minutes = sorted({key[0] for key in deltas if key[1] == "live"})
     # :30 :50 | 1:10 1:30 1:50 | 2:10
     assert minutes == [t0.replace(minute=m, second=0) for m in (0, 1, 2)]
-    assert deltas[(t0.replace(minute=1, second=0), "live", 0)].requests == 3
-    live_first = deltas[(t0.replace(second=0), "live", 0)]
+    assert deltas[(t0.replace(minute=1, second=0), "live", 0, "")].requests == 3
+    live_first = deltas[(t0.replace(second=0), "live", 0, "")]
     assert live_first.requests == 2  # :30 and :50
     assert live_first.accepted_per_position == [6, 4]
     assert sum(d.requests for d in deltas.values()) == 7
-    assert deltas[(t0.replace(second=0), "baseline", 0)].requests == 1
+    assert deltas[(t0.replace(second=0), "baseline", 0, "")].requests == 1
 
 
 def test_aggregate_equals_a_record_by_record_recount() -> None:
@@ -103,6 +103,7 @@ def test_aggregate_equals_a_record_by_record_recount() -> None:
             total_ms=maybe(rng.uniform(50, 900)),
             arm=rng.choice(["live", "baseline", "canary:3"]),
             drafter_version=rng.choice([None, 1, 2]),
+            category=rng.choice([None, "", "prose", "code"]),
             created_at=None
             if rng.random() < 0.2
             else (t0 + timedelta(seconds=rng.randrange(300))).astimezone(rng.choice(zones)),
@@ -110,11 +111,12 @@ def test_aggregate_equals_a_record_by_record_recount() -> None:
         for i in range(3_000)
     ]
     now = t0 + timedelta(seconds=42)
-    expected: dict[tuple[datetime, str, int], RollupDelta] = {}
+    expected: dict[tuple[datetime, str, int, str], RollupDelta] = {}
     for rec in records:  # one record at a time, as plainly as possible
         when = rec.created_at or now
         sums = expected.setdefault(
-            (when.replace(second=0, microsecond=0), rec.arm, rec.drafter_version or 0), RollupDelta()
+            (when.replace(second=0, microsecond=0), rec.arm, rec.drafter_version or 0, rec.category or ""),
+            RollupDelta(),
         )
         sums.requests += 1
         sums.drafted_tokens += rec.drafted_tokens
@@ -245,13 +247,13 @@ def test_tier_deltas_sum_the_minutes_of_each_coarser_bucket() -> None:
     for resolution in (300, 3600, 86400):
         keys = [key for key in tiers if key[0] == resolution]
         assert sum(tiers[key].requests for key in keys) == 60
-        for _, start, arm, version in keys:
+        for _, start, arm, version, _category in keys:
             inside = [
                 d
-                for (minute, a, v), d in minutes.items()
+                for (minute, a, v, _c), d in minutes.items()
                 if (a, v) == (arm, version) and start <= minute < start + timedelta(seconds=resolution)
             ]
-            tier = tiers[(resolution, start, arm, version)]
+            tier = tiers[(resolution, start, arm, version, "")]
             assert tier.requests == sum(d.requests for d in inside)
             assert tier.total_ms_sum == pytest.approx(sum(d.total_ms_sum for d in inside))
             assert hist_from_counts(tier.total_ms_hist) == hist_merge(

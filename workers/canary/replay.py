@@ -6,7 +6,9 @@ torch on top of ``workers.engine``: no database, no Celery (``workers.canary_tas
 task around it).
 
 - Arms are named ("baseline", "incumbent", "candidate"); ``None`` is no speculation, a
-  ``Transformer`` is a draft model, any engine ``Proposer`` (n-gram, ...) is accepted too.
+  ``Transformer`` is a draft model, any engine ``Proposer`` (n-gram, ...) is accepted too. An
+  incumbent without speculation (a deployment with no drafter yet) decodes exactly as the baseline
+  does: it is run once, as the baseline, and reported under both names.
 - Arms are interleaved per prompt, in an order rotated from prompt to prompt (every arm runs
   first, second, ... equally often), so the drift of a shared, noisy machine lands on every arm
   alike; one untimed warm-up request per arm comes first.
@@ -37,6 +39,7 @@ task around it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import statistics
 import time
@@ -58,6 +61,7 @@ ArmSpec = Transformer | Proposer | None
 DecoderFactory = Callable[[str, Proposer | None, int], SpeculativeDecoder]
 ProgressFn = Callable[[float, str], bool]
 ARM_ORDER = ("baseline", "incumbent", "candidate")
+BASELINE = "baseline"
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -354,6 +358,10 @@ def _arm_order(names: Sequence[str], i: int) -> list[str]:
     return list(names[s:]) + list(names[:s])
 
 
+def _arm_rank(name: str) -> tuple[int, str]:
+    return (ARM_ORDER.index(name) if name in ARM_ORDER else len(ARM_ORDER), name)
+
+
 @_on_the_targets_device
 def shadow_replay(
     target: Transformer,
@@ -397,7 +405,17 @@ def shadow_replay(
         raise ValueError("max_new_tokens needs one length >= 1 for every prompt")
     if reference not in ("independent", "baseline", "none"):
         raise ValueError(f"reference must be 'independent', 'baseline' or 'none', got {reference!r}")
-    names = sorted(arms, key=lambda n: (ARM_ORDER.index(n) if n in ARM_ORDER else len(ARM_ORDER), n))
+    # An arm without speculation beside the baseline (the incumbent of a deployment that has no
+    # drafter yet) would run the very same decoding again: it is measured once, as the baseline,
+    # and reported under both names.
+    same_as_baseline = (
+        [n for n, spec in arms.items() if n != BASELINE and spec is None]
+        if BASELINE in arms and arms[BASELINE] is None
+        else []
+    )
+    requested = arms
+    arms = {n: spec for n, spec in arms.items() if n not in same_as_baseline}
+    names = sorted(arms, key=_arm_rank)
     if reference == "baseline" and not any(arms[n] is None for n in names):
         raise ValueError("reference='baseline' needs an arm without speculation (None)")
     greedy = temperature == 0.0
@@ -485,6 +503,11 @@ def shadow_replay(
 
     if costs is not None:
         _in_situ(costs, reports, arms)
+    for name in same_as_baseline:
+        reports[name] = dataclasses.replace(reports[BASELINE], name=name)
+        per_prompt[name] = {figure: list(values) for figure, values in per_prompt[BASELINE].items()}
+        outputs[name] = outputs[BASELINE]
+    reports = {n: reports[n] for n in sorted(requested, key=_arm_rank)}
     return ReplayResult(
         k=k,
         max_new_tokens=max(lengths),

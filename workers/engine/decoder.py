@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.metrics import RequestMetrics
+from workers.engine.metrics import DRAFT_STOP_GRID, DraftStopCounts, RequestMetrics
 from workers.engine.model import Transformer
 from workers.engine.proposers import DraftModelProposer, PredictedOutputProposer, Proposals, Proposer
 from workers.engine.stop_strings import parse_stop
@@ -105,7 +105,8 @@ class StopStrings:
             if any(text.find(s, start) >= 0 for s in self.stops):
                 n = i + 1
                 probs = props.probs[:n] if props.probs is not None else None
-                return Proposals(props.token_ids[:n], probs, min(props.from_prediction, n))
+                confidences = props.confidences[:n] if props.confidences is not None else None
+                return Proposals(props.token_ids[:n], probs, min(props.from_prediction, n), confidences)
         return props
 
     def tokens_before(self, output_ids: list[int], chars: int) -> list[int]:
@@ -125,7 +126,10 @@ class SpeculativeDecoder:
         k: int = 4,
         max_len: int | None = None,
         multi_row_threads: int | None = None,
+        draft_stop_grid: Sequence[float] | None = DRAFT_STOP_GRID,
     ) -> None:
+        """``draft_stop_grid``: the confidence thresholds whose counterfactual draft counts a
+        draft-model request reports (metrics ``draft_stop_counts``; None: none)."""
         if k < 1 and proposer is not None:
             raise ValueError(f"k must be >= 1 with a proposer, got {k}")
         target_rows = target.config.vocab_size
@@ -145,6 +149,12 @@ class SpeculativeDecoder:
             raise ValueError(f"multi_row_threads must be >= 1, got {multi_row_threads}")
         self.multi_row_threads = multi_row_threads
         self._thread_choice: MultiRowThreads | None = None
+        # Thresholds a round of this proposer can show: those at or above the one it stops at.
+        self._draft_stop_grid: tuple[float, ...] = ()
+        if isinstance(proposer, DraftModelProposer) and draft_stop_grid:
+            active = proposer.confidence_threshold
+            self._draft_stop_grid = tuple(t for t in draft_stop_grid if t >= active)
+            proposer.report_confidences = bool(self._draft_stop_grid)
 
     @property
     def max_len(self) -> int:
@@ -191,6 +201,9 @@ class SpeculativeDecoder:
             proposer = PredictedOutputProposer(pred_ids, fallback=self.proposer)
             metrics.prediction_tokens = len(pred_ids)
             metrics.prediction_matched_tokens = 0
+        elif proposer is not None and self._draft_stop_grid:
+            # Requests with a prediction mix rounds without drafter confidences: no counts there.
+            metrics.draft_stop = DraftStopCounts(self._draft_stop_grid)
         metrics.prompt_tokens = len(prompt_ids)
         eos = self.tokenizer.eos_id if stop_at_eos else None
         k = metrics.k
@@ -267,6 +280,8 @@ class SpeculativeDecoder:
                     n = min(n, j + 1)
                     finish = "stop"
                 metrics.record_step(len(drafts), n, len(emitted), props.from_prediction)
+                if props.confidences is not None and metrics.draft_stop is not None:
+                    metrics.record_draft_stop(props.confidences.tolist(), len(drafts), n)
                 ctx.extend(emitted)
                 if on_tokens is not None:
                     on_tokens(emitted)

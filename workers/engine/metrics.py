@@ -36,6 +36,15 @@ only on deployments with speculation.
   total_ms: start of the request to the last token. propose_ms / score_ms: time spent proposing
   and in target verification forwards after the prefill; the rest of total_ms - ttft_ms is the
   engine's own bookkeeping (`overhead_ms`).
+- draft_stop_counts (draft-model speculation only; None otherwise): what drafting would have done
+  under each confidence threshold of a fixed grid (`DraftStopCounts`), the draft-stop tuner's input
+  (controlplane.tuning.draft_stop). Per verify round in which the drafter drafted: the tokens a
+  round stopping at the first draft its drafter gave less than t would have drafted (that draft
+  included, as DraftModelProposer stops) and the accepted prefix capped at that count: exact under
+  greedy verification, and per token exact in distribution under rejection sampling (draft i is
+  accepted with probability min(1, p_i / q_i), which later drafts do not change). A round that
+  already stopped at an active threshold t0 shows only thresholds >= t0 (a lower one would have
+  drafted past the stop, which was never drafted), so the grid reported is the part >= t0.
 - Predicted outputs: prediction_tokens = tokens in the caller's prediction; prediction_matched_tokens
   = accepted drafts that came from the prediction (Fireworks `speculation-prompt-tokens` and
   `speculation-prompt-matched-tokens`).
@@ -61,7 +70,64 @@ NATIVE_KEYS = (
     "total_ms",
     "arm",
     "drafter_version",
+    "draft_stop_counts",
 )
+# Confidence thresholds whose counterfactual draft counts are reported (see DraftStopCounts).
+DRAFT_STOP_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def counterfactual_round(
+    confidences: Sequence[float], drafted: int, accepted: int, thresholds: Sequence[float]
+) -> tuple[list[int], list[int]]:
+    """(drafted, accepted) per threshold for one verify round that drafted ``drafted`` tokens with
+    the drafter's ``confidences`` (at least ``drafted`` of them) and kept ``accepted``.
+
+    Under threshold t the round stops after the first draft whose confidence is below t (that
+    draft is still proposed), never past ``drafted``: what DraftModelProposer does with
+    ``confidence_threshold=t``; the accepted prefix is cut to the shorter draft.
+    """
+    out_drafted: list[int] = []
+    out_accepted: list[int] = []
+    for t in thresholds:
+        n = drafted
+        for i in range(drafted - 1):
+            if confidences[i] < t:
+                n = i + 1
+                break
+        out_drafted.append(n)
+        out_accepted.append(min(accepted, n))
+    return out_drafted, out_accepted
+
+
+@dataclass
+class DraftStopCounts:
+    """Per-threshold sums over a request's drafting rounds: ``rounds`` verify rounds in which the
+    drafter drafted, and per threshold the tokens it would have drafted and had accepted."""
+
+    thresholds: tuple[float, ...]
+    rounds: int = 0
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.drafted:
+            self.drafted = [0] * len(self.thresholds)
+        if not self.accepted:
+            self.accepted = [0] * len(self.thresholds)
+
+    def record_round(self, drafted: list[int], accepted: list[int]) -> None:
+        self.rounds += 1
+        for i, (d, a) in enumerate(zip(drafted, accepted, strict=True)):
+            self.drafted[i] += d
+            self.accepted[i] += a
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "thresholds": list(self.thresholds),
+            "rounds": self.rounds,
+            "drafted": list(self.drafted),
+            "accepted": list(self.accepted),
+        }
 
 
 @dataclass
@@ -87,6 +153,11 @@ class RequestMetrics:
     # micro-benchmarks because target and drafter evict each other's weights from the CPU caches.
     propose_ms: float = 0.0
     score_ms: float = 0.0
+    # Counterfactual draft-stop counts (None: not a draft model's request); the per-round values
+    # are kept beside per_step_drafted for the same reason.
+    draft_stop: DraftStopCounts | None = None
+    per_step_stop_drafted: list[list[int]] = field(default_factory=list)
+    per_step_stop_accepted: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:
@@ -110,6 +181,16 @@ class RequestMetrics:
             self.prediction_matched_tokens = (self.prediction_matched_tokens or 0) + min(
                 accepted, from_prediction
             )
+
+    def record_draft_stop(self, confidences: Sequence[float], drafted: int, accepted: int) -> None:
+        """Add one drafting round's counterfactual counts (see `counterfactual_round`)."""
+        stop = self.draft_stop
+        if stop is None or drafted == 0:
+            return
+        would_draft, would_accept = counterfactual_round(confidences, drafted, accepted, stop.thresholds)
+        stop.record_round(would_draft, would_accept)
+        self.per_step_stop_drafted.append(would_draft)
+        self.per_step_stop_accepted.append(would_accept)
 
     @property
     def hit_rate(self) -> float | None:
@@ -146,6 +227,9 @@ class RequestMetrics:
             "total_ms": self.total_ms,
             "arm": arm,
             "drafter_version": drafter_version,
+            "draft_stop_counts": self.draft_stop.as_dict()
+            if self.draft_stop is not None and self.draft_stop.rounds
+            else None,
         }
 
     @property

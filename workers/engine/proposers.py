@@ -10,7 +10,10 @@ Owns the `Proposer` protocol, the `Proposals` it returns, and:
   With a `confidence_threshold` it stops a round early once the drafter gives its own token less
   than that probability (dynamic draft length, as Hugging Face's assistant_confidence_threshold):
   a draft past a token the drafter doubts is mostly rejected, yet costs drafter steps and verify
-  rows. Stopping depends on the drafter alone, so verification stays exact. It proposes only ids
+  rows. Stopping depends on the drafter alone, so verification stays exact. With
+  `report_confidences` (the decoder sets it to count what other thresholds would have drafted) each
+  proposal carries the probability the drafter gave each draft, the very number the stop rule
+  compares, read from the distribution the step computed anyway. It proposes only ids
   below `vocab_limit` (set by the decoder to the range target and drafter share), so a drafter whose
   embedding is padded past the target's never proposes an id the target has no row for.
 - `NgramProposer(n)`: prompt lookup (`--ngram-speculation-length n`): find the most recent earlier
@@ -44,6 +47,9 @@ class Proposals:
     token_ids: torch.Tensor  # [k'] long, k' <= k
     probs: torch.Tensor | None = None  # [k', V] draft distribution q; None = deterministic proposer
     from_prediction: int = 0  # leading proposals taken from a predicted output (for its metrics)
+    # [k'] float: the probability the drafter gave each draft (what a confidence threshold compares);
+    # None when not asked for or not a draft model's proposals.
+    confidences: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.numel())
@@ -88,6 +94,7 @@ class DraftModelProposer:
         self.drafter = drafter
         self.name = name
         self.confidence_threshold = confidence_threshold
+        self.report_confidences = False
         self.cache = drafter.new_cache(1, max_len)
         # Ids at or above this are never proposed (None: all of the drafter's rows). The decoder
         # sets it to `shared_vocab_size`, so drafts and their distribution q cover exactly the ids
@@ -135,8 +142,10 @@ class DraftModelProposer:
         logits = drafter.forward_cached(torch.tensor([feed]), cache, last_only=True)[0, -1, :limit]  # [V]
         greedy = sampling is None or sampling.greedy
         threshold = self.confidence_threshold
+        confident = bool(threshold) or self.report_confidences
         toks: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
+        confidences: list[torch.Tensor] = []
         for step in range(k):
             if greedy:
                 tok = logits.argmax(dim=-1, keepdim=True)  # [1]
@@ -146,21 +155,28 @@ class DraftModelProposer:
                 tok = sample_from(q, generator)  # [1]
                 qs.append(q)
             toks.append(tok)
+            if confident:
+                confidences.append(self._confidence(logits, tok, qs[-1] if qs else None))  # [1]
             if step == k - 1:
                 break
-            if threshold and self._doubts(logits, tok, qs[-1] if qs else None, threshold):
+            if threshold and float(confidences[-1]) < threshold:
                 break
             logits = drafter.forward_cached(tok.view(1, 1), cache)[0, -1, :limit]  # [V]
         drafts = torch.cat(toks)  # [k'], k' <= k
         self._ids.extend(drafts[:-1].tolist())  # the last draft was never fed
-        return Proposals(drafts, torch.stack(qs) if qs else None)
+        return Proposals(
+            drafts,
+            torch.stack(qs) if qs else None,
+            confidences=torch.cat(confidences) if self.report_confidences else None,  # [k']
+        )
 
     @staticmethod
-    def _doubts(logits: torch.Tensor, tok: torch.Tensor, q: torch.Tensor | None, threshold: float) -> bool:
-        """True when the drafter gave its chosen token less than ``threshold`` probability."""
-        if q is None:  # greedy: the chosen token's probability is the distribution's maximum
-            return float(torch.softmax(logits, dim=-1).max()) < threshold
-        return float(q[tok]) < threshold
+    def _confidence(logits: torch.Tensor, tok: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        """[1]: the probability the drafter gave its chosen token (greedy: the distribution's
+        maximum; sampled: q at the sampled token), the number a confidence threshold compares."""
+        if q is None:
+            return torch.softmax(logits, dim=-1).max().view(1)
+        return q[tok]
 
 
 class NgramProposer:

@@ -17,10 +17,13 @@ Serving config of one model name, the control plane's shape (a live canary has t
      "target_sha256": str | None, "trace_sample_rate": float (optional), "max_len": int (optional),
      "arms": [{"arm": "live", "weight": 0.8, "speculation": "draft_model" | "ngram" | "disabled",
                "drafter_path": str | None, "drafter_sha256": str | None,
-               "drafter_version": int | None, "k": int, "ngram_length": int},
+               "drafter_version": int | None, "k": int, "ngram_length": int,
+               "draft_confidence_threshold": float | None (optional)},
               {"arm": "canary:<version>", "weight": 0.1, ...},
               {"arm": "baseline", "weight": 0.1, "speculation": "disabled", ...}]}
-Without a canary there is one arm, "live", with weight 1.0. An arm's keys override the top-level
+Without a canary there is one arm, "live", with weight 1.0. An arm's `draft_confidence_threshold`
+stops its draft rounds at the first draft the drafter gives less than that probability (null: never
+early; a key left out: the server's own `--draft-confidence-threshold`). An arm's keys override the top-level
 ones (so an arm may name its own target_path). The older flat entry is still accepted and is one
 implicit arm (named by its "arm" key, default "live"):
     {"target_path": str, "speculation": ..., "drafter_path": str | None, "k": int,
@@ -80,7 +83,12 @@ from starlette.concurrency import run_in_threadpool
 from workers.engine.decoder import GenerationResult, SpeculativeDecoder
 from workers.engine.hf_io import load_hf_folder
 from workers.engine.model import Transformer
-from workers.engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from workers.engine.proposers import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposer,
+    check_confidence_threshold,
+)
 from workers.engine.stop_strings import parse_stop
 from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer
 from workers.serve.chat import InvalidMessages, TemplateError, chat_messages, render_chat
@@ -226,6 +234,8 @@ class Deployment:
     drafter_version: int | None
     arm: str
     max_len: int | None
+    # None: the server's own threshold (ServerConfig.draft_confidence_threshold); 0: never early.
+    draft_confidence_threshold: float | None = None
 
     @classmethod
     def parse(cls, name: str, raw: Mapping[str, Any]) -> Deployment:
@@ -239,6 +249,10 @@ class Deployment:
         if speculation == "draft_model" and not raw.get("drafter_path"):
             raise ValueError(f"model {name!r}: draft_model speculation without a drafter_path")
         version = raw.get("drafter_version")
+        threshold: float | None = None
+        if "draft_confidence_threshold" in raw:  # present and null: never stop early
+            threshold = float(raw["draft_confidence_threshold"] or 0.0)
+            check_confidence_threshold(threshold)
         return cls(
             target_path=str(raw["target_path"]),
             speculation=speculation,
@@ -250,6 +264,7 @@ class Deployment:
             drafter_version=int(version) if version is not None else None,
             arm=str(raw.get("arm", "live")),
             max_len=int(raw["max_len"]) if raw.get("max_len") else None,
+            draft_confidence_threshold=threshold,
         )
 
 
@@ -405,9 +420,10 @@ class Engine:
             assert dep.drafter_path is not None
             drafter, dtok = self.models.get(dep.drafter_path, dep.drafter_sha256)
             ensure_same_tokenizer(tok, dtok, dep.target_path, dep.drafter_path)
-            proposer = DraftModelProposer(
-                drafter, name=dep.drafter_path, confidence_threshold=self.config.draft_confidence_threshold
-            )
+            threshold = dep.draft_confidence_threshold
+            if threshold is None:
+                threshold = self.config.draft_confidence_threshold
+            proposer = DraftModelProposer(drafter, name=dep.drafter_path, confidence_threshold=threshold)
         elif dep.speculation == "ngram":
             proposer = NgramProposer(dep.ngram_length)
         dec = SpeculativeDecoder(

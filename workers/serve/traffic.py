@@ -7,8 +7,10 @@ domain mix (shares of prose / code / structured, normalised), a size (`requests`
 or both: whichever ends first), a load (`concurrency` requests in flight, closed loop; or `rate`
 requests per second, open loop, with `concurrency` as the cap on requests in flight),
 `max_tokens`, `stop` (a string or up to four: where a completion ends, as a tool-calling client
-ends one at its next turn), `temperature`, `seed` and the corpus `split` (default "test": held out
-of every training split, so demo traffic is never text the generic drafter was trained on):
+ends one at its next turn), `stop_by_domain` (a table of such stops per domain, for a mixed
+phase whose domains end differently, e.g. `{ structured = "\n" }`; it wins over `stop` for its
+domains), `temperature`, `seed` and the corpus `split` (default "test": held out of every training
+split, so demo traffic is never text the generic drafter was trained on):
 
     [server]
     url = "http://127.0.0.1:8601"
@@ -75,6 +77,7 @@ PHASE_KEYS = frozenset(
         "seed",
         "split",
         "stop",
+        "stop_by_domain",
     }
 )
 
@@ -100,6 +103,11 @@ class Phase:
     seed: int = 0
     split: str = "test"
     stop: tuple[str, ...] = ()
+    stop_by_domain: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def stop_for(self, domain: str) -> tuple[str, ...]:
+        """Where a completion of ``domain`` ends: its own stops, else the phase's."""
+        return self.stop_by_domain.get(domain, self.stop)
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any], where: str) -> Phase:
@@ -141,6 +149,15 @@ class Phase:
         if not 0.0 <= temperature <= 2.0:
             raise ValueError(f"{where}: `temperature` must be within [0, 2]")
         stop = _stop_strings(raw.get("stop"), where)
+        by_domain_raw = raw.get("stop_by_domain") or {}
+        if not isinstance(by_domain_raw, Mapping):
+            raise ValueError(f"{where}: `stop_by_domain` must be a table of stops per domain")
+        stop_by_domain: dict[str, tuple[str, ...]] = {}
+        for domain, value in by_domain_raw.items():
+            name = corpora.ALIASES.get(domain, domain)
+            if name not in corpora.DOMAINS:
+                raise ValueError(f"{where}: unknown domain {domain!r}; expected one of {corpora.DOMAINS}")
+            stop_by_domain[name] = _stop_strings(value, f"{where} stop_by_domain.{domain}")
         return cls(
             name=str(raw.get("name") or where),
             mix=mix,
@@ -153,6 +170,7 @@ class Phase:
             seed=int(raw.get("seed", 0)),
             split=split,
             stop=stop,
+            stop_by_domain=stop_by_domain,
         )
 
 
@@ -444,8 +462,9 @@ class TrafficDriver:
         }
         if phase.temperature > 0:
             body["seed"] = (phase.seed * 1_000_003 + req.index) % 2**31
-        if phase.stop:
-            body["stop"] = list(phase.stop)
+        stop = phase.stop_for(req.domain)
+        if stop:
+            body["stop"] = list(stop)
         t0 = time.monotonic()
         base = RequestResult(phase.name, req.index, request_id, req.domain, False, 0.0)
         try:

@@ -5,8 +5,11 @@ reports progress; this module owns
 
 - the dataset: prompt + completion text per trace, tokenized as serving saw it (prompt tokens,
   then completion tokens), the loss on completion positions only (what the target wrote); recent
-  traces plus a replay share of older ones so that the traffic before the drift is not forgotten;
-  a held-out split *by request* (a hash of the trace key and the seed), never by position;
+  traces plus replayed older ones so that the traffic before the drift is not forgotten, as many
+  as ``workers.training.replay`` plans from how much of the old traffic the recent window lacks
+  (per category) and how well the incumbent agrees with the target on held-out old rows; a
+  held-out split *by request* (a hash of the trace key and the seed), never by position, of both
+  windows: the new drafter is scored, and its weights chosen, on recent and on older traffic;
 - the teacher: the target runs once over every row and its distribution is kept as the top-K
   tokens per position, so epochs cost drafter work only (the target forward dominates on a CPU).
   Its logits are computed a chunk of positions at a time within ``teacher_memory_mb`` (a batch's
@@ -35,6 +38,7 @@ import copy
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +60,7 @@ from workers.engine.hf_io import save_hf_folder
 from workers.engine.model import DecoderLayer, Transformer
 from workers.engine.tokenizer import Tokenizer
 from workers.training.common import cosine_lr, make_optimizer, shared_vocab_size
+from workers.training.replay import MAX_REPLAY_SHARE, UNCATEGORIZED, ReplayPlan, plan_replay
 
 # progress(fraction, message) -> keep going? False stops the run (the job was cancelled).
 ProgressFn = Callable[[float, str], bool]
@@ -83,14 +88,18 @@ class TraceText:
     key: str
     prompt: str
     completion: str
+    category: str | None = None  # the request's category as the client sent it (None: not given)
 
 
 @dataclass
 class RealignConfig:
     seed: int = 0
     time_budget_s: float = 240.0
-    # Share of training rows drawn from traffic before the drift point (forgetting guard).
-    replay_share: float = 0.25
+    # Share of training rows drawn from traffic before the drift point (forgetting guard). None:
+    # sized by ``workers.training.replay.plan_replay`` from how much of the old traffic the recent
+    # window lacks and how well the incumbent agrees with the target on held-out old rows.
+    replay_share: float | None = None
+    max_replay_share: float = MAX_REPLAY_SHARE
     holdout_share: float = REALIGN_HOLDOUT_SHARE  # the split the canary's replay selects from
     max_holdout_rows: int = 32
     min_train_rows: int = 4
@@ -125,6 +134,9 @@ class RealignConfig:
     # traffic), else expected acceptance. Sharpening a drafter on greedy traces can lower sum
     # min(p, q) while it raises agreement, so the wrong figure stops a useful run early.
     select_on: str = "auto"
+    # Weight of the held-out *old* rows' figure when weights are judged (the rest on the recent
+    # rows'): None for the replay share of the training rows, 0 to judge on recent traffic only.
+    select_old_weight: float | None = None
     warmup_share: float = 0.1  # of the planned steps (at least 10): a fresh Adam jolts a trained drafter
     batch_rows: int = 16
     teacher_batch_rows: int = 16
@@ -157,10 +169,15 @@ class Rows:
 
 @dataclass
 class RealignDataset:
+    """Training rows (recent, then replayed old ones), and the held-out rows of both windows."""
+
     train: Rows
-    held_out: Rows
+    held_out: Rows  # recent traffic: what the new drafter is for, and what selects its weights
     recent_rows: int
     replay_rows: int
+    # Older traffic held out by the same hash: what forgetting is measured on (may be empty).
+    held_out_old: Rows = field(default_factory=lambda: Rows([], [], []))
+    replay_plan: ReplayPlan | None = None
 
 
 @dataclass
@@ -212,36 +229,61 @@ def build_dataset(
     tokenizer: Tokenizer,
     cfg: RealignConfig,
     max_len: int,
+    old_agreement: Callable[[Rows], float] | None = None,
 ) -> RealignDataset:
-    """Recent traces split train/held-out by request; older traces replayed at ``replay_share``.
+    """Recent traces split train/held-out by request; older traces split the same way, their
+    held-out part kept for measuring forgetting and the rest replayed.
 
-    Evaluation uses recent traffic only: that is the traffic the new drafter is for.
+    The replay is ``cfg.replay_share`` of the training rows when set, else planned by
+    ``plan_replay`` from the categories of both windows and ``old_agreement(held-out old rows)``
+    (the incumbent's greedy agreement there; None or no held-out old rows: unscored). The replayed
+    rows are a seeded choice within each category the plan names.
     """
     train_recent = [t for t in recent if not is_held_out(t.key, cfg.seed, cfg.holdout_share)]
     held = [t for t in recent if is_held_out(t.key, cfg.seed, cfg.holdout_share)]
     if not held and len(train_recent) > 1:  # tiny sets: hold out one request rather than none
         held = [train_recent.pop()]
     held = held[: cfg.max_holdout_rows]
+    pool = [t for t in older if not is_held_out(t.key, cfg.seed, cfg.holdout_share)]
+    held_old = [t for t in older if is_held_out(t.key, cfg.seed, cfg.holdout_share)][: cfg.max_holdout_rows]
     train = _encode(train_recent, tokenizer, cfg, max_len)
     held_rows = _encode(held, tokenizer, cfg, max_len)
+    held_old_rows = _encode(held_old, tokenizer, cfg, max_len)
     n_recent = len(train)
-    replay_rows = 0
-    if older and cfg.replay_share > 0 and n_recent:
+    plan: ReplayPlan | None = None
+    pick: list[int] = []
+    rng = np.random.default_rng([cfg.seed, 1])
+    if pool and n_recent and cfg.replay_share is not None and cfg.replay_share > 0:
         # r / (n + r) = share  =>  r = n * share / (1 - share)
         want = round(n_recent * cfg.replay_share / (1 - cfg.replay_share))
-        rng = np.random.default_rng([cfg.seed, 1])
-        pick = rng.permutation(len(older))[:want]
-        replay = _encode([older[i] for i in sorted(pick)], tokenizer, cfg, max_len)
-        replay_rows = len(replay)
-        train.ids += replay.ids
-        train.starts += replay.starts
-        train.keys += replay.keys
+        pick = sorted(int(i) for i in rng.permutation(len(pool))[:want])
+    elif pool and n_recent and cfg.replay_share is None:
+        agreement = old_agreement(held_old_rows) if old_agreement is not None and len(held_old_rows) else None
+        plan = plan_replay(
+            recent_rows=n_recent,
+            recent_categories=Counter(_category(t) for t in recent),
+            available=Counter(_category(t) for t in pool),
+            old_agreement=agreement,
+            max_share=cfg.max_replay_share,
+        )
+        for category, n in sorted(plan.per_category.items()):
+            members = [i for i, t in enumerate(pool) if _category(t) == category]
+            pick += [members[int(j)] for j in rng.permutation(len(members))[:n]]
+        pick.sort()
+    replay = _encode([pool[i] for i in pick], tokenizer, cfg, max_len)
+    train.ids += replay.ids
+    train.starts += replay.starts
+    train.keys += replay.keys
     if len(train) < cfg.min_train_rows or not len(held_rows):
         raise NotEnoughDataError(
             f"{len(train)} usable training rows and {len(held_rows)} held out from {len(recent)} recent "
             f"traces; need at least {cfg.min_train_rows} and 1"
         )
-    return RealignDataset(train, held_rows, n_recent, replay_rows)
+    return RealignDataset(train, held_rows, n_recent, len(replay), held_old_rows, plan)
+
+
+def _category(trace: TraceText) -> str:
+    return trace.category or UNCATEGORIZED
 
 
 def pad_rows(ids: Sequence[torch.Tensor], pad_id: int) -> torch.Tensor:
@@ -542,20 +584,19 @@ def realign(
         if not report(fraction, message):
             raise RealignCancelledError(message)
 
-    torch.manual_seed(cfg.seed)
-    max_len = min(target.config.max_seq_len, incumbent.config.max_seq_len)
-    data = build_dataset(recent, older, tokenizer, cfg, max_len)
-    checkpoint(
-        0.02,
-        f"dataset: {len(data.train)} train rows ({data.replay_rows} replay), {len(data.held_out)} held out",
-    )
-
     if cfg.teacher not in ("auto", "topk", "tokens"):
         raise ValueError(f"teacher must be 'auto', 'topk' or 'tokens', got {cfg.teacher!r}")
     if cfg.select_on not in ("auto", "expected_acceptance", "greedy_agreement"):
         raise ValueError(
             f"select_on must be 'expected_acceptance' or 'greedy_agreement', got {cfg.select_on!r}"
         )
+    torch.manual_seed(cfg.seed)
+    max_len = min(target.config.max_seq_len, incumbent.config.max_seq_len)
+    # The drafter that trains starts as a float32 copy of the incumbent on the run's device; before
+    # any step it is the incumbent, so it scores the incumbent too.
+    model = copy.deepcopy(incumbent).to(device=device, dtype=torch.float32)
+    model.invalidate_fast_path()
+    old_scoring: dict[str, Any] = {}
 
     def targets(rows: Rows) -> Teacher:
         return teacher_targets(
@@ -567,6 +608,24 @@ def realign(
             columns=columns,
             memory_mb=cfg.teacher_memory_mb,
         )
+
+    def incumbent_on_old(rows: Rows) -> float:
+        t0 = time.perf_counter()
+        old_scoring["teacher"] = targets(rows)
+        old_scoring["incumbent"] = evaluate(
+            model, rows, old_scoring["teacher"], device, cfg.batch_rows, cfg.teacher_memory_mb
+        )
+        old_scoring["seconds"] = time.perf_counter() - t0
+        return float(old_scoring["incumbent"]["greedy_agreement"])
+
+    data = build_dataset(recent, older, tokenizer, cfg, max_len, incumbent_on_old)
+    if len(data.held_out_old) and "teacher" not in old_scoring:  # a fixed replay share: still measured
+        incumbent_on_old(data.held_out_old)
+    checkpoint(
+        0.02,
+        f"dataset: {len(data.train)} train rows ({data.replay_rows} replay), {len(data.held_out)} held out"
+        + (f"; {data.replay_plan.reason}" if data.replay_plan is not None else ""),
+    )
 
     t_teacher = time.perf_counter()
     held_teacher = targets(data.held_out)
@@ -583,7 +642,7 @@ def realign(
     else:
         teacher = targets(data.train)
         teacher_tokens = held_tokens + row_tokens
-    teacher_s = time.perf_counter() - t_teacher
+    teacher_s = time.perf_counter() - t_teacher + old_scoring.get("seconds", 0.0)
     checkpoint(
         0.1,
         f"targets ready ({mode}, {teacher_s:.1f}s, held-out top-{cfg.teacher_top_k} mass "
@@ -591,10 +650,12 @@ def realign(
     )
     with _threads(cfg.train_threads):
         return _train(
-            model_from=incumbent,
+            model=model,
             data=data,
             teacher=teacher,
             held_teacher=held_teacher,
+            old_teacher=old_scoring.get("teacher"),
+            old_before=old_scoring.get("incumbent"),
             cfg=cfg,
             device=device,
             started=started,
@@ -620,10 +681,12 @@ def _threads(n: int | None) -> Iterator[None]:
 
 def _train(
     *,
-    model_from: Transformer,
+    model: Transformer,
     data: RealignDataset,
     teacher: Teacher,
     held_teacher: Teacher,
+    old_teacher: Teacher | None,
+    old_before: dict[str, float] | None,
     cfg: RealignConfig,
     device: torch.device,
     started: float,
@@ -634,12 +697,17 @@ def _train(
     teacher_projected_s: float,
     checkpoint: Callable[[float, str], None],
 ) -> RealignResult:
-    model = copy.deepcopy(model_from).to(device=device, dtype=torch.float32)
-    model.invalidate_fast_path()
     model.train()
     t_eval = time.perf_counter()
     before = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
     eval_s = time.perf_counter() - t_eval
+    # Weights are judged on both windows, the old one at the weight the replay gave it: the
+    # planned replay share says how much the old traffic matters beside the new.
+    old_weight = 0.0
+    if old_teacher is not None and old_before is not None:
+        old_weight = selection_old_weight(cfg, data)
+    if old_weight:  # each evaluation scores the old rows too: fewer steps fit
+        eval_s *= 1 + data.held_out_old.completion_tokens() / max(1, data.held_out.completion_tokens())
     greedy_share = _argmax_share(data.held_out, held_teacher)
     key = cfg.select_on
     if key == "auto":
@@ -690,11 +758,21 @@ def _train(
     left = cfg.time_budget_s - (time.perf_counter() - started) - (cfg.evals + 1) * eval_s
     total = max(2, min(cap, int(left / step_s)))
     eval_every = max(1, total // max(1, cfg.evals))
+
+    def judged(scores: dict[str, float]) -> tuple[float, dict[str, float] | None]:
+        if not old_weight or old_teacher is None:
+            return scores[key], None
+        old = evaluate(model, data.held_out_old, old_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
+        return (1 - old_weight) * scores[key] + old_weight * old[key], old
+
     best = dict(before)
+    best_value = (1 - old_weight) * before[key] + old_weight * (old_before or {}).get(key, 0.0)
     best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     best_step = 0
     bad_evals = 0
-    history: list[dict[str, float]] = [{"step": 0, **{k: round(v, 4) for k, v in before.items()}}]
+    history: list[dict[str, float]] = [
+        {"step": 0, **{k: round(v, 4) for k, v in before.items()}, **_prefixed("old_", old_before)}
+    ]
     steps_run = 2
     stop_reason = "planned steps done"
     for step in range(2, total):
@@ -702,11 +780,17 @@ def _train(
             scores = evaluate(
                 model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb
             )
+            value, old_scores = judged(scores)
             history.append(
-                {"step": step, "loss": round(loss, 4), **{k: round(v, 4) for k, v in scores.items()}}
+                {
+                    "step": step,
+                    "loss": round(loss, 4),
+                    **{k: round(v, 4) for k, v in scores.items()},
+                    **_prefixed("old_", old_scores),
+                }
             )
-            if scores[key] > best[key] + 1e-4:
-                best, best_step, bad_evals = scores, step, 0
+            if value > best_value + 1e-4:
+                best, best_value, best_step, bad_evals = scores, value, step, 0
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             else:
                 bad_evals += 1
@@ -726,11 +810,24 @@ def _train(
         steps_run += 1
     train_s = time.perf_counter() - t_train
     final = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
-    history.append({"step": steps_run, "loss": round(loss, 4), **{k: round(v, 4) for k, v in final.items()}})
-    if final[key] > best[key]:
+    final_value, final_old = judged(final)
+    history.append(
+        {
+            "step": steps_run,
+            "loss": round(loss, 4),
+            **{k: round(v, 4) for k, v in final.items()},
+            **_prefixed("old_", final_old),
+        }
+    )
+    if final_value > best_value:
         best, best_step = final, steps_run
     else:
         model.load_state_dict(best_state)
+    old_after = (
+        evaluate(model, data.held_out_old, old_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
+        if old_teacher is not None
+        else None
+    )
     model.eval()
     wall_s = time.perf_counter() - started
     metrics = {
@@ -750,10 +847,16 @@ def _train(
         "teacher_projected_s": round(teacher_projected_s, 2),
         "teacher_top_k_mass": round(held_teacher.coverage, 4),
         "select_on": key,
+        "select_old_weight": round(old_weight, 4),
         "held_out_completions_that_are_target_argmax": round(greedy_share, 4),
         "threads": torch.get_num_threads(),
         "held_out_before": {k: round(v, 4) for k, v in before.items()},
         "held_out_after": {k: round(v, 4) for k, v in best.items()},
+        # The same figures on both windows: recent traffic (what the drafter is for) and the traffic
+        # before it (what it must not forget), each for the incumbent and the realigned drafter.
+        "held_out_new": held_out_figures(len(data.held_out), before, best),
+        "held_out_old": held_out_figures(len(data.held_out_old), old_before, old_after),
+        "replay_plan": data.replay_plan.as_dict() if data.replay_plan is not None else None,
         "history": history,
         "teacher_s": round(teacher_s, 2),
         "teacher_tokens": teacher_tokens,
@@ -774,6 +877,31 @@ def _train(
         f"trained: held-out {key.replace('_', ' ')} {before[key]:.3f} -> {best[key]:.3f}",
     )
     return RealignResult(model, metrics)
+
+
+def selection_old_weight(cfg: RealignConfig, data: RealignDataset) -> float:
+    """The old window's weight when weights are judged: ``cfg.select_old_weight`` when set, else
+    the replay share of the training rows (planned or fixed); 0 without held-out old rows."""
+    if not len(data.held_out_old):
+        return 0.0
+    if cfg.select_old_weight is not None:
+        return min(1.0, max(0.0, cfg.select_old_weight))
+    return data.replay_rows / max(1, len(data.train))
+
+
+def _prefixed(prefix: str, scores: dict[str, float] | None) -> dict[str, float]:
+    return {prefix + k: round(v, 4) for k, v in (scores or {}).items()}
+
+
+def held_out_figures(
+    rows: int, incumbent: dict[str, float] | None, realigned: dict[str, float] | None
+) -> dict[str, Any]:
+    """Held-out scores of one traffic window: row count, incumbent's and realigned drafter's."""
+
+    def rounded(scores: dict[str, float] | None) -> dict[str, float] | None:
+        return None if scores is None else {k: round(v, 4) for k, v in scores.items()}
+
+    return {"rows": rows, "incumbent": rounded(incumbent), "realigned": rounded(realigned)}
 
 
 # ------------------------------------------------------------------------------------------ artifact

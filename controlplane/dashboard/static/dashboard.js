@@ -289,6 +289,8 @@
       } }));
     const cards = el("div", { class: "cards", id: "cards" });
     const jobsBox = el("div", { id: "deployment-jobs" });
+    const paysBox = el("div", { id: "speculation-pays" });
+    const categoriesBox = el("div", { id: "categories" });
     fill(content,
       el("div", { class: "links" },
         el("a", { href: `/dashboard/deployments/${encodeURIComponent(name)}/canary`, text: "Canary" }),
@@ -300,6 +302,8 @@
         panel("Hit rate over time", "hit-rate", true),
         panel("Acceptance by draft position (conditional)", "positions"),
         panel("Latency and throughput", "latency"),
+        el("section", { class: "panel", id: "categories-panel" }, el("h2", { text: "Per request category" }), categoriesBox),
+        el("section", { class: "panel", id: "speculation-pays-panel" }, el("h2", { text: "Does speculation pay?" }), paysBox),
         panel("Drift detector: statistic vs threshold", "detector"),
         el("section", { class: "panel" }, el("h2", { text: "Jobs" }), jobsBox)));
 
@@ -313,10 +317,14 @@
       renderCards(cards, view);
       renderHitRate(view);
       renderLatency(view);
+      renderCategories(categoriesBox, view);
       const [drift, jobs] = await Promise.all([
         api(deploymentPath(name, "/drift-status")).catch(() => null),
         api(deploymentPath(name, "/jobs?limit=10")).catch(() => ({ jobs: [] })),
       ]);
+      api(deploymentPath(name, "/speculation-check"))
+        .then((check) => renderSpeculationPays(paysBox, check))
+        .catch(() => fill(paysBox, noneYet("Speculation check")));
       renderPositions(view, drift);
       renderDetector(drift);
       renderJobs(jobsBox, jobs.jobs.map((job) => ({ ...job, deployment: name })), { showDeployment: false });
@@ -364,6 +372,34 @@
     fill(notes,
       points.length || !markers.length ? null : noneYet("Acceptance data in this range"),
       markers.length ? null : noneYet("Drift events, jobs, canaries and promotions in this range"));
+  }
+
+  // ---- per request category -----------------------------------------------------------------
+
+  // One row per request category over the page's range. The speed-up is measured against the
+  // standing no-speculation share of the same category when it has records; else estimated.
+  function renderCategories(box, view) {
+    const rows = view.categories || [];
+    if (!rows.length) {
+      fill(box, noneYet(`Requests in ${view.range.name}`));
+      return;
+    }
+    const speedup = (row) => {
+      if (isNum(row.speedup_vs_no_speculation)) return `${row.speedup_vs_no_speculation.toFixed(2)}x`;
+      return isNum(row.speedup_estimate) ? `≈${row.speedup_estimate.toFixed(2)}x (est.)` : "—";
+    };
+    const head = ["Category", "Requests", "Hit rate", "Accepted length", "Speed-up vs no speculation"];
+    fill(box,
+      el("table", { id: "category-table" },
+        el("thead", {}, el("tr", {}, head.map((h, i) => el("th", { class: i ? "num" : "", text: h })))),
+        el("tbody", {}, rows.map((row) => el("tr", { "data-category": row.category },
+          el("td", { text: row.category === "" ? "(none given)" : row.category }),
+          el("td", { class: "num", text: int(row.requests) }),
+          el("td", { class: "num hit-rate", text: pct(row.hit_rate) }),
+          el("td", { class: "num", text: fmt(row.mean_accepted_length, 2) }),
+          el("td", { class: "num speedup", text: speedup(row) }))))),
+      el("p", { class: "status", text: `Over ${view.range.name}. Measured speed-ups compare ms per token with `
+        + "the no-speculation requests of the same category; (est.) marks Leviathan et al.'s estimate from the hit rate." }));
   }
 
   function renderPositions(view, drift) {
@@ -439,6 +475,32 @@
         ["next alarm not before", detector.next_alarm_not_before ? when(detector.next_alarm_not_before) : "—"]);
     }
     fill(notes, el("dl", { class: "kv" }, kv.map(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])));
+  }
+
+  // ---- does speculation pay -------------------------------------------------------------------
+
+  // The standing test of the live arm against the no-speculation share of the traffic: its
+  // verdict, why, per-arm latency, and the last action taken when speculation did not pay.
+  function renderSpeculationPays(box, check) {
+    const words = { pays: "pays", not_paying: "does not pay", unknown: "not known yet" };
+    const arm = (name) => check.arms[name] || {};
+    const ms = (x) => (isNum(x) ? `${x.toFixed(2)} ms` : "—");
+    const bounds = isNum(check.ratio_low) || isNum(check.ratio_high)
+      ? ` (${fmt(check.ratio_low, 3)}–${fmt(check.ratio_high, 3)})` : "";
+    const kv = [
+      ["verdict", words[check.verdict] || check.verdict],
+      ["live / no speculation, ms per token", isNum(check.ratio) ? `${check.ratio.toFixed(3)}x${bounds}` : "—"],
+      ["live", `${int(arm("live").requests)} requests · ${ms(arm("live").ms_per_token)}`],
+      ["no speculation", `${int(arm("baseline").requests)} requests · ${ms(arm("baseline").ms_per_token)}`],
+      ["no-speculation share", pct(check.standing_baseline_share)],
+      ["last action", check.action ? `${check.action} at ${when(check.acted_at)}` : "none"],
+      ["checked", when(check.checked_at)],
+    ];
+    fill(box,
+      el("p", { class: `pays-verdict ${check.verdict}`, "data-verdict": check.verdict },
+        badge(words[check.verdict] || check.verdict)),
+      el("p", { class: "status", text: check.reason || "" }),
+      el("dl", { class: "kv" }, kv.map(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])));
   }
 
   // ---- jobs ----------------------------------------------------------------------------------

@@ -1,0 +1,295 @@
+"""Day 0: how long a deployment without a drafter waits for its first one, and what it gains.
+
+    python bench/drafters_day0.py [--quick] [--skip-demo] [--skip-init]
+
+Two measurements, written to bench/results/drafters_day0.json:
+
+1. The day-0 demo (``scenarios/day0.toml`` through ``workers.demo``, real processes on the embedded
+   default): a new deployment of the reference target with no drafter serves structured requests
+   without speculation; the service trains a first drafter from the target's own weights,
+   canaries it against no speculation and promotes it. Read back from its database and REST API:
+   ``day0_first_promotion_s``, from the deployment's first request to the promotion (target <=
+   600 s), and ``day0_speedup_vs_nospec``, the live arm's decode throughput on the promoted
+   drafter over the live arm's before the first canary started (no speculation then), both from
+   the stats API. ``--quick`` runs the demo with ``--fast``.
+2. The first drafter's initial weights: the first ``n`` layers, embeddings and LM head copied from
+   the target (``workers.training.first_drafter``) against the same architecture randomly
+   initialised, each distilled by ``workers.training.realign`` within the same time budget on the
+   same structured traces (the target's greedy completions of validation-split prompts), then
+   measured on held-out test-split prompts (greedy, k=4, each request ended at its first line as
+   a client's stop would): hit rate and tokens per verify step, before and after training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.realign import decode_figures, eval_prompts, load_reference, make_traces  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+SCENARIO = ROOT / "scenarios" / "day0.toml"
+DEPLOYMENT = "day0"
+TARGET_FIRST_PROMOTION_S = 600.0
+STRUCTURED_STOP = ("\n",)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_day0_demo(folder: Path, *, fast: bool, timeout_s: float = 1800) -> tuple[dict[str, Any], str]:
+    """Run the day-0 demo in ``folder`` (its own var dir and SQLite database); returns its summary
+    and the tail of its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+    env.update(
+        {
+            "CONTROLPLANE_ENVIRONMENT": "development",
+            "CONTROLPLANE_VAR_DIR": str(folder / "var"),
+            "CONTROLPLANE_ARTIFACT_DIR": str(folder / "var" / "artifacts"),
+            "CONTROLPLANE_API_PORT": str(_free_port()),
+        }
+    )
+    summary = folder / "summary.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workers.demo",
+            "--scenario",
+            str(SCENARIO),
+            "--summary",
+            str(summary),
+            "--serve-port",
+            str(_free_port()),
+            "--router-port",
+            str(_free_port()),
+            *(["--fast"] if fast else []),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    output = proc.stdout[-6000:] + proc.stderr[-3000:]
+    if not summary.exists():
+        raise RuntimeError(f"the day-0 demo wrote no summary:\n{output}")
+    return json.loads(summary.read_text()), output
+
+
+def demo_database(folder: Path) -> str:
+    return f"sqlite:///{folder / 'var' / 'demo' / 'controlplane.db'}"
+
+
+def day0_figures(database_url: str, deployment: str = DEPLOYMENT) -> dict[str, Any]:
+    """What the day-0 run did, read back from its database and its REST API (in process): the
+    first-drafter job, the promoting canary, and the live arm's throughput before and after."""
+    from fastapi.testclient import TestClient
+    from sqlalchemy import func, select
+
+    from controlplane.accounts.service import first_account, issue_key
+    from controlplane.app import create_app
+    from controlplane.config import Settings
+    from controlplane.db.models import AcceptanceRecordRow, Deployment, Role
+    from controlplane.db.session import unit_of_work
+    from controlplane.timestamps import as_utc, parse_utc
+
+    settings = Settings(database_url=database_url, environment="test", drift_enqueue_on_ingest=False)
+    with unit_of_work(database_url) as session:
+        account = first_account(session=session)
+        assert account is not None, "the demo created no account"
+        key = issue_key(
+            session=session, account=account, name="bench", role=Role.viewer, secret=settings.secret_key
+        )
+        account_name = account.name
+        pk = session.scalars(select(Deployment.id).where(Deployment.name == deployment)).one()
+        first_record = session.scalar(
+            select(func.min(AcceptanceRecordRow.created_at)).where(AcceptanceRecordRow.deployment_id == pk)
+        )
+    headers = {"Authorization": f"Bearer {key.secret}"}
+    base = f"/v1/accounts/{account_name}/deployments/{deployment}"
+    with TestClient(create_app(settings)) as client:
+        jobs = client.get(f"{base}/jobs", headers=headers).json()["jobs"]
+        canaries = client.get(f"{base}/canaries", headers=headers).json()["canaries"]
+        described = client.get(base, headers=headers).json()
+        promoted = [c for c in canaries if c["decision"] == "promote"]
+        first_canary = min(canaries, key=lambda c: c["canary_id"]) if canaries else None
+        out: dict[str, Any] = {
+            "first_drafter_jobs": [
+                {"id": j["id"], "state": j["state"], "trigger": j["trigger"]}
+                for j in jobs
+                if j["kind"] == "realign" and j["trigger"] == "first_drafter"
+            ],
+            "canaries": [
+                {"id": c["canary_id"], "version": c["candidate_version"], "decision": c["decision"]}
+                for c in canaries
+            ],
+            "speculation_mode": described["speculation_mode"],
+            "active_drafter_version": described["active_drafter_version"],
+            "draft_token_count": described["draft_token_count"],
+        }
+        if not promoted or first_canary is None or first_record is None:
+            return out
+        canary = min(promoted, key=lambda c: c["canary_id"])
+        decided = parse_utc(canary["decided_at"])
+        nospec = client.get(
+            f"{base}/stats",
+            params={"arm": "live", "end": first_canary["started_at"], "bucket_seconds": 3600},
+            headers=headers,
+        ).json()["total"]
+        promoted_live = client.get(
+            f"{base}/stats",
+            params={"arm": "live", "drafter_version": canary["candidate_version"], "bucket_seconds": 3600},
+            headers=headers,
+        ).json()["total"]
+        baseline = client.get(
+            f"{base}/stats", params={"arm": "baseline", "bucket_seconds": 3600}, headers=headers
+        ).json()["total"]
+    before, after = nospec.get("decode_tokens_per_s"), promoted_live.get("decode_tokens_per_s")
+    split = canary["arms"].get("decision_figures", {}).get("arm_counts", {})
+    out.update(
+        {
+            "promoted_version": canary["candidate_version"],
+            "day0_first_promotion_s": round((decided - as_utc(first_record)).total_seconds(), 1),
+            "nospec_live": {"requests": nospec["requests"], "decode_tokens_per_s": before},
+            "promoted_live": {
+                "requests": promoted_live["requests"],
+                "hit_rate": promoted_live["hit_rate"],
+                "decode_tokens_per_s": after,
+            },
+            "baseline_arm": {
+                "requests": baseline["requests"],
+                "decode_tokens_per_s": baseline.get("decode_tokens_per_s"),
+            },
+            "day0_speedup_vs_nospec": round(after / before, 3) if after and before else None,
+            "canary_split_ms_per_token": {arm: figures.get("ms_per_token") for arm, figures in split.items()},
+        }
+    )
+    return out
+
+
+def compare_initialisations(*, quick: bool) -> dict[str, Any]:
+    """The target-copy first drafter against a randomly initialised one of the same shape, each
+    distilled within the same time budget on the same traces."""
+    import torch
+
+    from workers.training.first_drafter import (
+        choose_layers,
+        cost_fraction,
+        first_drafter_from_target,
+        random_drafter_like,
+    )
+    from workers.training.realign import RealignConfig, realign
+
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    target, tokenizer, _generic = load_reference()
+    n_traces, new_tokens = (200, 48) if quick else (400, 48)
+    budget_s = 90.0 if quick else 180.0
+    traces = make_traces(target, tokenizer, "structured", n_traces, new_tokens, seed=0)
+    prompts = eval_prompts(tokenizer, "structured", 12 if quick else 32)
+    n_layers = choose_layers(target.config)
+    out: dict[str, Any] = {
+        "layers": n_layers,
+        "target_layers": target.config.n_layers,
+        "cost_fraction_weights": round(cost_fraction(target.config, n_layers), 3),
+        "time_budget_s": budget_s,
+        "traces": len(traces),
+        "eval_prompts": len(prompts),
+        "arms": {},
+    }
+    for name, initial in (
+        ("target_copy", first_drafter_from_target(target, n_layers)),
+        ("random_init", random_drafter_like(target, n_layers, seed=0)),
+    ):
+        start = decode_figures(target, tokenizer, initial, prompts, new_tokens, stop=STRUCTURED_STOP)
+        initial.invalidate_fast_path()  # decoding cached packed weights that cannot be copied
+        t0 = time.perf_counter()
+        result = realign(
+            target, initial, tokenizer, traces, [], RealignConfig(seed=0, time_budget_s=budget_s)
+        )
+        trained_s = time.perf_counter() - t0
+        end = decode_figures(target, tokenizer, result.model, prompts, new_tokens, stop=STRUCTURED_STOP)
+        metrics = result.metrics
+        out["arms"][name] = {
+            "before_training": start,
+            "after_training": end,
+            "realign_wall_s": round(trained_s, 1),
+            "steps_run": metrics.get("steps_run"),
+            "teacher": metrics.get("teacher"),
+            "held_out_before": metrics.get("held_out_before"),
+            "held_out_after": metrics.get("held_out_after"),
+        }
+        print(f"{name}: before {start}, after {end} ({trained_s:.0f} s)", flush=True)
+    copy, rand = out["arms"]["target_copy"], out["arms"]["random_init"]
+    out["copy_beats_random"] = copy["after_training"]["hit_rate"] > rand["after_training"]["hit_rate"]
+    return out
+
+
+def measure(quick: bool = False, *, demo: bool = True, initialisations: bool = True) -> dict[str, Any]:
+    """Run the day-0 demo (and the initial-weights comparison); the figures, flat at the top."""
+    out: dict[str, Any] = {"quick": quick, "load_average_1m": os.getloadavg()[0]}
+    if demo:
+        with tempfile.TemporaryDirectory(prefix="day0-") as tmp:
+            folder = Path(tmp)
+            started = time.monotonic()
+            summary, output = run_day0_demo(folder, fast=quick)
+            figures = day0_figures(demo_database(folder))
+            out.update(
+                {
+                    "day0_first_promotion_s": figures.get("day0_first_promotion_s"),
+                    "day0_speedup_vs_nospec": figures.get("day0_speedup_vs_nospec"),
+                    "target_first_promotion_s": TARGET_FIRST_PROMOTION_S,
+                    "demo_wall_s": round(time.monotonic() - started, 1),
+                    "demo": figures,
+                    "demo_summary_speedup_vs_nospec": summary.get("stages", {})
+                    .get("after_promotion_live", {})
+                    .get("speedup_vs_nospec"),
+                    "demo_decision": summary.get("decision"),
+                    "demo_decision_reason": summary.get("decision_reason"),
+                }
+            )
+            if figures.get("day0_first_promotion_s") is None:
+                out["demo_output_tail"] = output[-3000:]
+    if initialisations:
+        out["initial_weights"] = compare_initialisations(quick=quick)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the demo's --fast run and a shorter comparison")
+    ap.add_argument("--skip-demo", action="store_true", help="only the initial-weights comparison")
+    ap.add_argument("--skip-init", action="store_true", help="only the day-0 demo")
+    args = ap.parse_args()
+    result = measure(args.quick, demo=not args.skip_demo, initialisations=not args.skip_init)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "drafters_day0.json"
+    if path.is_file() and (args.skip_demo or args.skip_init):
+        # Keep the part not measured this time (each part takes minutes on a shared machine).
+        earlier = json.loads(path.read_text())
+        if args.skip_demo:
+            kept = {k: v for k, v in earlier.items() if k.startswith(("day0_", "demo", "target_"))}
+        else:
+            kept = {k: v for k, v in earlier.items() if k == "initial_weights"}
+        result = {**kept, **result}
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=1))
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""A first drafter cut from its target: how many layers, which weights, the target untouched; and
+the shadow replay of a canary whose incumbent has no drafter (no speculation, measured once)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from workers.canary.replay import shadow_replay
+from workers.engine.decoder import SpeculativeDecoder
+from workers.engine.model import ModelConfig, Transformer
+from workers.engine.proposers import Proposer
+from workers.engine.tokenizer import Tokenizer
+from workers.training.first_drafter import (
+    choose_layers,
+    cost_fraction,
+    first_drafter_from_target,
+    random_drafter_like,
+)
+
+PromptFactory = Any
+
+
+def test_layers_are_chosen_by_the_cost_of_a_step() -> None:
+    # The bundled reference target: 6 layers of 384 wide, a 4096-token head.
+    reference = ModelConfig(
+        vocab_size=4096, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=1024, max_seq_len=512
+    )
+    assert cost_fraction(reference, 1) == pytest.approx(0.274, abs=1e-3)
+    assert choose_layers(reference) == 1  # over the fraction already, but never fewer than one
+    # An 8B-class target (32 layers, grouped-query attention, a 128k-token head).
+    large = ModelConfig(
+        vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14_336, max_seq_len=512
+    )
+    n = choose_layers(large)
+    assert cost_fraction(large, n) <= 0.25 < cost_fraction(large, n + 1)
+    assert n == 6
+    assert choose_layers(large, max_cost_fraction=0.1) == 1
+    assert cost_fraction(large, 32) == pytest.approx(1.0)
+
+
+def test_the_first_drafter_is_the_targets_own_weights_and_the_target_is_only_read(
+    target: Transformer, make_prompts: PromptFactory
+) -> None:
+    before = {name: t.clone() for name, t in target.state_dict().items()}
+    whole = first_drafter_from_target(target, n_layers=target.config.n_layers)
+    tokens = torch.tensor([make_prompts(1, seed=4)[0]])
+    with torch.no_grad():
+        assert torch.equal(whole(tokens), target(tokens))  # every layer copied: the target itself
+    cut = first_drafter_from_target(target, n_layers=1)
+    assert cut.config.n_layers == 1 and cut.dtype == torch.float32
+    assert torch.equal(cut.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert torch.equal(cut.lm_head.weight, target.lm_head.weight)
+    assert torch.equal(
+        cut.model.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight
+    )
+    with torch.no_grad():
+        cut.model.embed_tokens.weight.add_(1.0)  # the drafter trains its own copy
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    random = random_drafter_like(target, 1, seed=3)
+    assert random.config == cut.config
+    assert not torch.equal(random.model.layers[0].mlp.up_proj.weight, cut.model.layers[0].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="1 to 2 layers"):
+        first_drafter_from_target(target, n_layers=3)
+
+
+def test_a_drafterless_incumbent_is_replayed_once_as_the_baseline(
+    target: Transformer, tokenizer: Tokenizer, make_prompts: PromptFactory
+) -> None:
+    runs: dict[str, int] = {}
+
+    class Counting(SpeculativeDecoder):
+        arm = ""
+
+        def generate(self, prompt: Any, max_new_tokens: int, **kw: Any) -> Any:
+            runs[self.arm] = runs.get(self.arm, 0) + 1
+            return super().generate(prompt, max_new_tokens, **kw)
+
+    def factory(name: str, proposer: Proposer | None, k: int) -> SpeculativeDecoder:
+        decoder = Counting(target, tokenizer, proposer, k=k)
+        decoder.arm = name
+        return decoder
+
+    prompts = make_prompts(4, seed=7)
+    candidate = first_drafter_from_target(target, n_layers=1)
+    arms = {"baseline": None, "incumbent": None, "candidate": candidate}
+    r = shadow_replay(target, tokenizer, arms, prompts, 4, 12, measure_cost=False, decoder_factory=factory)
+    assert runs == {"baseline": 1 + len(prompts), "candidate": 1 + len(prompts)}  # warm-up + prompts
+    assert list(r.arms) == ["baseline", "incumbent", "candidate"] and r.broken_arms == []
+    incumbent, baseline = r.arms["incumbent"], r.arms["baseline"]
+    assert incumbent.name == "incumbent" and not incumbent.speculative and incumbent.hit_rate is None
+    assert incumbent.tokens_per_s == baseline.tokens_per_s
+    assert r.per_prompt["incumbent"] == r.per_prompt["baseline"]
+    assert r.outputs["incumbent"] == r.outputs["candidate"]  # lossless
+    assert r.arms["candidate"].drafted_tokens > 0

@@ -1,0 +1,191 @@
+"""bench/drafters.py: the table and JSON assembled from stub parts (missing, failing, partial, fine)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MISSING = "bench/drafters_realign.py does not exist"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_drafters_under_test", ROOT / "bench" / "drafters.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+drafters = _load()
+
+KEYS = {
+    "realigned_structured_hit_rate",
+    "prose_hit_rate_drop_points",
+    "realigned_share_of_ceiling",
+    "partial_shift_new_part_hit_rate",
+    "partial_shift_old_part_drop_points",
+    "day0_first_promotion_s",
+    "day0_speedup_vs_nospec",
+    "unprofitable_detected_requests",
+    "after_action_speedup_vs_nospec",
+    "tuned_threshold_speedup_gain_stale",
+    "tuned_threshold_speedup_gain_realigned",
+}
+
+
+def ok(part: str, **figures: object) -> object:
+    return drafters.PartOutcome(part, "ok", figures=dict(figures), wall_s=1.0)
+
+
+def test_every_figure_is_reported_with_its_target_and_whether_it_meets_it() -> None:
+    outcomes = {
+        "realign": ok(
+            "realign",
+            realigned_structured_hit_rate=0.87,
+            prose_hit_rate_drop_points=3.5,  # over its bound of 3
+            realigned_share_of_ceiling=0.75,  # exactly on the bound: met
+            extra_detail=[1, 2],
+        ),
+        "partial": ok("partial", partial_shift_new_part_hit_rate=0.79, partial_shift_old_part_drop_points=1),
+        "day0": ok("day0", day0_first_promotion_s=412, day0_speedup_vs_nospec=1.6),
+        "pays": ok("pays", unprofitable_detected_requests=2000, after_action_speedup_vs_nospec=0.98),
+        "threshold": ok(
+            "threshold", tuned_threshold_speedup_gain_stale=1.2, tuned_threshold_speedup_gain_realigned=1.0
+        ),
+    }
+    report = drafters.assemble(outcomes, quick=True)
+
+    assert set(report) == KEYS | {"parts"}
+    met = {key: report[key]["meets_target"] for key in KEYS}
+    assert met == {
+        "realigned_structured_hit_rate": True,
+        "prose_hit_rate_drop_points": False,
+        "realigned_share_of_ceiling": True,
+        "partial_shift_new_part_hit_rate": False,
+        "partial_shift_old_part_drop_points": True,
+        "day0_first_promotion_s": True,
+        "day0_speedup_vs_nospec": None,  # reported without a target
+        "unprofitable_detected_requests": True,
+        "after_action_speedup_vs_nospec": False,
+        "tuned_threshold_speedup_gain_stale": True,
+        "tuned_threshold_speedup_gain_realigned": True,
+    }
+    assert report["realigned_structured_hit_rate"] == {
+        "value": 0.87,
+        "target": ">= 0.85",
+        "meets_target": True,
+        "part": "realign",
+    }
+    assert report["day0_first_promotion_s"]["target"] == "<= 600"
+    assert report["day0_speedup_vs_nospec"]["target"] is None
+    assert report["parts"]["realign"]["detail"]["extra_detail"] == [1, 2]
+    assert report["parts"]["realign"]["quick"] is True
+    json.dumps(report)  # what main() writes
+
+    table = drafters.format_table(report)
+    rows = {line.split()[0]: line for line in table.splitlines()}
+    assert "NO" in rows["prose_hit_rate_drop_points"].split()
+    assert "yes" in rows["realigned_structured_hit_rate"].split()
+    assert "0.87" in rows["realigned_structured_hit_rate"]
+
+
+def test_a_missing_or_failed_part_is_reported_and_the_others_still_count() -> None:
+    outcomes = {
+        "realign": drafters.PartOutcome(
+            "realign", "missing", error="bench/drafters_realign.py does not exist"
+        ),
+        "partial": drafters.PartOutcome("partial", "failed", error="RuntimeError: no traces"),
+        "day0": ok("day0", day0_first_promotion_s=700),  # day0_speedup_vs_nospec left out
+        "pays": ok("pays", unprofitable_detected_requests="many", after_action_speedup_vs_nospec=math.nan),
+        # threshold not selected (--only)
+    }
+    report = drafters.assemble(outcomes)
+
+    assert set(report) == KEYS | {"parts"}
+    for key in ("realigned_structured_hit_rate", "prose_hit_rate_drop_points", "realigned_share_of_ceiling"):
+        assert report[key]["value"] is None and report[key]["meets_target"] is None
+        assert report[key]["error"] == f"missing: {MISSING}"
+    assert report["partial_shift_new_part_hit_rate"]["error"] == "failed: RuntimeError: no traces"
+    assert report["day0_first_promotion_s"]["meets_target"] is False
+    assert "error" not in report["day0_first_promotion_s"]
+    assert report["day0_speedup_vs_nospec"]["error"] == "the day0 part returned no day0_speedup_vs_nospec"
+    assert report["unprofitable_detected_requests"]["error"] == "not a finite number: 'many'"
+    assert report["after_action_speedup_vs_nospec"]["value"] is None
+    assert report["tuned_threshold_speedup_gain_stale"]["error"] == "not run (--only)"
+    assert set(report["parts"]) == {"realign", "partial", "day0", "pays"}
+    assert report["parts"]["partial"]["status"] == "failed"
+
+    table = drafters.format_table(report)
+    assert f"missing: {MISSING}" in table
+    assert "RuntimeError: no traces" in table
+
+
+def _stub(folder: Path, part: str, body: str) -> Path:
+    path = folder / f"drafters_{part}.py"
+    path.write_text(body)
+    return path
+
+
+def test_run_part_imports_by_path_and_turns_every_failure_into_an_outcome(tmp_path: Path) -> None:
+    fine = _stub(tmp_path, "realign", "def measure(quick=False):\n    return {'quick': quick, 'x': 1}\n")
+    raises = _stub(tmp_path, "partial", "def measure(quick=False):\n    raise ValueError('bad traces')\n")
+    broken = _stub(tmp_path, "day0", "import a_module_that_does_not_exist\n")
+    wrong = _stub(tmp_path, "pays", "def measure(quick=False):\n    return [1]\n")
+    exits = _stub(tmp_path, "threshold", "def measure(quick=False):\n    raise SystemExit(2)\n")
+
+    outcome = drafters.run_part("realign", fine, quick=True)
+    assert (outcome.status, outcome.figures) == ("ok", {"quick": True, "x": 1})
+    failed = drafters.run_part("partial", raises, quick=False)
+    assert (failed.status, failed.error) == ("failed", "ValueError: bad traces")
+    assert "bad traces" in (failed.traceback or "")
+    assert drafters.run_part("day0", broken, quick=False).error.startswith("ModuleNotFoundError")
+    assert (
+        drafters.run_part("pays", wrong, quick=False).error
+        == "TypeError: measure() returned list, not a dict"
+    )
+    assert drafters.run_part("threshold", exits, quick=False).status == "failed"
+    missing = drafters.run_part("realign", tmp_path / "drafters_nothing.py", quick=False)
+    assert missing.status == "missing" and "does not exist" in (missing.error or "")
+
+
+def test_main_runs_the_chosen_parts_in_order_and_writes_the_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    order = tmp_path / "order.txt"
+    for part in ("threshold", "realign"):
+        _stub(
+            tmp_path,
+            part,
+            f"def measure(quick=False):\n    open({str(order)!r}, 'a').write('{part} ')\n"
+            f"    return {{'realigned_structured_hit_rate': 0.9, 'quick': quick}}\n",
+        )
+    monkeypatch.setattr(drafters, "BENCH", tmp_path)
+    out = tmp_path / "drafters.json"
+
+    status = drafters.main(["--quick", "--only", "threshold,realign,partial", "--out", str(out)])
+
+    assert status == 1  # the partial module is missing
+    assert order.read_text() == "realign threshold "
+    report = json.loads(out.read_text())
+    assert set(report) == KEYS | {"parts"}
+    assert report["realigned_structured_hit_rate"]["meets_target"] is True
+    assert report["parts"]["realign"]["detail"]["quick"] is True
+    assert report["parts"]["partial"]["status"] == "missing"
+    assert report["day0_first_promotion_s"]["error"] == "not run (--only)"
+    printed = capsys.readouterr().out
+    assert "realigned_structured_hit_rate" in printed and "drafters_partial.py does not exist" in printed
+
+
+def test_only_names_known_parts() -> None:
+    assert drafters.parse_only("pays, realign") == ("realign", "pays")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown part"):
+        drafters.parse_only("realign,nonsense")

@@ -1,0 +1,90 @@
+"""A deployment's first drafter, built from its own target before any realignment.
+
+A target with no drafter gets one cut from itself: the same tokenizer (nothing to align), the
+target's token embeddings, its first ``n`` decoder layers, its final norm and its LM head. With
+``n`` layers out of ``L`` such a drafter already proposes what a shallow exit of the target would
+(early-exit self-speculation, as in LayerSkip / Draft&Verify), and the realignment that follows
+(``workers.training.realign``) distils it on the deployment's traces like any incumbent.
+
+``n`` is the largest count whose decode step costs at most ``max_cost_fraction`` of the target's
+(counted in weights read per token: ``n`` layers plus the LM head against ``L`` layers plus the
+head), and at least one layer. The embedding lookup reads one row, so it costs nothing here.
+
+``random_drafter_like`` is the same architecture freshly initialised: what the copy is measured
+against (``bench/drafters_day0.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+
+from workers.engine.model import ModelConfig, Transformer
+
+# A first drafter should cost a small fraction of a target step: speculation pays only when the
+# hit rate is well above the cost ratio (DESIGN.md, "Numbers that decide").
+DEFAULT_MAX_COST_FRACTION = 0.25
+
+
+def _layer_weights(cfg: ModelConfig) -> int:
+    """Weights one decoder layer reads per token: q, k, v, o projections and the gated MLP."""
+    q_and_o = 2 * cfg.dim * cfg.n_heads * cfg.hd
+    k_and_v = 2 * cfg.dim * cfg.n_kv_heads * cfg.hd
+    mlp = 3 * cfg.dim * cfg.ffn_dim
+    return q_and_o + k_and_v + mlp
+
+
+def cost_fraction(cfg: ModelConfig, n_layers: int) -> float:
+    """The decode-step cost of an ``n_layers`` cut of the target relative to the whole target."""
+    head = cfg.vocab_size * cfg.dim
+    layer = _layer_weights(cfg)
+    return (n_layers * layer + head) / (cfg.n_layers * layer + head)
+
+
+def choose_layers(cfg: ModelConfig, max_cost_fraction: float = DEFAULT_MAX_COST_FRACTION) -> int:
+    """The most leading layers whose step costs at most ``max_cost_fraction`` of the target's
+    (at least 1, and fewer than the target has when it has more than one)."""
+    most = max(1, cfg.n_layers - 1)
+    n = 1
+    while n < most and cost_fraction(cfg, n + 1) <= max_cost_fraction:
+        n += 1
+    return n
+
+
+def drafter_config(target_cfg: ModelConfig, n_layers: int) -> ModelConfig:
+    """The target's config cut to ``n_layers`` (a Qwen window's first layer kept in range)."""
+    cfg = copy.deepcopy(target_cfg)
+    window_from = cfg.max_window_layers
+    if window_from is not None:
+        window_from = min(window_from, n_layers)
+    return replace(cfg, n_layers=n_layers, max_window_layers=window_from)
+
+
+def first_drafter_from_target(
+    target: Transformer, n_layers: int | None = None, max_cost_fraction: float = DEFAULT_MAX_COST_FRACTION
+) -> Transformer:
+    """A float32 drafter on the target's device: the target's embeddings, first ``n_layers``
+    decoder layers (``choose_layers`` when None), final norm and LM head. The target is only read."""
+    n = n_layers if n_layers is not None else choose_layers(target.config, max_cost_fraction)
+    if not 1 <= n <= target.config.n_layers:
+        raise ValueError(f"a first drafter needs 1 to {target.config.n_layers} layers, got {n}")
+    drafter = Transformer(drafter_config(target.config, n)).to(device=target.device, dtype=torch.float32)
+    source = target.state_dict()
+    wanted = drafter.state_dict()
+    missing = [name for name in wanted if name not in source]
+    if missing:
+        raise ValueError(f"the target has no weights for {missing[:5]}")
+    with torch.no_grad():
+        for name, tensor in wanted.items():
+            tensor.copy_(source[name].to(device=tensor.device, dtype=torch.float32))
+    drafter.invalidate_fast_path()
+    return drafter
+
+
+def random_drafter_like(target: Transformer, n_layers: int, seed: int = 0) -> Transformer:
+    """The same architecture as ``first_drafter_from_target(target, n_layers)``, randomly
+    initialised (the baseline the copy is measured against)."""
+    torch.manual_seed(seed)
+    return Transformer(drafter_config(target.config, n_layers)).to(device=target.device, dtype=torch.float32)
