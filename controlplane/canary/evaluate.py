@@ -333,7 +333,7 @@ def record_shadow_result(
     if not policy.live_canary:
         _apply_decision(session, canary, outcome, policy, source="shadow replay", arms=None)
         return canary.phase
-    _live_k_for_a_first_drafter(canary, result, policy)
+    live_k_for_a_first_drafter(canary, result, policy)
     if waits_for_pool(deployment):
         # The fleet loads the candidate first: traffic splits once its pool is ready.
         wait_for_pool(
@@ -348,7 +348,7 @@ def record_shadow_result(
     return canary.phase
 
 
-def _live_k_for_a_first_drafter(canary: Canary, result: dict[str, Any], policy: CanaryPolicy) -> None:
+def live_k_for_a_first_drafter(canary: Canary, result: dict[str, Any], policy: CanaryPolicy) -> None:
     """Against an incumbent that does not speculate (a deployment's first drafter), the candidate
     goes live at the k its own shadow replay says pays best, not the deployment's configured k.
 
@@ -365,7 +365,14 @@ def _live_k_for_a_first_drafter(canary: Canary, result: dict[str, Any], policy: 
     if incumbent.get("speculative", True) or not candidate.get("verify_steps"):
         return
     costs = result.get("costs") or {}
-    cost_ratio = (costs.get("cost_ratio_by_arm") or {}).get(CANDIDATE) or costs.get("cost_ratio")
+    # Measured during the replay itself where it was (target and drafter sharing the caches, as
+    # in serving), else on its own.
+    in_situ = (costs.get("in_situ") or {}).get(CANDIDATE) or {}
+    cost_ratio = (
+        in_situ.get("cost_ratio")
+        or (costs.get("cost_ratio_by_arm") or {}).get(CANDIDATE)
+        or costs.get("cost_ratio")
+    )
     if not isinstance(cost_ratio, int | float) or cost_ratio <= 0:
         return
     plan = plan_draft_length(
