@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.drafters_partial import run_demo  # noqa: E402
 from bench.realign import decode_figures, eval_prompts, load_reference, make_traces  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -43,52 +42,6 @@ SCENARIO = ROOT / "scenarios" / "day0.toml"
 DEPLOYMENT = "day0"
 TARGET_FIRST_PROMOTION_S = 600.0
 STRUCTURED_STOP = ("\n",)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_day0_demo(folder: Path, *, fast: bool, timeout_s: float = 1800) -> tuple[dict[str, Any], str]:
-    """Run the day-0 demo in ``folder`` (its own var dir and SQLite database); returns its summary
-    and the tail of its output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    env.update(
-        {
-            "CONTROLPLANE_ENVIRONMENT": "development",
-            "CONTROLPLANE_VAR_DIR": str(folder / "var"),
-            "CONTROLPLANE_ARTIFACT_DIR": str(folder / "var" / "artifacts"),
-            "CONTROLPLANE_API_PORT": str(_free_port()),
-        }
-    )
-    summary = folder / "summary.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "workers.demo",
-            "--scenario",
-            str(SCENARIO),
-            "--summary",
-            str(summary),
-            "--serve-port",
-            str(_free_port()),
-            "--router-port",
-            str(_free_port()),
-            *(["--fast"] if fast else []),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    output = proc.stdout[-6000:] + proc.stderr[-3000:]
-    if not summary.exists():
-        raise RuntimeError(f"the day-0 demo wrote no summary:\n{output}")
-    return json.loads(summary.read_text()), output
 
 
 def demo_database(folder: Path) -> str:
@@ -246,7 +199,8 @@ def measure(quick: bool = False, *, demo: bool = True, initialisations: bool = T
         with tempfile.TemporaryDirectory(prefix="day0-") as tmp:
             folder = Path(tmp)
             started = time.monotonic()
-            summary, output = run_day0_demo(folder, fast=quick)
+            summary = run_demo(quick=quick, var_dir=folder, scenario=SCENARIO, embedded=True, timeout_s=1800)
+            output = summary.pop("_output")
             figures = day0_figures(demo_database(folder))
             out.update(
                 {

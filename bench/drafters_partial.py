@@ -38,12 +38,21 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_demo(*, quick: bool, var_dir: Path) -> dict[str, Any]:
-    """The demo's summary on the partial-shift scenario (its output tail under "_output")."""
+def run_demo(
+    *,
+    quick: bool,
+    var_dir: Path,
+    scenario: Path = SCENARIO,
+    embedded: bool = False,
+    timeout_s: float = TIMEOUT_S,
+) -> dict[str, Any]:
+    """The demo's summary on ``scenario`` (its output tail under "_output"), run in ``var_dir``;
+    ``embedded`` drops CONTROLPLANE_* settings so it runs on its own SQLite database there."""
     summary = var_dir / "summary.json"
+    inherited = {k: v for k, v in os.environ.items() if not (embedded and k.startswith("CONTROLPLANE_"))}
     env = {
-        **os.environ,
-        "CONTROLPLANE_ENVIRONMENT": os.environ.get("CONTROLPLANE_ENVIRONMENT", "development"),
+        **inherited,
+        "CONTROLPLANE_ENVIRONMENT": inherited.get("CONTROLPLANE_ENVIRONMENT", "development"),
         "CONTROLPLANE_VAR_DIR": str(var_dir / "var"),
         "CONTROLPLANE_ARTIFACT_DIR": str(var_dir / "var" / "artifacts"),
         "CONTROLPLANE_API_PORT": str(_free_port()),
@@ -53,7 +62,7 @@ def run_demo(*, quick: bool, var_dir: Path) -> dict[str, Any]:
         "-m",
         "workers.demo",
         "--scenario",
-        str(SCENARIO),
+        str(scenario),
         "--summary",
         str(summary),
         "--serve-port",
@@ -62,11 +71,11 @@ def run_demo(*, quick: bool, var_dir: Path) -> dict[str, Any]:
         str(_free_port()),
         *(["--fast"] if quick else []),
     ]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     if not summary.exists():
         raise RuntimeError(f"the demo wrote no summary:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(summary.read_text())
-    result["_output"] = proc.stdout[-3000:]
+    result["_output"] = proc.stdout[-6000:] + proc.stderr[-3000:]
     return result
 
 
