@@ -56,8 +56,8 @@ from workers.training.realign import RealignConfig  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "drafters_realign.json"
 SHIFTED = "structured"
 BEFORE = "prose"
-SHIFTED_TRACES = 384
-PROSE_TRACES = 128
+SHIFTED_TRACES = 1024
+PROSE_TRACES = 512
 TRACE_TOKENS = 128
 EVAL_TOKENS = 96
 

@@ -5,9 +5,10 @@ from prose to the structured (tool-call) domain (``--domain code`` for code, ``-
 both, one realignment each): the traces are the target's own greedy completions of prompts of the
 validation split of workers.corpora (text the target never trained on, like the test split the hit
 rates are measured on), each labelled with its domain as the traffic driver's category, plus
-pre-drift prose traces for replay. Realignment runs ``workers.training.realign.realign`` from the
-generic drafter under its default time budget; its replay of prose is planned from the categories
-and the generic drafter's agreement on held-out prose (``--replay-share`` fixes it instead).
+pre-drift prose traces for replay (from the train split's wider pool: see ``TRACE_SPLITS``).
+Realignment runs ``workers.training.realign.realign`` from the generic drafter under its default
+time budget; its replay of prose is planned from the categories and the generic drafter's
+agreement on held-out prose (``--replay-share`` fixes it instead).
 Trace generation stands in for the serving side and is not timed; its results are cached under
 bench/results/trace-cache (keyed by the target's checksum and the trace parameters).
 
@@ -52,9 +53,12 @@ REFERENCE = ROOT / "workers" / "models" / "reference"
 RESULTS = ROOT / "bench" / "results"
 TRACE_CACHE = RESULTS / "trace-cache"
 PROMPT_TOKENS = 160  # equal-length prompts let the target continue a whole batch at once
-# Structured requests are short (most under 160 tokens): their prompts are cut to the longest of
-# these lengths they reach, and each length is generated as its own batch.
-PROMPT_BUCKETS = {"structured": (128, 96, 64, 48, 32)}
+# A trace's prompt is cut to the longest of its domain's lengths it reaches, and each length is
+# generated as its own batch. The lengths follow the held-out requests the hit rates are measured
+# on (structured: 35-199 tokens; prose: mostly 190-256): a drafter trained on shorter contexts than
+# it is served at loses agreement there (cut at 128, structured answers at 192+ tokens of context
+# were 74-78% greedy agreement against 89-96% below).
+PROMPT_BUCKETS = {"structured": (192, 160, 128, 96, 64, 48, 32), "prose": (256, 224, 192, 160, 128)}
 MIN_PROMPT_CHARS = {"structured": 100}
 K = 4
 SHIFTED = ("code", "structured")
@@ -66,6 +70,12 @@ STOPS = {"structured": ("\n",)}
 # recites memorised documents. (Measured both ways on code: realigned test-split hit rate 32.8%
 # from train-split traces, 29.0% from validation-split ones; the generic drafter's is 28.3%.)
 TRACE_SPLIT = "validation"
+# The exception is the traffic before the drift, whose traces are only replayed (fitted to the incumbent's own
+# distribution, never the target's: see RealignConfig.replay_teacher): the validation split holds
+# 28 prose documents, and 512 traces cut from them are a deployment's old traffic seen through a
+# keyhole; replaying them measured memorisation (prose on unseen requests -7.8 points) where the
+# train split's 518 documents measure forgetting (-4.8 at the same settings).
+TRACE_SPLITS = {PRE_DRIFT: "train"}
 
 
 def load_reference() -> tuple[Transformer, Tokenizer, Transformer]:
@@ -97,7 +107,8 @@ def make_traces(
     lengths = "_".join(map(str, buckets))
     stops = STOPS.get(domain, ())
     stop_tag = "-through-stop-" + hashlib.sha256("\0".join(stops).encode()).hexdigest()[:8] if stops else ""
-    key = f"{_target_digest()}-{domain}-{TRACE_SPLIT}-{n}-{new_tokens}-{seed}-{lengths}{stop_tag}"
+    split = TRACE_SPLITS.get(domain, TRACE_SPLIT)
+    key = f"{_target_digest()}-{domain}-{split}-{n}-{new_tokens}-{seed}-{lengths}{stop_tag}"
     path = TRACE_CACHE / f"{key}.json"
     if cache and path.is_file():
         return [TraceText(*t) for t in json.loads(path.read_text())]
@@ -106,7 +117,7 @@ def make_traces(
     min_chars = MIN_PROMPT_CHARS.get(domain, 400)
     while len(ids) < n and rounds < 20:
         # One prompt per document per round; another seed cuts the documents elsewhere.
-        for p in corpora.prompts(domain, TRACE_SPLIT, n=n, seed=seed + rounds, min_prompt_chars=min_chars):
+        for p in corpora.prompts(domain, split, n=n, seed=seed + rounds, min_prompt_chars=min_chars):
             tokens = tokenizer.encode(p.text)
             fit = next((b for b in buckets if len(tokens) >= b), None)
             if fit is not None:
@@ -212,8 +223,8 @@ def realign_for_domain(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--domain", choices=[*SHIFTED, "both"], default="structured")
-    parser.add_argument("--code-traces", "--shifted-traces", dest="shifted_traces", type=int, default=384)
-    parser.add_argument("--prose-traces", type=int, default=128)
+    parser.add_argument("--code-traces", "--shifted-traces", dest="shifted_traces", type=int, default=1024)
+    parser.add_argument("--prose-traces", type=int, default=512)
     parser.add_argument("--trace-tokens", type=int, default=128)
     parser.add_argument("--eval-prompts", type=int, default=24)
     parser.add_argument("--eval-tokens", type=int, default=96)

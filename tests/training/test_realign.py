@@ -38,16 +38,20 @@ from workers.engine.model import ModelConfig, Transformer, build_model
 from workers.engine.tokenizer import Tokenizer
 from workers.training.realign import (
     MANIFEST_NAME,
+    PROTECTED_LR,
     SPEC_CONFIG_NAME,
     RealignCancelledError,
     RealignConfig,
     Rows,
     TraceText,
+    anchor_targets,
     build_dataset,
+    choose_lr,
     completion_logits,
     pad_rows,
     realign,
     save_drafter,
+    teacher_targets,
     token_targets,
     verify_artifact,
 )
@@ -141,6 +145,47 @@ def test_dataset_holds_out_by_request_and_replays_a_share(tokenizer: Tokenizer) 
     assert all(s >= 1 and len(t) > s for t, s in zip(data.train.ids, data.train.starts, strict=True))
     again = build_dataset(recent, older, tokenizer, cfg, max_len=256)
     assert again.train.keys == data.train.keys  # the split and the replay choice follow the seed
+
+
+def test_replayed_rows_are_fitted_to_the_incumbent_and_recent_ones_to_the_target(
+    tokenizer: Tokenizer, models: tuple[Transformer, Transformer]
+) -> None:
+    target, drafter = models
+    cfg = RealignConfig(seed=0, holdout_share=0.2, replay_share=0.25, teacher_top_k=8)
+    data = build_dataset(traces(40), traces(40, prefix="old"), tokenizer, cfg, max_len=256)
+    first_replay = len(data.train) - data.replay_rows
+    assert data.replay_rows >= 2 and all(k.startswith("old") for k in data.train.keys[first_replay:])
+    teacher = teacher_targets(target, data.train, 8, torch.device("cpu"))
+    recent_before = [t.clone() for t in teacher.index[:first_replay]]
+    anchor_targets(drafter, data, teacher, 8, torch.device("cpu"), cfg)
+    assert all(torch.equal(a, b) for a, b in zip(recent_before, teacher.index[:first_replay], strict=True))
+    for i in range(first_replay, len(data.train)):
+        ids, start = data.train.ids[i], data.train.starts[i]
+        with torch.no_grad():
+            own = torch.softmax(drafter(ids[None, :-1]).float()[0, start - 1 :], dim=-1)  # [N, V]
+        assert torch.equal(teacher.index[i][:, 0].long(), own.argmax(-1))
+        assert torch.allclose(teacher.probs[i], own.topk(8, dim=-1).values, atol=1e-4)
+    # The two models disagree somewhere on these rows: the replay's targets really changed hands.
+    target_argmax = teacher_targets(target, data.train, 1, torch.device("cpu")).index
+    assert any(
+        not torch.equal(target_argmax[i][:, 0], teacher.index[i][:, 0])
+        for i in range(first_replay, len(data.train))
+    )
+    # As point masses (the token-targets mode), each replayed position is the incumbent's argmax.
+    points = token_targets(data.train)
+    anchor_targets(drafter, data, points, 1, torch.device("cpu"), cfg)
+    assert all(p.shape[1] == 1 and bool((p == 1).all()) for p in points.probs)
+    assert torch.equal(points.index[-1][:, 0].long(), teacher.index[-1][:, 0].long())
+
+
+def test_the_learning_rate_is_capped_while_old_traffic_is_kept() -> None:
+    novel = choose_lr(50_000, start_agreement=0.05)
+    assert novel > PROTECTED_LR  # traffic the incumbent does not know: a large step
+    assert choose_lr(50_000, start_agreement=0.05, protects_old=True) == PROTECTED_LR
+    known = choose_lr(50_000, start_agreement=0.9)
+    assert known < PROTECTED_LR and choose_lr(50_000, start_agreement=0.9, protects_old=True) == known
+    with pytest.raises(ValueError, match="replay_teacher"):
+        realign(None, None, None, [], cfg=RealignConfig(replay_teacher="draft"))  # type: ignore[arg-type]
 
 
 def test_planned_replay_follows_the_categories_and_the_incumbents_old_agreement(tokenizer: Tokenizer) -> None:
