@@ -12,12 +12,13 @@ Two measurements, written to bench/results/drafters_day0.json:
    600 s), and ``day0_speedup_vs_nospec``, the live arm's decode throughput on the promoted
    drafter over the live arm's before the first canary started (no speculation then), both from
    the stats API. ``--quick`` runs the demo with ``--fast``.
-2. The first drafter's initial weights: the first ``n`` layers, embeddings and LM head copied from
-   the target (``workers.training.first_drafter``) against the same architecture randomly
-   initialised, each distilled by ``workers.training.realign`` within the same time budget on the
-   same structured traces (the target's greedy completions of validation-split prompts), then
-   measured on held-out test-split prompts (greedy, k=4, each request ended at its first line as
-   a client's stop would): hit rate and tokens per verify step, before and after training.
+2. The first drafter's initial weights: the default narrow drafter, its embeddings projected from
+   the target's (``workers.training.first_drafter``), against the same shape randomly initialised
+   and against a cut of the target (its first layers, embeddings and LM head), each distilled by
+   ``workers.training.realign`` within the same time budget on the same structured traces (the
+   target's greedy completions of validation-split prompts), then measured on held-out test-split
+   prompts (greedy, k=4, each request ended at its first line as a client's stop would): hit
+   rate and tokens per verify step, before and after training.
 """
 
 from __future__ import annotations
@@ -136,15 +137,19 @@ def day0_figures(database_url: str, deployment: str = DEPLOYMENT) -> dict[str, A
 
 
 def compare_initialisations(*, quick: bool) -> dict[str, Any]:
-    """The target-copy first drafter against a randomly initialised one of the same shape, each
-    distilled within the same time budget on the same traces."""
+    """The default first drafter (narrow, embeddings projected from the target's) against the same
+    shape randomly initialised and against a cut of the target's leading layers, each distilled
+    within the same time budget on the same traces, as the worker distils a first drafter."""
     import torch
 
+    from workers.engine.model import Transformer
     from workers.training.first_drafter import (
+        FIRST_DRAFTER_MAX_EPOCHS,
         choose_layers,
         cost_fraction,
         first_drafter_from_target,
-        random_drafter_like,
+        narrow_drafter_from_target,
+        step_weights,
     )
     from workers.training.realign import RealignConfig, realign
 
@@ -155,25 +160,31 @@ def compare_initialisations(*, quick: bool) -> dict[str, Any]:
     traces = make_traces(target, tokenizer, "structured", n_traces, new_tokens, seed=0)
     prompts = eval_prompts(tokenizer, "structured", 12 if quick else 32)
     n_layers = choose_layers(target.config)
+    narrow = narrow_drafter_from_target(target)
+    torch.manual_seed(0)
+    narrow_random = Transformer(narrow.config).to(dtype=torch.float32)
     out: dict[str, Any] = {
-        "layers": n_layers,
+        "narrow_shape": [narrow.config.n_layers, narrow.config.dim],
+        "narrow_cost_fraction_weights": round(step_weights(narrow.config) / step_weights(target.config), 3),
+        "cut_layers": n_layers,
         "target_layers": target.config.n_layers,
-        "cost_fraction_weights": round(cost_fraction(target.config, n_layers), 3),
+        "cut_cost_fraction_weights": round(cost_fraction(target.config, n_layers), 3),
         "time_budget_s": budget_s,
+        "max_epochs": FIRST_DRAFTER_MAX_EPOCHS,
         "traces": len(traces),
         "eval_prompts": len(prompts),
         "arms": {},
     }
     for name, initial in (
-        ("target_copy", first_drafter_from_target(target, n_layers)),
-        ("random_init", random_drafter_like(target, n_layers, seed=0)),
+        ("narrow_projected", narrow),
+        ("narrow_random", narrow_random),
+        ("target_cut", first_drafter_from_target(target, n_layers)),
     ):
         start = decode_figures(target, tokenizer, initial, prompts, new_tokens, stop=STRUCTURED_STOP)
         initial.invalidate_fast_path()  # decoding cached packed weights that cannot be copied
         t0 = time.perf_counter()
-        result = realign(
-            target, initial, tokenizer, traces, [], RealignConfig(seed=0, time_budget_s=budget_s)
-        )
+        cfg = RealignConfig(seed=0, time_budget_s=budget_s, max_epochs=FIRST_DRAFTER_MAX_EPOCHS)
+        result = realign(target, initial, tokenizer, traces, [], cfg)
         trained_s = time.perf_counter() - t0
         end = decode_figures(target, tokenizer, result.model, prompts, new_tokens, stop=STRUCTURED_STOP)
         metrics = result.metrics
@@ -187,8 +198,11 @@ def compare_initialisations(*, quick: bool) -> dict[str, Any]:
             "held_out_after": metrics.get("held_out_after"),
         }
         print(f"{name}: before {start}, after {end} ({trained_s:.0f} s)", flush=True)
-    copy, rand = out["arms"]["target_copy"], out["arms"]["random_init"]
-    out["copy_beats_random"] = copy["after_training"]["hit_rate"] > rand["after_training"]["hit_rate"]
+    arms = out["arms"]
+    out["projected_beats_random"] = (
+        arms["narrow_projected"]["after_training"]["hit_rate"]
+        > arms["narrow_random"]["after_training"]["hit_rate"]
+    )
     return out
 
 

@@ -392,12 +392,14 @@ def _train_and_save(
         loader=lambda: load_hf_folder(target_folder, device=device, dtype=dtype),
     )
     if inputs.incumbent is None:
-        # No drafter yet (day 0): the first one is cut from the target itself, then distilled.
-        from workers.training.first_drafter import first_drafter_from_target
+        # No drafter yet (day 0): a narrow one starts from the target's own embeddings, then is
+        # distilled on the traces.
+        from workers.training.first_drafter import narrow_drafter_from_target
 
-        incumbent = first_drafter_from_target(target)
-        incumbent_name = f"first-drafter:{incumbent.config.n_layers}-layers-of-{inputs.target.name}"
-        incumbent_identity = f"{inputs.target.identity}:layers[:{incumbent.config.n_layers}]"
+        incumbent = narrow_drafter_from_target(target)
+        shape = f"{incumbent.config.n_layers}x{incumbent.config.dim}"
+        incumbent_name = f"first-drafter:narrow-{shape}-of-{inputs.target.name}"
+        incumbent_identity = f"{inputs.target.identity}:narrow[{shape}]"
     else:
         # The incumbent is trained in place, so it is loaded fresh (never from the shared cache), in
         # float32: the optimizer keeps master weights at full precision (autocast runs bf16 on CUDA).
@@ -413,6 +415,10 @@ def _train_and_save(
     )
     if params.get("replay_share") is not None:
         cfg.replay_share = float(params["replay_share"])
+    if inputs.incumbent is None:
+        from workers.training.first_drafter import FIRST_DRAFTER_MAX_EPOCHS
+
+        cfg.max_epochs = FIRST_DRAFTER_MAX_EPOCHS
     recent = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.recent]
     older = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.older]
     try:

@@ -17,6 +17,8 @@ from workers.training.first_drafter import (
     choose_layers,
     cost_fraction,
     first_drafter_from_target,
+    narrow_config,
+    narrow_drafter_from_target,
     random_drafter_like,
 )
 
@@ -39,6 +41,45 @@ def test_layers_are_chosen_by_the_cost_of_a_step() -> None:
     assert n == 6
     assert choose_layers(large, max_cost_fraction=0.1) == 1
     assert cost_fraction(large, 32) == pytest.approx(1.0)
+
+
+def test_the_narrow_drafter_is_as_wide_as_its_cost_allows() -> None:
+    reference = ModelConfig(
+        vocab_size=4096, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=1024, max_seq_len=512
+    )
+    narrow = narrow_config(reference)
+    # The bundled generic drafter's shape, found from the cost alone.
+    assert (narrow.dim, narrow.n_layers, narrow.n_heads, narrow.ffn_dim) == (128, 2, 4, 344)
+    assert narrow.vocab_size == 4096 and narrow.tie_embeddings and narrow.max_seq_len == 512
+    assert narrow_config(reference, max_cost_fraction=0.105).dim == 160
+    assert narrow_config(reference, max_cost_fraction=0.001).dim == 64  # never narrower than 64
+    large = ModelConfig(
+        vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14_336, max_seq_len=512
+    )
+    assert narrow_config(large).dim == 2048  # half the target's width at most
+
+
+def test_the_narrow_drafter_starts_from_the_targets_embeddings_projected(target: Transformer) -> None:
+    before = {name: t.clone() for name, t in target.state_dict().items()}
+    drafter = narrow_drafter_from_target(target)
+    table = target.model.embed_tokens.weight.detach().float()
+    own = drafter.model.embed_tokens.weight.detach()
+    assert drafter.lm_head.weight is drafter.model.embed_tokens.weight and drafter.dtype == torch.float32
+    # own = table @ W for a W with orthonormal columns: a projection of the target's own table.
+    w = torch.linalg.lstsq(table, own).solution  # [D_target, dim]
+    assert torch.allclose(table @ w, own, atol=1e-3)
+    assert torch.allclose(w.T @ w, torch.eye(own.shape[1]), atol=1e-3)
+    # The leading directions: they keep more of the table's spread than any other choice would.
+    centred = table - table.mean(0)
+    kept = float(((centred @ w) ** 2).sum() / (centred**2).sum())
+    random_basis = torch.linalg.qr(
+        torch.randn(table.shape[1], own.shape[1], generator=torch.Generator().manual_seed(0))
+    )[0]
+    assert kept > float(((centred @ random_basis) ** 2).sum() / (centred**2).sum())
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    again = narrow_drafter_from_target(target)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in drafter.state_dict().items())
 
 
 def test_the_first_drafter_is_the_targets_own_weights_and_the_target_is_only_read(

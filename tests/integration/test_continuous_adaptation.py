@@ -149,7 +149,7 @@ def test_a_deployment_without_a_drafter_gets_a_first_drafter_canaried_against_no
         assert [(m.task, m.args) for m in sent] == [("realign.run", (job_id,))]
         job = client.get(f"{BASE}/jobs/{job_id}", headers=viewer).json()
         assert job["trigger"] == "first_drafter" and job["requested_by"] == "adaptation:first_drafter"
-        # Learning from a cut of the target takes longer than realigning a drafter: twice the budget.
+        # A first drafter starts from far less than a realignment does: twice the budget.
         assert job["params"] == {"time_budget_s": 4.0}
         # A second pass while it is queued asks for nothing more.
         assert workers.tasks.monitor_deployment(pk)["adaptation"]["job_id"] is None
@@ -160,7 +160,9 @@ def test_a_deployment_without_a_drafter_gets_a_first_drafter_canaried_against_no
             assert session.get_one(Job, job_id).state == JobState.succeeded
             version = session.get_one(DrafterVersion, int(trained["drafter_version_id"]))
             assert version.parent_version_id is None
-            assert version.training_metrics["incumbent"] == "first-drafter:1-layers-of-tiny-target"
+            # Started narrow from the target's embeddings: two layers, not a cut of the target.
+            assert version.training_metrics["incumbent"].startswith("first-drafter:narrow-2x")
+            assert version.training_metrics["incumbent"].endswith("-of-tiny-target")
             canary = session.scalars(select(Canary).where(Canary.candidate_version_id == version.id)).one()
             # Judged against what serves: the live arm without speculation.
             assert canary.incumbent_version_id is None and canary.arms["incumbent_mode"] == "disabled"
