@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from controlplane.accounts.service import IssuedKey, create_account, first_account
-from controlplane.config import Settings
+from controlplane.config import Settings, dev_key_file
 from controlplane.db.migrate import upgrade_to_head
 from controlplane.db.session import unit_of_work
 from controlplane.models.service import register_reference_models
@@ -24,10 +23,6 @@ def init_account(settings: Settings, *, account_name: str) -> IssuedKey | None:
             return None
         _, issued = create_account(session=session, name=account_name, secret=settings.secret_key)
         return issued
-
-
-def dev_key_file(settings: Settings) -> Path:
-    return settings.var_dir / "admin.key"
 
 
 def prepare_embedded_database(settings: Settings, *, account_name: str = "default") -> None:

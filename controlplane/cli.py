@@ -14,8 +14,7 @@ from typing import Annotated, Any, NoReturn
 import httpx
 import typer
 
-from controlplane.bootstrap import dev_key_file, init_account
-from controlplane.config import Settings, environment_for_child, get_settings
+from controlplane.config import Settings, dev_key_file, environment_for_child, get_settings
 
 app = typer.Typer(no_args_is_help=True, help="Control plane for speculative-decoding drafters.")
 deployment_app = typer.Typer(no_args_is_help=True, help="Create, update, get, list and delete deployments.")
@@ -83,6 +82,9 @@ def _show(data: Any) -> None:
 @app.command()
 def init(account: Annotated[str, typer.Option(help="name of the first account")] = "default") -> None:
     """Migrate the database and create the first account, printing its admin key once."""
+    # Imported here: the database layer costs seconds to import, and the HTTP commands need none.
+    from controlplane.bootstrap import init_account
+
     settings = get_settings()
     issued = init_account(settings, account_name=account)
     if issued is None:

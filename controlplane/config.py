@@ -226,3 +226,8 @@ def environment_for_child(**overrides: str) -> dict[str, str]:
     The one place outside Settings that touches os.environ: children read their settings from it.
     """
     return {**os.environ, **overrides}
+
+
+def dev_key_file(settings: Settings) -> Path:
+    """Where development keeps the first admin key for the local CLI and the demo (mode 0600)."""
+    return settings.var_dir / "admin.key"

@@ -57,6 +57,14 @@ def test_the_narrow_drafter_is_as_wide_as_its_cost_allows() -> None:
         vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14_336, max_seq_len=512
     )
     assert narrow_config(large).dim == 2048  # half the target's width at most
+    tiny = ModelConfig(
+        vocab_size=512, dim=48, n_layers=2, n_heads=3, n_kv_heads=1, ffn_dim=96, max_seq_len=128
+    )
+    assert (narrow_config(tiny).dim, narrow_config(tiny).n_heads, narrow_config(tiny).n_kv_heads) == (
+        48,
+        3,
+        3,
+    )
 
 
 def test_the_narrow_drafter_starts_from_the_targets_embeddings_projected(target: Transformer) -> None:

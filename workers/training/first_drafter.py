@@ -77,7 +77,10 @@ def narrow_config(
 ) -> ModelConfig:
     """Two layers as wide as the cost allows: the widest multiple of 32 between 64 and half the
     target's width whose step (layers plus a tied head, in weights read per token) costs at most
-    ``max_cost_fraction`` of the target's; 64 when none does."""
+    ``max_cost_fraction`` of the target's; 64 when none does; the target's width when it is 64 or
+    less."""
+    if target_cfg.dim <= 64:  # nothing narrower is worth having: two layers of the target's width
+        return _narrow(target_cfg, target_cfg.dim)
     target_cost = step_weights(target_cfg)
     best = 64
     for dim in range(64, max(64, target_cfg.dim // 2) + 1, NARROW_HEAD_DIM):
@@ -87,7 +90,8 @@ def narrow_config(
 
 
 def _narrow(target_cfg: ModelConfig, dim: int) -> ModelConfig:
-    heads = max(1, dim // NARROW_HEAD_DIM)
+    # Heads of 32 wide; a width that 32 does not divide is the target's own, with its head count.
+    heads = dim // NARROW_HEAD_DIM if dim % NARROW_HEAD_DIM == 0 else target_cfg.n_heads
     ffn = -(-dim * 8 // 3 // 8) * 8  # Llama's 8/3 ratio, a multiple of 8
     return ModelConfig(
         vocab_size=target_cfg.vocab_size,
