@@ -102,7 +102,8 @@ def day0_figures(database_url: str, deployment: str = DEPLOYMENT) -> dict[str, A
         decided = parse_utc(canary["decided_at"])
         nospec = client.get(
             f"{base}/stats",
-            params={"arm": "live", "end": first_canary["started_at"], "bucket_seconds": 3600},
+            # Minute buckets: an hour's would also hold the live arm's records after the promotion.
+            params={"arm": "live", "end": first_canary["started_at"], "bucket_seconds": 60},
             headers=headers,
         ).json()["total"]
         promoted_live = client.get(

@@ -78,7 +78,9 @@ def test_day0_first_drafter_on_the_embedded_default(tmp_path: Path) -> None:
         assert version["parent_version_id"] is None
 
         first_canary = min(canaries, key=lambda c: c["canary_id"])
-        nospec = _stats(client, base, headers, arm="live", end=first_canary["started_at"])
+        # Minute buckets: the window ends at the first canary's start to the minute, well before
+        # the promotion put a drafter on the live arm (an hour's bucket would hold both).
+        nospec = _stats(client, base, headers, arm="live", end=first_canary["started_at"], bucket_seconds=60)
         fresh = _stats(client, base, headers, arm="live", drafter_version=canary["candidate_version"])
     get_engine(url).dispose()
     assert nospec["requests"] > 0 and nospec["drafted_tokens"] == 0, nospec
