@@ -49,6 +49,12 @@ def demo_database(folder: Path) -> str:
     return f"sqlite:///{folder / 'var' / 'demo' / 'controlplane.db'}"
 
 
+def _minute_floor(moment: str) -> str:
+    from datetime import datetime
+
+    return datetime.fromisoformat(moment).replace(second=0, microsecond=0).isoformat()
+
+
 def day0_figures(database_url: str, deployment: str = DEPLOYMENT) -> dict[str, Any]:
     """What the day-0 run did, read back from its database and its REST API (in process): the
     first-drafter job, the promoting canary, and the live arm's throughput before and after."""
@@ -102,8 +108,9 @@ def day0_figures(database_url: str, deployment: str = DEPLOYMENT) -> dict[str, A
         decided = parse_utc(canary["decided_at"])
         nospec = client.get(
             f"{base}/stats",
-            # Minute buckets: an hour's would also hold the live arm's records after the promotion.
-            params={"arm": "live", "end": first_canary["started_at"], "bucket_seconds": 60},
+            # Minute buckets, ending at the start of the minute the first canary started in: an
+            # hour's bucket, or that minute's, can also hold the live arm's records after the promotion.
+            params={"arm": "live", "end": _minute_floor(first_canary["started_at"]), "bucket_seconds": 60},
             headers=headers,
         ).json()["total"]
         promoted_live = client.get(

@@ -11,6 +11,7 @@ drafter, and the live arm's decode throughput on it beats the live arm's before 
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,10 @@ def test_day0_first_drafter_on_the_embedded_default(tmp_path: Path) -> None:
         assert version["parent_version_id"] is None
 
         first_canary = min(canaries, key=lambda c: c["canary_id"])
-        # Minute buckets: the window ends at the first canary's start to the minute, well before
-        # the promotion put a drafter on the live arm (an hour's bucket would hold both).
-        nospec = _stats(client, base, headers, arm="live", end=first_canary["started_at"], bucket_seconds=60)
+        # Minute buckets, the window ending at the start of the minute the first canary started
+        # in: a fast run promotes within that minute, and its bucket would hold both.
+        started = datetime.fromisoformat(first_canary["started_at"]).replace(second=0, microsecond=0)
+        nospec = _stats(client, base, headers, arm="live", end=started.isoformat(), bucket_seconds=60)
         fresh = _stats(client, base, headers, arm="live", drafter_version=canary["candidate_version"])
     get_engine(url).dispose()
     assert nospec["requests"] > 0 and nospec["drafted_tokens"] == 0, nospec
