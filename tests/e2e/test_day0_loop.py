@@ -18,28 +18,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.accounts.service import first_account, issue_key
-from controlplane.app import create_app
-from controlplane.config import Settings
-from controlplane.db.models import Role
-from controlplane.db.session import get_engine, unit_of_work
-from tests.e2e.test_demo_loop import _run_demo
+from controlplane.db.session import get_engine
+from tests.e2e.test_demo_loop import _api, _run_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 DAY0 = ROOT / "scenarios" / "day0.toml"
 DEMO_TIMEOUT_S = 900
-
-
-def _viewer(database_url: str) -> tuple[TestClient, dict[str, str], str]:
-    settings = Settings(database_url=database_url, environment="test", drift_enqueue_on_ingest=False)
-    with unit_of_work(database_url) as session:
-        account = first_account(session=session)
-        assert account is not None
-        key = issue_key(
-            session=session, account=account, name="e2e-day0", role=Role.viewer, secret=settings.secret_key
-        )
-        name = account.name
-    return TestClient(create_app(settings)), {"Authorization": f"Bearer {key.secret}"}, name
 
 
 def _stats(client: TestClient, base: str, headers: dict[str, str], **params: Any) -> dict[str, Any]:
@@ -54,7 +38,7 @@ def test_day0_first_drafter_on_the_embedded_default(tmp_path: Path) -> None:
     demo = _run_demo(tmp_path, {}, scenario=DAY0)
     output = demo["_output"]
     url = f"sqlite:///{tmp_path / 'var' / 'demo' / 'controlplane.db'}"
-    client, headers, account = _viewer(url)
+    client, headers, account = _api(url)
     base = f"/v1/accounts/{account}/deployments/day0"
     with client:
         jobs = client.get(f"{base}/jobs", headers=headers).json()["jobs"]
