@@ -373,10 +373,16 @@ def deployment_delete(deployment_id: Annotated[str, typer.Argument()]) -> None:
 def deployment_realign(
     deployment_id: Annotated[str, typer.Argument()],
     time_budget_s: Annotated[float | None, typer.Option(help="training time budget in seconds")] = None,
+    drafter_kind: Annotated[
+        str | None,
+        typer.Option(help="draft_model | eagle3 (a head over the target's states); default: the incumbent's"),
+    ] = None,
 ) -> None:
     """Start a realignment now (returns the running one if there is one already)."""
     client = ApiClient(get_settings())
-    params = {"time_budget_s": time_budget_s} if time_budget_s is not None else {}
+    params: dict[str, object] = {"time_budget_s": time_budget_s} if time_budget_s is not None else {}
+    if drafter_kind is not None:
+        params["drafter_kind"] = drafter_kind
     _show(
         client.request(
             "POST", f"/v1/accounts/{client.account}/deployments/{deployment_id}:realign", {"params": params}

@@ -190,6 +190,8 @@ def _replay(plan: ReplayPlan, settings: Settings, progress: Progress) -> dict[st
     from workers.canary.replay import ReplayCancelledError
     from workers.canary.replay import shadow_replay as replay
     from workers.devices import resolve_device, weights_dtype
+    from workers.engine.eagle import HeadProposer
+    from workers.engine.head_io import is_head_folder, load_head_folder
     from workers.engine.hf_io import load_hf_folder
     from workers.engine.proposers import NgramProposer
     from workers.engine.tokenizer import ensure_same_tokenizer
@@ -224,6 +226,12 @@ def _replay(plan: ReplayPlan, settings: Settings, progress: Progress) -> dict[st
     elif plan.incumbent is not None:
         folders["incumbent"] = (plan.incumbent.name, models.folder(plan.incumbent))
     for arm, (name, folder) in folders.items():
+        # Either kind of drafter: a small model, or a head over the target's states.
+        if is_head_folder(folder):
+            head, tok = load_head_folder(folder, target)
+            ensure_same_tokenizer(tokenizer, tok, plan.target.name, name)
+            arms[arm] = HeadProposer(head, name=name)
+            continue
         model, tok = load_hf_folder(folder, device=device, dtype=dtype)
         ensure_same_tokenizer(tokenizer, tok, plan.target.name, name)
         arms[arm] = model

@@ -11,9 +11,11 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from controlplane import messaging
@@ -371,8 +373,6 @@ def _train_and_save(
     from workers.loading import VerifiedModels
     from workers.model_cache import TARGETS
     from workers.training.realign import (
-        NotEnoughDataError,
-        RealignCancelledError,
         RealignConfig,
         TraceText,
         realign,
@@ -391,9 +391,27 @@ def _train_and_save(
         dtype=dtype,
         loader=lambda: load_hf_folder(target_folder, device=device, dtype=dtype),
     )
-    if inputs.incumbent is None:
-        # No drafter yet (day 0): a narrow one starts from the target's own embeddings, then is
-        # distilled on the traces.
+    params = inputs.params
+    incumbent_folder = models.folder(inputs.incumbent) if inputs.incumbent is not None else None
+    from workers.engine.head_io import is_head_folder
+
+    incumbent_is_head = incumbent_folder is not None and is_head_folder(incumbent_folder)
+    kind = params.get("drafter_kind") or ("eagle3" if incumbent_is_head else "draft_model")
+    if kind == "eagle3":
+        return _train_and_save_head(
+            inputs,
+            job_id,
+            attempt,
+            settings,
+            progress,
+            target,
+            tokenizer,
+            device,
+            incumbent_folder if incumbent_is_head else None,
+        )
+    if inputs.incumbent is None or incumbent_is_head:
+        # No drafter yet (day 0), or a head to be replaced by a small model: a narrow one starts
+        # from the target's own embeddings, then is distilled on the traces.
         from workers.training.first_drafter import narrow_drafter_from_target
 
         incumbent = narrow_drafter_from_target(target)
@@ -403,10 +421,10 @@ def _train_and_save(
     else:
         # The incumbent is trained in place, so it is loaded fresh (never from the shared cache), in
         # float32: the optimizer keeps master weights at full precision (autocast runs bf16 on CUDA).
-        incumbent, incumbent_tok = load_hf_folder(models.folder(inputs.incumbent), device=device)
+        assert incumbent_folder is not None and inputs.incumbent is not None
+        incumbent, incumbent_tok = load_hf_folder(incumbent_folder, device=device)
         ensure_same_tokenizer(tokenizer, incumbent_tok, inputs.target.name, inputs.incumbent.name)
         incumbent_name, incumbent_identity = inputs.incumbent.name, inputs.incumbent.identity
-    params = inputs.params
     cfg = RealignConfig(
         seed=int(params.get("seed", 0)),
         time_budget_s=time_budget_s(params, settings),
@@ -415,29 +433,17 @@ def _train_and_save(
     )
     if params.get("replay_share") is not None:
         cfg.replay_share = float(params["replay_share"])
-    if inputs.incumbent is None:
+    if inputs.incumbent is None or incumbent_is_head:
         from workers.training.first_drafter import FIRST_DRAFTER_MAX_EPOCHS
 
         cfg.max_epochs = FIRST_DRAFTER_MAX_EPOCHS
     recent = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.recent]
     older = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.older]
-    try:
+    with _training_outcomes(job_id, attempt, settings):
         result = realign(target, incumbent, tokenizer, recent, older, cfg, progress=progress)
-    except RealignCancelledError as exc:
-        raise _Stopped(f"cancelled at: {exc}") from exc
-    except NotEnoughDataError as exc:
-        # Another attempt on the same traffic would find it just as thin: not retried.
-        with unit_of_work(settings.database_url) as session:
-            fail_job(
-                session=session,
-                job_id=job_id,
-                error=str(exc),
-                resolution=DriftResolution.not_enough_data,
-                attempt=attempt,
-            )
-        raise _Stopped(str(exc)) from exc
     metrics = {
         **{k: v for k, v in result.metrics.items() if k != "config"},
+        "drafter_kind": "draft_model",
         "seed": cfg.seed,
         "time_budget_s": cfg.time_budget_s,
         "attempt": attempt,
@@ -463,9 +469,104 @@ def _train_and_save(
             "target": inputs.target.name,
         },
     )
+    return metrics, _store(artifact.path, artifact.sha256, artifact.manifest_sha256, key, settings, progress)
+
+
+def _store(
+    folder: Path, sha256: str, manifest_sha256: str, key: str, settings: Settings, progress: Progress
+) -> StoredArtifact:
     uri = open_store(settings.artifact_store, s3_endpoint_url=settings.s3_endpoint_url).upload_folder(
-        artifact.path, key
+        folder, key
     )
-    shutil.rmtree(staging, ignore_errors=True)  # the store holds it now
+    shutil.rmtree(folder, ignore_errors=True)  # the store holds it now
     progress(0.99, "artifact stored")
-    return metrics, StoredArtifact(uri, artifact.sha256, artifact.manifest_sha256)
+    return StoredArtifact(uri, sha256, manifest_sha256)
+
+
+@contextmanager
+def _training_outcomes(job_id: int, attempt: int, settings: Settings) -> Iterator[None]:
+    """A cancelled run stops the attempt; too little data fails the job for good (another attempt on
+    the same traffic would find it just as thin)."""
+    from workers.training.realign import NotEnoughDataError, RealignCancelledError
+
+    try:
+        yield
+    except RealignCancelledError as exc:
+        raise _Stopped(f"cancelled at: {exc}") from exc
+    except NotEnoughDataError as exc:
+        with unit_of_work(settings.database_url) as session:
+            fail_job(
+                session=session,
+                job_id=job_id,
+                error=str(exc),
+                resolution=DriftResolution.not_enough_data,
+                attempt=attempt,
+            )
+        raise _Stopped(str(exc)) from exc
+
+
+def _train_and_save_head(
+    inputs: realign_job.RealignInputs,
+    job_id: int,
+    attempt: int,
+    settings: Settings,
+    progress: Progress,
+    target: Any,
+    tokenizer: Any,
+    device: Any,
+    incumbent_folder: Path | None,
+) -> tuple[dict[str, Any], StoredArtifact]:
+    """Train an EAGLE-3 head: from the incumbent head, or built for a target that has none."""
+    from workers.engine.head_io import load_head_folder
+    from workers.engine.tokenizer import ensure_same_tokenizer
+    from workers.training.eagle import HeadOptions, save_head
+    from workers.training.realign import RealignConfig, TraceText
+
+    head = None
+    incumbent_name = f"new-eagle3-head-of-{inputs.target.name}"
+    if incumbent_folder is not None and inputs.incumbent is not None:
+        head, head_tok = load_head_folder(incumbent_folder, target)
+        ensure_same_tokenizer(tokenizer, head_tok, inputs.target.name, inputs.incumbent.name)
+        incumbent_name = inputs.incumbent.name
+    params = inputs.params
+    cfg = RealignConfig(
+        seed=int(params.get("seed", 0)),
+        time_budget_s=time_budget_s(params, settings),
+        device=str(device),
+        teacher_memory_mb=settings.worker_teacher_memory_mb,
+    )
+    if params.get("replay_share") is not None:
+        cfg.replay_share = float(params["replay_share"])
+    recent = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.recent]
+    older = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.older]
+    from workers.training.eagle import train_head
+
+    with _training_outcomes(job_id, attempt, settings):
+        result = train_head(target, head, tokenizer, recent, older, cfg, HeadOptions(), progress=progress)
+    metrics = {
+        **result.metrics,
+        "seed": cfg.seed,
+        "time_budget_s": cfg.time_budget_s,
+        "attempt": attempt,
+        "target": inputs.target.name,
+        "target_identity": inputs.target.identity,
+        "incumbent": incumbent_name,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+    }
+    key = f"deployment-{inputs.deployment_id}/job-{job_id}/attempt-{attempt}"
+    staging = settings.var_dir / "staging" / key
+    saved = save_head(
+        result.model,
+        tokenizer,
+        staging,
+        verifier=inputs.target.name,
+        verifier_family=target.config.family,
+        metadata={
+            "job_id": job_id,
+            "attempt": attempt,
+            "deployment_id": inputs.deployment_id,
+            "target": inputs.target.name,
+            "drafter_kind": "eagle3",
+        },
+    )
+    return metrics, _store(saved.path, saved.sha256, saved.manifest_sha256, key, settings, progress)

@@ -386,6 +386,9 @@ class ServingConfig(Reply):
 
 class DrafterVersion(Reply):
     version: int
+    drafter_kind: str = Field(
+        description="draft_model: a small causal LM; eagle3: a head over the target's hidden states"
+    )
     state: DrafterState
     parent_version_id: int | None
     training_job_id: int | None

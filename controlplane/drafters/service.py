@@ -71,6 +71,7 @@ def version_resource(session: Session, version: DrafterVersion) -> str:
 def version_summary(version: DrafterVersion) -> dict[str, Any]:
     return {
         "version": version.version,
+        "drafter_kind": drafter_kind_of(version),
         "state": version.state.value,
         "parent_version_id": version.parent_version_id,
         "training_job_id": version.training_job_id,
@@ -358,6 +359,13 @@ def roll_back(*, session: Session, deployment: Deployment, actor: str, reason: s
         },
     )
     return RolledBack(removed=current, restored=previous)
+
+
+def drafter_kind_of(version: DrafterVersion) -> str:
+    """What the version is: "draft_model" (a small causal LM) or "eagle3" (a head over the target's
+    states), as the job that trained it recorded; versions from before heads are small models."""
+    kind = (version.training_metrics or {}).get("drafter_kind")
+    return kind if kind in ("draft_model", "eagle3") else "draft_model"
 
 
 def location_of_version(version: DrafterVersion) -> ModelLocation:

@@ -38,7 +38,7 @@ from controlplane.config import Settings, get_settings
 from controlplane.db.models import Account, ActuatorDelivery, Canary, Deployment, DrafterVersion
 from controlplane.deployments.lookup import resource_name
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
-from controlplane.drafters.service import location_of_version
+from controlplane.drafters.service import drafter_kind_of, location_of_version
 from controlplane.errors import NotFoundError, ValidationProblem
 from controlplane.fleet import payloads
 from controlplane.fleet.backends import check_http_url
@@ -212,6 +212,7 @@ def record_event(
         artifact_uri=location.uri if location is not None else fallback_uri,
         manifest_sha256=location.manifest_sha256 if location is not None else None,
         k=int(k),
+        drafter_kind=drafter_kind_of(version) if version is not None else None,
         ready_callback_url=ready_callback_url(settings, account.name, deployment.name, canary.id)
         if event == payloads.EVENT_CANARY_START and canary is not None
         else None,

@@ -14,12 +14,14 @@ on stdin)::
                                            # drafter (or none) serves
       "artifact": {"uri": "s3://bucket/drafters/v3", "manifest_sha256": "ab12..."} | null,
       "k": 4,                              # draft tokens per step
+      "drafter_kind": "draft_model" | "eagle3" | null,
       "vllm_speculative_config": {"method": "draft_model", "model": "/srv/drafters/v3",
                                   "num_speculative_tokens": 4} | null,
       "sglang_args": ["--speculative-algorithm", "STANDALONE",
                       "--speculative-draft-model-path", "/srv/drafters/v3",
                       "--speculative-num-steps", "4", "--speculative-eagle-topk", "1",
                       "--speculative-num-draft-tokens", "5"] | null,
+      "sglang_draft_config": null | "config.sglang.json",
       "ready_callback_url": "https://cp/v1/accounts/acme/deployments/svc/canaries/7/ready" | null,
       "created_at": "2026-12-02T01:00:00+00:00"
     }
@@ -35,6 +37,11 @@ artifact is given to the engines as its local path; any other URI is passed as i
 fetches it). vLLM takes ``vllm_speculative_config`` as ``--speculative-config '<json>'``; SGLang's
 STANDALONE (small draft model) speculation drafts a chain of ``k`` tokens with top-k 1, so it
 verifies ``k + 1`` tokens per step.
+
+An ``eagle3`` drafter is a head over the target's states (its artifact is the folder vLLM's
+``speculators`` format describes): vLLM takes ``{"method": "eagle3", ...}`` on the folder as it is;
+SGLang (``--speculative-algorithm EAGLE3``) reads no speculators config, so the fleet serves it a copy
+of the folder whose config.json is the artifact's ``sglang_draft_config`` file.
 
 Webhook signature: ``X-Specctl-Signature: sha256=<hex HMAC-SHA256(secret, "<timestamp>.<body>")>``
 with ``X-Specctl-Timestamp`` the Unix time in seconds the request was signed at; a receiver
@@ -153,16 +160,24 @@ def engine_model_path(uri: str) -> str:
     return uri
 
 
-def vllm_speculative_config(model: str, k: int) -> dict[str, Any]:
-    """vLLM's ``--speculative-config`` for a draft model speculating ``k`` tokens per step."""
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+DRAFT_MODEL = "draft_model"
+EAGLE3 = "eagle3"
+# The file of an eagle3 artifact that SGLang reads as the draft folder's config.json.
+SGLANG_HEAD_CONFIG = "config.sglang.json"
 
 
-def sglang_args(model: str, k: int) -> list[str]:
-    """SGLang's server arguments for a small draft model (STANDALONE) drafting a chain of ``k``."""
+def vllm_speculative_config(model: str, k: int, kind: str = DRAFT_MODEL) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for a drafter of ``kind`` speculating ``k`` tokens per step."""
+    method = EAGLE3 if kind == EAGLE3 else "draft_model"
+    return {"method": method, "model": model, "num_speculative_tokens": k}
+
+
+def sglang_args(model: str, k: int, kind: str = DRAFT_MODEL) -> list[str]:
+    """SGLang's server arguments for a drafter of ``kind`` (a small model is STANDALONE, a head
+    EAGLE3) drafting a chain of ``k``."""
     return [
         "--speculative-algorithm",
-        "STANDALONE",
+        "EAGLE3" if kind == EAGLE3 else "STANDALONE",
         "--speculative-draft-model-path",
         model,
         "--speculative-num-steps",
@@ -187,11 +202,13 @@ def build_payload(
     k: int,
     ready_callback_url: str | None,
     created_at: str,
+    drafter_kind: str | None = None,
 ) -> dict[str, Any]:
     """The payload of one event (the module docstring shows its shape)."""
     if event not in EVENTS:
         raise ValueError(f"unknown actuator event {event!r}")
     model = engine_model_path(artifact_uri) if artifact_uri else None
+    kind = drafter_kind or DRAFT_MODEL
     return {
         "event": event,
         "delivery_id": delivery_id,
@@ -201,8 +218,10 @@ def build_payload(
         "drafter_version": drafter_version,
         "artifact": {"uri": artifact_uri, "manifest_sha256": manifest_sha256} if artifact_uri else None,
         "k": k,
-        "vllm_speculative_config": vllm_speculative_config(model, k) if model else None,
-        "sglang_args": sglang_args(model, k) if model else None,
+        "drafter_kind": (drafter_kind or DRAFT_MODEL) if model else None,
+        "vllm_speculative_config": vllm_speculative_config(model, k, kind) if model else None,
+        "sglang_args": sglang_args(model, k, kind) if model else None,
+        "sglang_draft_config": SGLANG_HEAD_CONFIG if model and kind == EAGLE3 else None,
         "ready_callback_url": ready_callback_url,
         "created_at": created_at,
     }

@@ -48,7 +48,12 @@ from controlplane.timestamps import as_utc, parse_utc, utcnow
 
 MAX_PAGE_SIZE = 500
 # Job params a caller may set by hand; everything else is chosen by the trainer.
-REALIGN_PARAM_KEYS = frozenset({"time_budget_s", "seed", "since", "replay_share", "max_traces"})
+REALIGN_PARAM_KEYS = frozenset(
+    {"time_budget_s", "seed", "since", "replay_share", "max_traces", "drafter_kind"}
+)
+# What a realignment trains: a small causal LM ("draft_model") or an EAGLE-3 head over the target's
+# states ("eagle3"). Unset: the incumbent's kind (a small model when there is none).
+DRAFTER_KINDS = ("draft_model", "eagle3")
 
 # What started a job (``Job.trigger``): a drift alarm, the continuous policy, a deployment's first
 # drafter, speculation found not to pay (a guardrail's fallback), or a person.
@@ -150,6 +155,9 @@ def validate_realign_params(params: dict[str, Any], *, settings: Settings | None
         isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
     ):
         problems.append({"field": "seed", "message": f"must be an integer in [0, {MAX_SEED}]"})
+    kind = clean.get("drafter_kind")
+    if kind is not None and kind not in DRAFTER_KINDS:
+        problems.append({"field": "drafter_kind", "message": f"must be one of {list(DRAFTER_KINDS)}"})
     share = clean.get("replay_share")
     if share is not None and not (_is_number(share) and 0 <= share < 1):
         problems.append({"field": "replay_share", "message": "must be a number in [0, 1)"})

@@ -62,8 +62,10 @@ def test_payload_carries_engine_arguments_for_a_local_artifact() -> None:
         "drafter_version",
         "artifact",
         "k",
+        "drafter_kind",
         "vllm_speculative_config",
         "sglang_args",
+        "sglang_draft_config",
         "ready_callback_url",
         "created_at",
     }
@@ -83,7 +85,36 @@ def test_payload_carries_engine_arguments_for_a_local_artifact() -> None:
         "--speculative-eagle-topk": "1",
         "--speculative-num-draft-tokens": "6",
     }
+    assert payload["drafter_kind"] == "draft_model" and payload["sglang_draft_config"] is None
     assert json.loads(payloads.encode(payload)) == payload
+
+
+def test_a_head_is_served_as_eagle3_by_both_engines() -> None:
+    payload = payloads.build_payload(
+        event=payloads.EVENT_PROMOTION,
+        delivery_id=4,
+        deployment="accounts/acme/deployments/svc",
+        account="acme",
+        canary_id=None,
+        drafter_version=3,
+        artifact_uri="file:///srv/drafters/v3",
+        manifest_sha256="cd" * 32,
+        k=4,
+        ready_callback_url=None,
+        created_at="2026-12-02T00:00:00+00:00",
+        drafter_kind="eagle3",
+    )
+    assert payload["drafter_kind"] == "eagle3"
+    assert payload["vllm_speculative_config"] == {
+        "method": "eagle3",
+        "model": "/srv/drafters/v3",
+        "num_speculative_tokens": 4,
+    }
+    flags = dict(zip(payload["sglang_args"][::2], payload["sglang_args"][1::2], strict=True))
+    assert flags["--speculative-algorithm"] == "EAGLE3"
+    assert flags["--speculative-num-draft-tokens"] == "5"
+    # SGLang reads no speculators config: the artifact's SGLang config is named for the fleet.
+    assert payload["sglang_draft_config"] == "config.sglang.json"
 
 
 def test_payload_without_a_drafter_names_no_model_and_remote_uris_pass_through() -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.eagle import HeadProposer, check_head_fits
 from workers.engine.metrics import DRAFT_STOP_GRID, DraftStopCounts, RequestMetrics
 from workers.engine.model import Transformer
 from workers.engine.proposers import DraftModelProposer, PredictedOutputProposer, Proposals, Proposer
@@ -138,6 +139,12 @@ class SpeculativeDecoder:
         for draft_proposer in _draft_models(proposer):
             shared_vocab_size(tokenizer.vocab_size, target_rows, draft_proposer.drafter.config.vocab_size)
             draft_proposer.vocab_limit = self.vocab_size
+        self._heads = _heads(proposer)
+        for head in self._heads:
+            check_head_fits(head.head.config, target.config)
+            head.vocab_limit = self.vocab_size
+        # The target states the head reads, collected from every target pass (none without a head).
+        self._hidden_layers: tuple[int, ...] = self._heads[0].aux_layers if self._heads else ()
         # Only a padded target needs its logits cut (a view, but kept off the common path).
         self._vocab_cut = self.vocab_size if self.vocab_size < target_rows else None
         self.target = target
@@ -151,7 +158,7 @@ class SpeculativeDecoder:
         self._thread_choice: MultiRowThreads | None = None
         # Thresholds a round of this proposer can show: those at or above the one it stops at.
         self._draft_stop_grid: tuple[float, ...] = ()
-        if isinstance(proposer, DraftModelProposer) and draft_stop_grid:
+        if isinstance(proposer, (DraftModelProposer, HeadProposer)) and draft_stop_grid:
             active = proposer.confidence_threshold
             self._draft_stop_grid = tuple(t for t in draft_stop_grid if t >= active)
             proposer.report_confidences = bool(self._draft_stop_grid)
@@ -213,9 +220,13 @@ class SpeculativeDecoder:
         base_threads = torch.get_num_threads()
         chooser = self._threads_chooser(base_threads)
         prefill_threads = chooser.best() if chooser is not None and len(prompt_ids) > 1 else None
+        layers = self._hidden_layers
+        hidden: list[torch.Tensor] = []
         with torch.inference_mode(), _threads(prefill_threads, base_threads):
             cache.reset()
-            logits = target.forward_cached(torch.tensor([prompt_ids]), cache, last_only=True)[0, -1]  # [V]
+            logits = target.forward_cached(
+                torch.tensor([prompt_ids]), cache, last_only=True, hidden_layers=layers, hidden_out=hidden
+            )[0, -1]  # [V]
         vocab_cut = self._vocab_cut
         with torch.inference_mode():
             if vocab_cut is not None:
@@ -237,6 +248,9 @@ class SpeculativeDecoder:
                 finish = "stop"
             if proposer is not None:
                 proposer.start_request(prompt_ids)
+            heads = self._heads if proposer is not None else []
+            for head in heads:
+                head.observe([h[0] for h in hidden], 0)
             last = torch.tensor([first])
             empty = Proposals.empty()
             clock = time.perf_counter
@@ -251,19 +265,20 @@ class SpeculativeDecoder:
                     props = stopper.drafts_through_stop(ctx[out_start:], props)
                 drafts = props.token_ids  # [k']
                 pos0 = cache.pos
+                hidden.clear()  # this round's target states replace the last round's
                 t_b = clock()
                 if chooser is not None and len(drafts):
                     threads = chooser.choose()
                     torch.set_num_threads(threads)
                     try:
-                        target_logits = score(target, cache, last, drafts)  # [k'+1, V]
+                        target_logits = score(target, cache, last, drafts, layers, hidden)  # [k'+1, V]
                     finally:
                         torch.set_num_threads(base_threads)
                     t_c = clock()
                     if len(drafts) == k:  # full rounds only: comparable row counts
                         chooser.record(threads, t_c - t_b)
                 else:
-                    target_logits = score(target, cache, last, drafts)  # [k'+1, V]
+                    target_logits = score(target, cache, last, drafts, layers, hidden)  # [k'+1, V]
                     t_c = clock()
                 if vocab_cut is not None:
                     target_logits = target_logits[:, :vocab_cut]
@@ -274,6 +289,8 @@ class SpeculativeDecoder:
                 else:
                     n, emitted = verify_sampled(target_logits, drafts, props.probs, params, generator)
                 cache.rollback(pos0 + 1 + n)  # keep `last` and the accepted drafts
+                for head in heads:  # the verified rows' states: `last` and the accepted drafts
+                    head.observe([h[0, : n + 1] for h in hidden], pos0)
                 if eos is not None and eos in emitted:
                     j = emitted.index(eos)
                     emitted = emitted[: j + 1]
@@ -318,6 +335,16 @@ class SpeculativeDecoder:
         if choice is None or choice.options != (base_threads, wanted):
             choice = self._thread_choice = MultiRowThreads(base_threads, wanted)
         return choice
+
+
+def _heads(proposer: Proposer | None) -> list[HeadProposer]:
+    """The draft heads that may draft for the decoder: the proposer, or its fallback."""
+    found: list[HeadProposer] = []
+    while proposer is not None:
+        if isinstance(proposer, HeadProposer):
+            found.append(proposer)
+        proposer = proposer.fallback if isinstance(proposer, PredictedOutputProposer) else None
+    return found
 
 
 def _draft_models(proposer: Proposer | None) -> list[DraftModelProposer]:

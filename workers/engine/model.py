@@ -615,17 +615,36 @@ class Transformer(nn.Module):
         logits: torch.Tensor = self.lm_head(self.model.norm(h))  # [B,T,V]
         return logits
 
-    def forward_cached(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward_cached(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        last_only: bool = False,
+        hidden_layers: Sequence[int] = (),
+        hidden_out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Append tokens [B,T] at `cache.pos`; returns logits [B,T,V] ([B,1,V] when last_only).
 
         Advances `cache.pos` by T. The caller rolls back whatever it does not keep.
+        ``hidden_layers``: residual-stream states to hand out in ``hidden_out``, one [B,T,D] per
+        listed index in order, index i being what enters layer i (n_layers: what leaves the last
+        one, before the final norm). A draft head reads them from the pass that verifies drafts
+        anyway, so it costs the target nothing more.
         """
         t = tokens.shape[1]
         pos = cache.pos
         end = pos + t
         if end > cache.max_len:
             raise ValueError(f"KV cache full: {pos} + {t} tokens > {cache.max_len}")
-        if t <= self.numpy_step_rows and tokens.shape[0] == 1 and not torch.is_grad_enabled():
+        capture = {i: n for n, i in enumerate(hidden_layers)}
+        if capture and hidden_out is None:
+            raise ValueError("hidden_layers needs a hidden_out list to hand the states out in")
+        if any(not 0 <= i <= self.config.n_layers for i in capture):
+            raise ValueError(
+                f"hidden_layers {list(hidden_layers)}: the model has layers 0..{self.config.n_layers}"
+            )
+        captured: list[torch.Tensor | None] = [None] * len(hidden_layers)
+        if not capture and t <= self.numpy_step_rows and tokens.shape[0] == 1 and not torch.is_grad_enabled():
             step = self._numpy_step()
             if step is not None:
                 return step(tokens, cache, last_only)
@@ -641,6 +660,8 @@ class Transformer(nn.Module):
         h_q, h_kv, hd, gqa = cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.n_heads != cfg.n_kv_heads
         h = F.embedding(tokens, embed)  # [B,T,D]
         for i, (n1, wqkv, q_norm, k_norm, wo, n2, wgu, wd) in enumerate(layers):
+            if capture and i in capture:
+                captured[capture[i]] = h
             x = F.rms_norm(h, (dim,), n1, eps)  # [B,T,D]
             q, k, v = wqkv.parts(x)
             q = q.view(b, t, h_q, hd)
@@ -660,6 +681,11 @@ class Transformer(nn.Module):
             gate, up = wgu.parts(x)
             h = h + wd(F.silu(gate) * up)  # [B,T,D]
         cache.pos = end
+        if capture:
+            assert hidden_out is not None
+            if len(layers) in capture:
+                captured[capture[len(layers)]] = h
+            hidden_out.extend(state for state in captured if state is not None)
         if last_only:
             h = h[:, -1:]
         logits: torch.Tensor = head(F.rms_norm(h, (dim,), final_norm, eps))  # [B,T,V]

@@ -20,6 +20,7 @@ one categorical draw by inverse CDF), so a seed reproduces a request exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,15 +89,21 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
 
 
 def score(
-    target: Transformer, cache: KVCache, last_token: torch.Tensor, drafts: torch.Tensor
+    target: Transformer,
+    cache: KVCache,
+    last_token: torch.Tensor,
+    drafts: torch.Tensor,
+    hidden_layers: Sequence[int] = (),
+    hidden_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One target forward over [last_token, drafts...]: last_token [1], drafts [k'] -> logits [k'+1, V].
 
     Row i is the target's prediction after d_i (row 0: after the last emitted token). The cache
-    advances by k'+1; the caller rolls back past the rejected drafts.
+    advances by k'+1; the caller rolls back past the rejected drafts. ``hidden_layers`` /
+    ``hidden_out``: the residual-stream states a draft head reads (``Transformer.forward_cached``).
     """
     tokens = torch.cat((last_token, drafts)).unsqueeze(0) if drafts.numel() else last_token.unsqueeze(0)
-    return target.forward_cached(tokens, cache)[0]  # [k'+1, V]
+    return target.forward_cached(tokens, cache, hidden_layers=hidden_layers, hidden_out=hidden_out)[0]
 
 
 def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, list[int]]:

@@ -81,6 +81,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from workers.engine.decoder import GenerationResult, SpeculativeDecoder
+from workers.engine.eagle import EagleHead, HeadProposer
+from workers.engine.head_io import is_head_folder, load_head_folder
 from workers.engine.hf_io import load_hf_folder
 from workers.engine.model import Transformer
 from workers.engine.proposers import (
@@ -375,6 +377,7 @@ class ModelStore:
 
     def __init__(self) -> None:
         self._models: dict[str, tuple[Transformer, Tokenizer]] = {}
+        self._heads: dict[tuple[str, str], tuple[EagleHead, Tokenizer]] = {}
         self._lock = threading.Lock()
 
     def get(self, path: str, sha256: str | None = None) -> tuple[Transformer, Tokenizer]:
@@ -382,6 +385,16 @@ class ModelStore:
             if path not in self._models:
                 self._models[path] = load_hf_folder(path, expected_sha256=sha256)
             return self._models[path]
+
+    def head(
+        self, path: str, sha256: str | None, target: Transformer, target_path: str
+    ) -> tuple[EagleHead, Tokenizer]:
+        """A draft head over ``target`` (its embeddings shared: one copy per target it serves)."""
+        with self._lock:
+            key = (path, target_path)
+            if key not in self._heads:
+                self._heads[key] = load_head_folder(path, target, expected_sha256=sha256)
+            return self._heads[key]
 
 
 class Engine:
@@ -418,12 +431,17 @@ class Engine:
         proposer: Proposer | None = None
         if dep.speculation == "draft_model":
             assert dep.drafter_path is not None
-            drafter, dtok = self.models.get(dep.drafter_path, dep.drafter_sha256)
-            ensure_same_tokenizer(tok, dtok, dep.target_path, dep.drafter_path)
             threshold = dep.draft_confidence_threshold
             if threshold is None:
                 threshold = self.config.draft_confidence_threshold
-            proposer = DraftModelProposer(drafter, name=dep.drafter_path, confidence_threshold=threshold)
+            if is_head_folder(dep.drafter_path):  # an EAGLE-3 head: it drafts from the target's states
+                head, dtok = self.models.head(dep.drafter_path, dep.drafter_sha256, target, dep.target_path)
+                ensure_same_tokenizer(tok, dtok, dep.target_path, dep.drafter_path)
+                proposer = HeadProposer(head, name=dep.drafter_path, confidence_threshold=threshold)
+            else:
+                drafter, dtok = self.models.get(dep.drafter_path, dep.drafter_sha256)
+                ensure_same_tokenizer(tok, dtok, dep.target_path, dep.drafter_path)
+                proposer = DraftModelProposer(drafter, name=dep.drafter_path, confidence_threshold=threshold)
         elif dep.speculation == "ngram":
             proposer = NgramProposer(dep.ngram_length)
         dec = SpeculativeDecoder(
