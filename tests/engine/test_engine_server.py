@@ -12,6 +12,8 @@ import pytest
 
 from controlplane.ingest.formats import parse_batch
 from tests.engine.live_server import live_server
+from workers.engine.eagle import HeadConfig, head_for_target
+from workers.engine.head_io import save_head_folder
 from workers.engine.hf_io import save_hf_folder
 from workers.engine.metrics import NATIVE_KEYS
 from workers.engine.model import Transformer
@@ -34,6 +36,8 @@ def folders(
     save_hf_folder(drafter, tokenizer, root / "drafter")
     other = train_bpe(["a different tokenizer for the same vocabulary size " * 4] * 8, vocab_size=320)
     save_hf_folder(drafter, other, root / "foreign-drafter")
+    head = head_for_target(target, HeadConfig.for_target(target.config, 200)).eval()
+    save_head_folder(head, tokenizer, root / "head", verifier="tiny-target")
     return {p.name: str(p) for p in Path(root).iterdir()}
 
 
@@ -49,6 +53,14 @@ def live(folders: dict[str, str]) -> Iterator[dict[str, Any]]:
             "drafter_version": 2,
         },
         "tiny-ngram": {"target_path": folders["target"], "speculation": "ngram", "k": 4, "ngram_length": 2},
+        # A head artifact in the drafter's place: the server drafts from the target's states.
+        "tiny-head": {
+            "target_path": folders["target"],
+            "speculation": "draft_model",
+            "drafter_path": folders["head"],
+            "k": 3,
+            "drafter_version": 3,
+        },
         "tiny-foreign": {
             "target_path": folders["target"],
             "speculation": "draft_model",
@@ -75,13 +87,16 @@ def _extra(obj: Any) -> dict[str, Any]:
 def test_greedy_completion_is_identical_with_and_without_speculation(live: dict[str, Any]) -> None:
     client = live["client"]
     texts = {}
-    for model in ("tiny-plain", "tiny-draft", "tiny-ngram"):
+    for model in ("tiny-plain", "tiny-draft", "tiny-ngram", "tiny-head"):
         resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
         choice = resp.choices[0]
         assert choice.finish_reason in ("stop", "length")
         assert resp.usage is not None and resp.usage.prompt_tokens > 0
         texts[model] = choice.text
-    assert texts["tiny-draft"] == texts["tiny-plain"] == texts["tiny-ngram"]
+        if model == "tiny-head":  # the head drafted (k per round) and the record names its version
+            record = live["records"][-1][1]
+            assert record["drafted_tokens"] > 0 and record["drafter_version"] == 3
+    assert texts["tiny-draft"] == texts["tiny-plain"] == texts["tiny-ngram"] == texts["tiny-head"]
     assert live["records"] and set(live["records"][-1][1]) == set(NATIVE_KEYS)
 
 
