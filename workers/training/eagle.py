@@ -71,6 +71,10 @@ class HeadOptions:
     aux_layers: tuple[int, ...] | None = None  # None: ``default_aux_layers`` of the target
     intermediate_size: int | None = None  # None: the target's
     lr: float = 2e-3
+    # Train on every pair of the kept row, the prompt's too (the target's distribution there is as
+    # good a teacher, and structured prompts hold worked examples of the answers), not only the
+    # completion's. Held-out figures are always on completion pairs.
+    prompt_pairs: bool = True
     # Prompt positions a training row keeps before its completion. The head attends over them; the
     # target's states there already carry the whole prompt, so a short window costs little
     # agreement and saves most of the work (a structured row is ~90% prompt).
@@ -169,7 +173,7 @@ def target_pass(
             kept.ids.append(rows.ids[i][cut:])
             kept.starts.append(rows.starts[i] - cut)
             kept.keys.append(rows.keys[i])
-            hidden = final[b, rows.starts[i] - 1 : n - 1]  # positions whose next token is a completion token
+            hidden = final[b, cut : n - 1]  # entry j: the target's next token after kept position j
             parts_p, parts_i = [], []
             for start in range(0, len(hidden), chunk):
                 with autocast_for(device):
@@ -197,10 +201,16 @@ class HeadBatch:
 
 
 def _batch(
-    data: HeadRows, picks: Sequence[int], to_draft: torch.Tensor, steps: int, device: torch.device
+    data: HeadRows,
+    picks: Sequence[int],
+    to_draft: torch.Tensor,
+    steps: int,
+    device: torch.device,
+    prompt_pairs: bool = False,
 ) -> HeadBatch:
-    """One batch of rows; each row's window starts where its first scored pair's draft chain does
-    (``steps`` - 1 pairs before its completion) and ends at its last pair."""
+    """One batch of rows. Scored: the pairs whose drafted token is a completion token, and with
+    ``prompt_pairs`` every pair of the kept row (the whole row is then the window); else each row's
+    window starts where its first scored pair's draft chain does and ends at its last pair."""
     ids = [data.rows.ids[i] for i in picks]
     length = max(len(t) for t in ids)
     tokens = pad_rows(ids, 0)
@@ -208,17 +218,18 @@ def _batch(
     states = torch.zeros(len(picks), length, data.states[picks[0]].shape[-1])
     for b, i in enumerate(picks):
         states[b, : len(ids[b])] = data.states[i].float()
-    first = [max(0, data.rows.starts[i] - 2 - (steps - 1)) for i in picks]
+    lowest = [0 if prompt_pairs else max(0, data.rows.starts[i] - 2) for i in picks]
+    first = [max(0, lo - (steps - 1)) for lo in lowest]
     width = max(1, max(len(t) - 2 - f for t, f in zip(ids, first, strict=True)))
     per_step = []
     for s in range(steps):
         flat, js = [], []
         for b, i in enumerate(picks):
-            start, n = data.rows.starts[i], len(ids[b])
-            # Pair t (state at t, token t+1) predicts the token at t+2: the teacher's entry t + 2 - start.
-            t = torch.arange(max(s, start - 2, 0), n - 2)
+            n = len(ids[b])
+            # Pair t (state at t, token t+1) predicts the token at t+2: the teacher's entry t + 1.
+            t = torch.arange(max(s, lowest[b]), n - 2)
             flat.append(t - first[b] + b * width)
-            js.append((b, t + 2 - start))
+            js.append((b, t + 1))
         index = torch.cat(flat)
         top_p = torch.cat([data.teacher.probs[picks[b]][j] for b, j in js])
         top_i = torch.cat([data.teacher.index[picks[b]][j] for b, j in js]).long()
@@ -381,7 +392,7 @@ def train_head(
     def train_step(picks: list[int], step: int, total: int) -> tuple[float, int]:
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, total, lr, min(max(10, int(cfg.warmup_share * total)), total // 2))
-        batch = _batch(train, picks, to_draft, steps, device)
+        batch = _batch(train, picks, to_draft, steps, device, options.prompt_pairs)
         with autocast_for(device):
             outs = head.unrolled(batch.states, batch.tokens, steps, batch.first, batch.width)
             loss = torch.zeros((), device=device)
