@@ -18,6 +18,7 @@ SCRIPTS = [
     "domain_ceiling.py",
     "canary.py",
     "drafters.py",
+    "eagle.py",
     "models.py",
     "router.py",
     "scrub.py",
