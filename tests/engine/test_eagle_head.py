@@ -162,7 +162,7 @@ def test_speculative_sampling_with_a_head_matches_target_joint_distribution(
 ) -> None:
     """The joint law of 4 tokens over a 3-token vocabulary, with temperature and top-p, equals the
     target's; the head's draft vocabulary is two of the three ids (the third is never drafted)."""
-    vocab, new, temperature, top_p, n = 3, 4, 0.9, 0.9, 3000
+    vocab, new, temperature, top_p, n = 3, 4, 0.9, 0.9, 2000
     cfg = tiny_config(vocab_size=vocab, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32)
     target = build_model(cfg, seed=12).eval()
     with torch.no_grad():

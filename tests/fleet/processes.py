@@ -104,15 +104,25 @@ class ControlPlaneProcess:
 def start_process(
     args: Sequence[str], health_url: str, cwd: Path | None = None, **env: str
 ) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(
+    return started(spawn_process(args, cwd, **env), health_url)
+
+
+def spawn_process(args: Sequence[str], cwd: Path | None = None, **env: str) -> subprocess.Popen[bytes]:
+    """Start a process without waiting for it (several start side by side; `started` waits)."""
+    return subprocess.Popen(
         list(args), cwd=cwd or ROOT, env=clean_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
+
+
+def started(process: subprocess.Popen[bytes], health_url: str) -> subprocess.Popen[bytes]:
+    """The process once its health URL answers; killed, with its stderr in the error, if it never does."""
     try:
         wait_http(health_url, process)
     except AssertionError:
         process.kill()
         _, err = process.communicate()
-        raise AssertionError(f"{' '.join(args)} did not start: {err.decode()[-2000:]}") from None
+        args = process.args if isinstance(process.args, list) else [str(process.args)]
+        raise AssertionError(f"{' '.join(map(str, args))} did not start: {err.decode()[-2000:]}") from None
     return process
 
 

@@ -20,18 +20,27 @@ import openai
 import pytest
 
 from tests.fleet.canary_setup import open_live_canary
-from tests.fleet.processes import ROOT, ControlPlaneProcess, free_port, start_process, start_router, stop
+from tests.fleet.processes import (
+    ROOT,
+    ControlPlaneProcess,
+    free_port,
+    spawn_process,
+    start_router,
+    started,
+    stop,
+)
 
 REFERENCE = ROOT / "workers" / "models" / "reference"
 DEPLOYMENTS = "/v1/accounts/default/deployments"
 
 
 def _fixed_backend(work: Path, name: str, arm: dict[str, Any]) -> tuple[Popen[bytes], int]:
-    """A reference server that serves one configuration, whatever serving-config says."""
+    """A reference server that serves one configuration, whatever serving-config says (started,
+    not yet healthy: the three load their models side by side)."""
     config = work / f"{name}.json"
     config.write_text(json.dumps({"chat": {"target_path": str(REFERENCE / "target"), **arm}}))
     port = free_port()
-    process = start_process(
+    process = spawn_process(
         [
             sys.executable,
             "-m",
@@ -46,7 +55,6 @@ def _fixed_backend(work: Path, name: str, arm: dict[str, Any]) -> tuple[Popen[by
             "--port",
             str(port),
         ],
-        f"http://127.0.0.1:{port}/healthz",
     )
     return process, port
 
@@ -75,6 +83,8 @@ def router_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         for pool, arm in fixed.items():
             process, ports[pool] = _fixed_backend(work, pool, arm)
             processes.append(process)
+        for process, port in zip(processes, ports.values(), strict=True):
+            started(process, f"http://127.0.0.1:{port}/healthz")
         lines = [
             f'[control_plane]\nurl = "{cp.url}"',
             f'[router]\nspool_dir = "{work / "spool"}"\nreport_interval_s = 0.2',
