@@ -50,7 +50,6 @@ from workers.canary.replay import shadow_replay  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
 from workers.engine.eagle import EagleHead, HeadProposer  # noqa: E402
 from workers.engine.model import Transformer  # noqa: E402
-from workers.engine.tokenizer import Tokenizer  # noqa: E402
 from workers.training.eagle import HeadOptions, train_head  # noqa: E402
 from workers.training.realign import RealignConfig, realign  # noqa: E402
 
@@ -73,28 +72,6 @@ PUBLISHED_8B = {
     "draft_model_params_per_step": 0.49e9,
     "verify_cost_k_plus_1": 1.0,  # memory-bound: k + 1 rows read the weights once, like one step
 }
-
-
-def head_decode_figures(
-    target: Transformer,
-    tokenizer: Tokenizer,
-    head: EagleHead,
-    prompts: list[list[int]],
-    new_tokens: int,
-    stop: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    """Hit rate, tokens per verify step and per-position acceptance of the head, greedy, k = K."""
-    decoder = SpeculativeDecoder(target, tokenizer, HeadProposer(head), k=K)
-    drafted = accepted = steps = 0
-    for ids in prompts:
-        m = decoder.generate(ids, new_tokens, stop_at_eos=False, stop=stop).metrics
-        drafted += m.drafted_tokens
-        accepted += m.accepted_tokens
-        steps += m.verify_steps
-    return {
-        "hit_rate": accepted / drafted if drafted else 0.0,
-        "tokens_per_step": 1 + accepted / steps if steps else 1.0,
-    }
 
 
 def measure_head_cost(target: Transformer, head: EagleHead, position: int, repeats: int = 100) -> float:
@@ -172,7 +149,7 @@ def measure(quick: bool = False, budget_s: float | None = None) -> dict[str, Any
     stop = STOPS.get(SHIFTED, ())
     prompts = eval_prompts(tokenizer, SHIFTED, n_eval)
     drafter_fig = decode_figures(target, tokenizer, drafter, prompts, EVAL_TOKENS, stop)
-    head_fig = head_decode_figures(target, tokenizer, head, prompts, EVAL_TOKENS, stop)
+    head_fig = decode_figures(target, tokenizer, HeadProposer(head), prompts, EVAL_TOKENS, stop)
 
     plain = SpeculativeDecoder(target, tokenizer, None, k=0)
     lengths = [

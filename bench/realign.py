@@ -43,7 +43,7 @@ from workers import corpora  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder, generate_batch  # noqa: E402
 from workers.engine.hf_io import load_hf_folder, save_hf_folder  # noqa: E402
 from workers.engine.model import Transformer  # noqa: E402
-from workers.engine.proposers import DraftModelProposer  # noqa: E402
+from workers.engine.proposers import DraftModelProposer, Proposer  # noqa: E402
 from workers.engine.tokenizer import Tokenizer  # noqa: E402
 from workers.training.realign import RealignConfig, RealignResult, TraceText, realign  # noqa: E402
 
@@ -153,13 +153,15 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
 def decode_figures(
     target: Transformer,
     tokenizer: Tokenizer,
-    drafter: Transformer,
+    drafter: Transformer | Proposer,
     prompts: list[list[int]],
     new_tokens: int,
     stop: tuple[str, ...] = (),
 ) -> dict[str, float]:
-    """Hit rate (accepted / drafted) and tokens per verify step (1 + accepted / steps), greedy, k=K."""
-    decoder = SpeculativeDecoder(target, tokenizer, DraftModelProposer(drafter), k=K)
+    """Hit rate (accepted / drafted) and tokens per verify step (1 + accepted / steps), greedy, k=K,
+    of a drafter (a small model, or any proposer such as a draft head's)."""
+    proposer = DraftModelProposer(drafter) if isinstance(drafter, Transformer) else drafter
+    decoder = SpeculativeDecoder(target, tokenizer, proposer, k=K)
     drafted = accepted = steps = 0
     for ids in prompts:
         m = decoder.generate(ids, new_tokens, stop_at_eos=False, stop=stop).metrics
