@@ -373,8 +373,6 @@ def _train_and_save(
     from workers.loading import VerifiedModels
     from workers.model_cache import TARGETS
     from workers.training.realign import (
-        RealignConfig,
-        TraceText,
         realign,
         save_drafter,
     )
@@ -425,20 +423,12 @@ def _train_and_save(
         incumbent, incumbent_tok = load_hf_folder(incumbent_folder, device=device)
         ensure_same_tokenizer(tokenizer, incumbent_tok, inputs.target.name, inputs.incumbent.name)
         incumbent_name, incumbent_identity = inputs.incumbent.name, inputs.incumbent.identity
-    cfg = RealignConfig(
-        seed=int(params.get("seed", 0)),
-        time_budget_s=time_budget_s(params, settings),
-        device=str(device),
-        teacher_memory_mb=settings.worker_teacher_memory_mb,
-    )
-    if params.get("replay_share") is not None:
-        cfg.replay_share = float(params["replay_share"])
+    cfg = _job_config(params, settings, device)
     if inputs.incumbent is None or incumbent_is_head:
         from workers.training.first_drafter import FIRST_DRAFTER_MAX_EPOCHS
 
         cfg.max_epochs = FIRST_DRAFTER_MAX_EPOCHS
-    recent = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.recent]
-    older = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.older]
+    recent, older = _trace_texts(inputs)
     with _training_outcomes(job_id, attempt, settings):
         result = realign(target, incumbent, tokenizer, recent, older, cfg, progress=progress)
     metrics = {
@@ -483,6 +473,31 @@ def _store(
     return StoredArtifact(uri, sha256, manifest_sha256)
 
 
+def _job_config(params: dict[str, Any], settings: Settings, device: Any) -> Any:
+    """The training settings a realign job's parameters and the worker's settings give (drafter or head)."""
+    from workers.training.realign import RealignConfig
+
+    cfg = RealignConfig(
+        seed=int(params.get("seed", 0)),
+        time_budget_s=time_budget_s(params, settings),
+        device=str(device),
+        teacher_memory_mb=settings.worker_teacher_memory_mb,
+    )
+    if params.get("replay_share") is not None:
+        cfg.replay_share = float(params["replay_share"])
+    return cfg
+
+
+def _trace_texts(inputs: realign_job.RealignInputs) -> tuple[list[Any], list[Any]]:
+    """The job's recent and older traces as the trainers take them."""
+    from workers.training.realign import TraceText
+
+    def texts(traces: Any) -> list[Any]:
+        return [TraceText(t.key, t.prompt, t.completion, t.category) for t in traces]
+
+    return texts(inputs.recent), texts(inputs.older)
+
+
 @contextmanager
 def _training_outcomes(job_id: int, attempt: int, settings: Settings) -> Iterator[None]:
     """A cancelled run stops the attempt; too little data fails the job for good (another attempt on
@@ -519,8 +534,7 @@ def _train_and_save_head(
     """Train an EAGLE-3 head: from the incumbent head, or built for a target that has none."""
     from workers.engine.head_io import load_head_folder
     from workers.engine.tokenizer import ensure_same_tokenizer
-    from workers.training.eagle import HeadOptions, save_head
-    from workers.training.realign import RealignConfig, TraceText
+    from workers.training.eagle import HeadOptions, save_head, train_head
 
     head = None
     incumbent_name = f"new-eagle3-head-of-{inputs.target.name}"
@@ -529,18 +543,8 @@ def _train_and_save_head(
         ensure_same_tokenizer(tokenizer, head_tok, inputs.target.name, inputs.incumbent.name)
         incumbent_name = inputs.incumbent.name
     params = inputs.params
-    cfg = RealignConfig(
-        seed=int(params.get("seed", 0)),
-        time_budget_s=time_budget_s(params, settings),
-        device=str(device),
-        teacher_memory_mb=settings.worker_teacher_memory_mb,
-    )
-    if params.get("replay_share") is not None:
-        cfg.replay_share = float(params["replay_share"])
-    recent = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.recent]
-    older = [TraceText(t.key, t.prompt, t.completion, t.category) for t in inputs.older]
-    from workers.training.eagle import train_head
-
+    cfg = _job_config(params, settings, device)
+    recent, older = _trace_texts(inputs)
     with _training_outcomes(job_id, attempt, settings):
         result = train_head(target, head, tokenizer, recent, older, cfg, HeadOptions(), progress=progress)
     metrics = {
