@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from controlplane.api import (
     acceptance,
     adaptation,
+    aggregates,
     canaries,
     deployments,
     drift,
@@ -150,7 +151,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestGate)
     _document_api_keys(app)
     # Routes match in the order included: the ingest routes, by far the most requested, go first.
-    routers = (acceptance, health, keys, deployments, drift, traces, jobs, canaries, models, scrape, fleet)
+    routers = (
+        acceptance,
+        aggregates,
+        health,
+        keys,
+        deployments,
+        drift,
+        traces,
+        jobs,
+        canaries,
+        models,
+        scrape,
+        fleet,
+    )
     for module in routers:
         app.include_router(module.router)
     app.include_router(adaptation.router)

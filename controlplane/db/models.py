@@ -125,6 +125,8 @@ class Account(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(63), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # How long this account's raw acceptance records and edge aggregates are kept (rollups stay).
+    acceptance_retention_days: Mapped[int] = mapped_column(Integer, default=14, server_default="14")
 
 
 class ApiKey(Base):
@@ -182,6 +184,9 @@ class Deployment(Base):
     canary_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     trace_sample_rate: Mapped[float] = mapped_column(Float, default=0.1)
     trace_retention_days: Mapped[int] = mapped_column(Integer, default=30)
+    # Share of served requests the edge also sends as raw per-request records (its aggregates
+    # always count every request); 1.0 sends them all.
+    raw_record_sample_rate: Mapped[float] = mapped_column(Float, default=1.0, server_default="1.0")
     # How a promotion, a rollback or a canary's start reaches the serving fleet: `reference`
     # (the servers follow serving-config), `webhook` or `command` (controlplane.fleet.actuators).
     actuator: Mapped[str] = mapped_column(String(20), default="reference", server_default="reference")
@@ -410,6 +415,65 @@ class AcceptanceRollup(AcceptanceRollupRow):
     __mapper_args__ = {"polymorphic_identity": "minute"}
 
 
+class EdgeWindowRow(Base):
+    """One edge's window of aggregates, stored once: the unit of idempotency of aggregate ingest.
+
+    ``id`` orders windows by arrival (the drift monitor's watermark over aggregates); ``digest``
+    tells a retry of the same body (acknowledged, nothing stored) from a different body for a
+    window already stored (a conflict).
+    """
+
+    __tablename__ = "edge_windows"
+    __table_args__ = (
+        UniqueConstraint("account_id", "edge_id", "window_start", name="uq_edge_windows_key"),
+        Index("ix_edge_windows_received", "received_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id", ondelete="CASCADE"))
+    edge_id: Mapped[str] = mapped_column(String(200))
+    window_start: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    window_s: Mapped[int] = mapped_column(Integer)
+    digest: Mapped[str] = mapped_column(String(64))
+    aggregates: Mapped[int] = mapped_column(Integer)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AcceptanceAggregateRow(Base):
+    """One window's sums for one deployment, arm, drafter version and category, from one edge.
+
+    The high-volume table of a large fleet: time-partitioned on PostgreSQL (by ``window_start``,
+    see controlplane.ingest.partitions) with ``deployment_id`` first in the primary key, so the
+    table can later be distributed by deployment. ``sums`` holds the vectors of
+    controlplane.ingest.aggregates.WindowAggregate; ``latency`` its DDSketches.
+    """
+
+    __tablename__ = "acceptance_aggregates"
+    __table_args__ = (Index("ix_acceptance_aggregates_edge_window", "edge_window_id"),)
+
+    deployment_id: Mapped[int] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    window_start: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    edge_window_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    arm: Mapped[str] = mapped_column(String(40), primary_key=True)
+    # 0 stands for "no drafter version" so that the key has no NULLs.
+    drafter_version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    category: Mapped[str] = mapped_column(String(100), primary_key=True)
+    window_s: Mapped[int] = mapped_column(Integer)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    speculated_requests: Mapped[int] = mapped_column(BigInteger)
+    timed_requests: Mapped[int] = mapped_column(BigInteger)
+    drafted_tokens: Mapped[int] = mapped_column(BigInteger)
+    accepted_tokens: Mapped[int] = mapped_column(BigInteger)
+    verify_steps: Mapped[int] = mapped_column(BigInteger)
+    generated_tokens: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    sums: Mapped[dict[str, Any]] = mapped_column(JSON)
+    latency: Mapped[dict[str, Any]] = mapped_column(JSON)
+    from_serving_key: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+
+
 class QuarantinedRollupRecord(Base):
     """An acceptance record the rollup fold could not add (a sum it cannot hold): set aside with
     the reason, so one bad row is reported once instead of failing every fold after it."""
@@ -595,6 +659,9 @@ class DriftMonitorState(Base):
     detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     watermark_record_id: Mapped[int] = mapped_column(BigInteger, default=0)
     pending_horizon_record_id: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The last edge window whose aggregates this detector consumed (aggregates and per-request
+    # records of one deployment feed the same detector; each input has its own watermark).
+    watermark_edge_window_id: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     active_drafter_version: Mapped[int | None] = mapped_column(Integer)
     policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     records_examined: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -156,6 +156,53 @@ class MixMonitor:
             self._alarm = self.attribution()
         return self
 
+    def update_window(self, groups: list[tuple[str | None, int, float, float, list[float]]]) -> MixMonitor:
+        """Advance by one window of aggregated requests: ``(category, requests, successes, trials,
+        [prompt count, sum log1p(prompt), sum of squares])`` per category.
+
+        The window's requests are weighted as if they all arrived at its end (the exponential
+        weights inside one window are not recoverable from sums); with windows much shorter than
+        ``window`` requests that changes the recent shares by a fraction of one window's weight.
+        """
+        count = sum(int(g[1]) for g in groups)
+        if count <= 0:
+            return self
+        if self._ref_n < self.reference_size:
+            for category, c, successes, trials, prompt in groups:
+                row = self._ref.setdefault(self._key(category, self._ref), [0.0, 0.0, 0.0])
+                row[0] += c
+                row[1] += successes
+                row[2] += trials
+                for i in range(3):
+                    self._ref_len[i] += prompt[i]
+            self._ref_n += count
+            return self
+        if self._alarm is not None:
+            return self
+        if self._cooldown_left > 0:
+            self._cooldown_left = max(0, self._cooldown_left - count)
+            return self
+        d = self._decay**count
+        for row in self._recent.values():
+            row[0] *= d
+            row[1] *= d
+            row[2] *= d
+        self._recent_weight *= d
+        self._recent_len[0] *= d
+        self._recent_len[1] *= d
+        for category, c, successes, trials, prompt in groups:
+            row = self._recent.setdefault(self._key(category, self._recent), [0.0, 0.0, 0.0])
+            row[0] += c
+            row[1] += successes
+            row[2] += trials
+            self._recent_weight += c
+            self._recent_len[0] += prompt[0]
+            self._recent_len[1] += prompt[1]
+        self._examined += count
+        if self._examined >= self.window and self._shifted():
+            self._alarm = self.attribution()
+        return self
+
     def _effective_n(self) -> float:
         # Kish effective sample size of exponential weights over the requests seen so far.
         d, m = self._decay, self._examined

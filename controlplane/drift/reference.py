@@ -51,6 +51,22 @@ class ReferenceWindow:
             self._sx[key] += x
             self._sxx[key] += outer
 
+    def add_sums(self, count: int, sx: FloatArray, sxx: FloatArray, category: str | None) -> None:
+        """Add ``count`` requests given only their sums ``sum x`` and ``sum x x'`` (an edge aggregate)."""
+        keys = [POOLED]
+        if category is not None and category != POOLED:
+            if category in self._count or len(self._count) - 1 < self.max_categories:
+                keys.append(category)
+        dim = 2 * self.n_positions
+        for key in keys:
+            if key not in self._count:
+                self._count[key] = 0
+                self._sx[key] = np.zeros(dim)
+                self._sxx[key] = np.zeros((dim, dim))
+            self._count[key] += int(count)
+            self._sx[key] += sx
+            self._sxx[key] += sxx
+
     def add_many(self, x: FloatArray, categories: list[str | None] | None) -> None:
         """Add many requests at once (rows of ``x``); same sums as repeated :meth:`add` (integer counts)."""
         cats: list[str | None] = list(categories) if categories is not None else [None] * len(x)

@@ -109,6 +109,24 @@ class DetectorPair:
         self.main.update(observation)
         self.mix.update(observation)
 
+    def update_window(self, aggregates: list[Any]) -> int:
+        """Advance both monitors by one edge window of one deployment's live aggregates (rows of
+        ``acceptance_aggregates`` or :class:`WindowAggregate`); returns the requests it held."""
+        main: list[tuple[str | None, int, Any, Any]] = []
+        mix: list[tuple[str | None, int, float, float, list[float]]] = []
+        for agg in aggregates:
+            count, sx, sxx = agg.detector_sums()
+            if count <= 0 or not sx:
+                continue
+            category = agg.category or None
+            k = len(sx) // 2
+            main.append((category, count, sx, sxx))
+            mix.append((category, count, float(sum(sx[:k])), float(sum(sx[k:])), list(agg.prompt_log_length)))
+        if main:
+            self.main.update_window(main)
+            self.mix.update_window(mix)
+        return sum(g[1] for g in main)
+
     def evidence(self) -> dict[str, Any]:
         return {
             **evidence_of(self.main),
@@ -271,32 +289,22 @@ def advance_monitor(
         cooling = quiet_until is not None and quiet_until > now
         if open_event is not None or cooling:
             continue  # latched: one open event per deployment, and a quiet period after each
-        evidence = detectors.evidence()
-        event = DriftEvent(
-            deployment_id=deployment_id,
-            detected_at=now,
-            state=DriftState.open,
-            detector=DETECTOR_NAME,
-            baseline_rate=evidence.get("baseline_rate"),
-            current_rate=evidence.get("current_estimate"),
-            drop=evidence.get("drop"),
-            position_most_affected=evidence.get("position_most_affected"),
-            statistic=evidence.get("statistic"),
-            threshold=evidence.get("threshold"),
-            records_examined=examined,
+        event_id, job_id = raise_drift_event(
+            session=session,
+            deployment=deployment,
+            detectors=detectors,
+            policy=policy,
+            active_version=active_version,
+            examined=examined,
             last_record_id=row.id,
-            detection_delay_estimate=evidence.get("detection_delay_estimate"),
-            evidence={**evidence, "policy": policy.as_dict(), "drafter_version": active_version},
+            now=now,
         )
-        session.add(event)
-        session.flush()
-        events.append(event.id)
-        open_event = event.id
+        events.append(event_id)
+        if job_id is not None:
+            realign_jobs.append(job_id)
+        open_event = event_id
         last_alarm = now
         quiet_until = now + timedelta(seconds=policy.cooldown_s)
-        realign = realign_on_drift(session=session, deployment=deployment, event=event)
-        if realign is not None and realign.created:
-            realign_jobs.append(realign.job.id)
     new_watermark = rows[-1].id if len(rows) == batch_limit else settled
     result = session.execute(
         update(DriftMonitorState)
@@ -319,6 +327,42 @@ def advance_monitor(
     return MonitorOutcome(
         deployment_id, len(rows), events, pending=horizon_now > new_watermark, realign_jobs=realign_jobs
     )
+
+
+def raise_drift_event(
+    *,
+    session: Session,
+    deployment: Deployment,
+    detectors: DetectorPair,
+    policy: drift_policy.DriftPolicy,
+    active_version: int | None,
+    examined: int,
+    last_record_id: int | None,
+    now: datetime,
+) -> tuple[int, int | None]:
+    """Record the alarm of ``detectors`` as an open drift event and, when the deployment
+    realigns on drift, its realign job (same transaction); returns (event id, new job id or None)."""
+    evidence = detectors.evidence()
+    event = DriftEvent(
+        deployment_id=deployment.id,
+        detected_at=now,
+        state=DriftState.open,
+        detector=DETECTOR_NAME,
+        baseline_rate=evidence.get("baseline_rate"),
+        current_rate=evidence.get("current_estimate"),
+        drop=evidence.get("drop"),
+        position_most_affected=evidence.get("position_most_affected"),
+        statistic=evidence.get("statistic"),
+        threshold=evidence.get("threshold"),
+        records_examined=examined,
+        last_record_id=last_record_id,
+        detection_delay_estimate=evidence.get("detection_delay_estimate"),
+        evidence={**evidence, "policy": policy.as_dict(), "drafter_version": active_version},
+    )
+    session.add(event)
+    session.flush()
+    realign = realign_on_drift(session=session, deployment=deployment, event=event)
+    return event.id, (realign.job.id if realign is not None and realign.created else None)
 
 
 def next_alarm_not_before(
