@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     prometheus_max_label_sets: int = Field(default=1000, ge=1, le=100_000)
 
     # Drift and canary thresholds (defaults per deployment; each deployment may override).
+    # The drift monitor over edge aggregates runs as this many shards of deployments (by id), one
+    # Celery task each on the default queue: workers share them, so more workers go faster.
+    drift_monitor_shards: int = Field(default=4, ge=1, le=1024)
     drift_arl0_requests: int = Field(default=50_000, ge=100)
     drift_min_drop: float = Field(default=0.05, gt=0, lt=1)
     drift_cooldown_s: int = Field(default=600, ge=0)

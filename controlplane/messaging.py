@@ -34,8 +34,10 @@ SHADOW_REPLAY = "canary.shadow_replay"
 CANARY_EVALUATE_ALL = "canary.evaluate_all"
 DRIFT_MONITOR_ALL = "drift.monitor_all"
 DRIFT_MONITOR_DEPLOYMENT = "drift.monitor_deployment"
+DRIFT_MONITOR_AGGREGATES = "drift.monitor_aggregates"
 JOBS_RESEND_STALE_QUEUED = "jobs.resend_stale_queued"
 TRACES_APPLY_RETENTION = "traces.apply_retention"
+ACCEPTANCE_STORAGE_MAINTAIN = "acceptance.maintain_storage"
 METRICS_SCRAPE_ALL = "metrics.scrape_all"
 ACTUATOR_DELIVER = "actuator.deliver"
 ACTUATOR_RESEND_DUE = "actuator.resend_due"
@@ -47,8 +49,10 @@ NEEDS_GPU: dict[str, bool] = {
     CANARY_EVALUATE_ALL: False,
     DRIFT_MONITOR_ALL: False,
     DRIFT_MONITOR_DEPLOYMENT: False,
+    DRIFT_MONITOR_AGGREGATES: False,
     JOBS_RESEND_STALE_QUEUED: False,
     TRACES_APPLY_RETENTION: False,
+    ACCEPTANCE_STORAGE_MAINTAIN: False,
     METRICS_SCRAPE_ALL: False,
     ACTUATOR_DELIVER: False,
     ACTUATOR_RESEND_DUE: False,

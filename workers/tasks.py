@@ -24,6 +24,7 @@ from controlplane.artifacts.store import open_store
 from controlplane.config import Settings, get_settings
 from controlplane.db.models import DriftResolution
 from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
+from controlplane.drift.aggregate_monitor import DetectorCache, monitor_aggregates
 from controlplane.drift.service import advance_monitor, deployments_with_new_records
 from controlplane.errors import ConflictError, DomainError
 from controlplane.jobs import realign as realign_job
@@ -55,17 +56,49 @@ Progress = Callable[[float, str], bool]
 
 @project_task(messaging.DRIFT_MONITOR_ALL, ignore_result=True)
 def monitor_all() -> list[int]:
-    """Beat entry point: fan out one monitor task per deployment that has new records."""
+    """Beat entry point: fan out one monitor task per deployment that has new records, and one
+    pass per shard over edge aggregates."""
     settings = get_settings()
     try:
         with unit_of_work(settings.database_url) as session:
             deployment_ids = deployments_with_new_records(session=session)
     except TRANSIENT_DATABASE_ERRORS as exc:
         raise TransientError(str(exc)) from exc
+    shards = settings.drift_monitor_shards
     messaging.send_all(
-        celery_app, [messaging.TaskMessage(messaging.DRIFT_MONITOR_DEPLOYMENT, (d,)) for d in deployment_ids]
+        celery_app,
+        [messaging.TaskMessage(messaging.DRIFT_MONITOR_DEPLOYMENT, (d,)) for d in deployment_ids]
+        + [messaging.TaskMessage(messaging.DRIFT_MONITOR_AGGREGATES, (s, shards)) for s in range(shards)],
     )
     return deployment_ids
+
+
+# This worker process's detectors as it last wrote them (see controlplane.drift.aggregate_monitor).
+_AGGREGATE_DETECTORS = DetectorCache()
+
+
+@project_task(messaging.DRIFT_MONITOR_AGGREGATES, ignore_result=True)
+def monitor_aggregate_shard(shard: int, shards: int) -> dict[str, Any]:
+    """One set-based pass over the edge aggregates of one shard of deployments."""
+    settings = get_settings()
+    try:
+        with unit_of_work(settings.database_url) as session:
+            outcome = monitor_aggregates(
+                session=session, settings=settings, shard=shard, shards=shards, cache=_AGGREGATE_DETECTORS
+            )
+    except ConflictError:
+        # Another writer advanced one of these deployments meanwhile: the next pass consumes them.
+        return {"shard": shard, "shards": shards, "skipped": "concurrent run"}
+    except TRANSIENT_DATABASE_ERRORS as exc:
+        raise TransientError(str(exc)) from exc
+    outcome.commit(_AGGREGATE_DETECTORS)
+    if outcome.events_raised:
+        log.warning("drift detected from aggregates: events %s", outcome.events_raised)
+    # The jobs committed with their events; a send that fails leaves them queued for the sweeper.
+    messaging.send_all(
+        celery_app, [messaging.TaskMessage(messaging.REALIGN, (job_id,)) for job_id in outcome.realign_jobs]
+    )
+    return outcome.as_dict()
 
 
 @project_task(messaging.DRIFT_MONITOR_DEPLOYMENT)

@@ -40,7 +40,7 @@ _BODY = {
 }
 
 
-@router.post("/aggregates", openapi_extra={"requestBody": _BODY})
+@router.post("/aggregates", response_model=EdgeWindowResult, openapi_extra={"requestBody": _BODY})
 async def ingest_edge_window(
     account: str,
     request: Request,

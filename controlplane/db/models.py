@@ -324,6 +324,8 @@ class AcceptanceRecordRow(Base):
     # What drafting would have done under each candidate draft-stop threshold (engines that
     # report it; see controlplane.tuning.draft_stop): the threshold tuner's live input.
     draft_stop_counts: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # A sample of traffic the edge also counted in a window aggregate: never summed again.
+    counted_in_aggregate: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
 
 
 class AcceptanceRollupPendingRow(Base):

@@ -249,6 +249,8 @@ def advance_monitor(
             AcceptanceRecordRow.deployment_id == deployment_id,
             AcceptanceRecordRow.id > state.watermark_record_id,
             AcceptanceRecordRow.id <= settled,
+            # Samples of aggregated traffic: the detector reads their window's sums instead.
+            AcceptanceRecordRow.counted_in_aggregate.is_(False),
         )
         .order_by(AcceptanceRecordRow.id)
         .limit(batch_limit)

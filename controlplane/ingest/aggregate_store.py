@@ -32,10 +32,13 @@ MAX_REPORTED_UNKNOWN = 20
 INSERT_CHUNK = 5_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EdgeWindowResult:
+    """What posting a window did: stored now, or found stored already with the same body (a retry)."""
+
     edge_window_id: int
-    stored: bool  # False: this window was already stored with the same body (a retry)
+    stored: bool
+    duplicate: bool
     aggregates: int
     deployments: int
 
@@ -43,7 +46,7 @@ class EdgeWindowResult:
         return {
             "edge_window_id": self.edge_window_id,
             "stored": self.stored,
-            "duplicate": not self.stored,
+            "duplicate": self.duplicate,
             "aggregates": self.aggregates,
             "deployments": self.deployments,
         }
@@ -150,7 +153,7 @@ def store_edge_window(
                 f"edge {window.edge_id!r} already sent the window starting "
                 f"{window.window_start.isoformat()} with other content; nothing was stored"
             )
-        return EdgeWindowResult(int(stored.id), False, len(window.aggregates), len(ids))
+        return EdgeWindowResult(int(stored.id), False, True, len(window.aggregates), len(ids))
     rows = [
         {
             "deployment_id": ids[agg.deployment],
@@ -176,4 +179,4 @@ def store_edge_window(
     ]
     for start in range(0, len(rows), INSERT_CHUNK):
         session.execute(insert(AcceptanceAggregateRow), rows[start : start + INSERT_CHUNK])
-    return EdgeWindowResult(int(new_id), True, len(rows), len(ids))
+    return EdgeWindowResult(int(new_id), True, False, len(rows), len(ids))

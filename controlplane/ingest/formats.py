@@ -76,6 +76,8 @@ NATIVE_FIELDS: Final = (
     "created_at",
     # Content like the counts above: a retry under the same request id must repeat it (409 else).
     "draft_stop_counts",
+    # A sample of traffic also counted in an edge aggregate (controlplane.ingest.aggregates).
+    "counted_in_aggregate",
 )
 _NATIVE_KEYS: Final = frozenset(NATIVE_FIELDS)
 _BATCH_KEYS: Final = frozenset({"format", "records"})
@@ -769,6 +771,9 @@ def _from_native(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     stop_counts = get("draft_stop_counts")
     if stop_counts is not None:
         stop_counts = draft_stop_counts(stop_counts, drafted, accepted, steps, k, errs)
+    in_aggregate = get("counted_in_aggregate")
+    if in_aggregate is not None and not isinstance(in_aggregate, bool):
+        errs.append(("counted_in_aggregate", "must be true or false"))
     if errs or positions is None or arm is None:
         return None
     record = AcceptanceRecord(
@@ -788,6 +793,7 @@ def _from_native(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
         category,
         created_at,
         stop_counts,
+        counted_in_aggregate=bool(in_aggregate),
     )
     errs.extend(storage_problems(record))
     return None if errs else record

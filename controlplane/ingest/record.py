@@ -47,6 +47,9 @@ class AcceptanceRecord:
     # Provenance, not content: set by the write path when the caller holds the fleet's serving
     # key (only such records steer a canary); no format sets it, and idempotency ignores it.
     from_serving_key: bool = False
+    # A record the edge sent as a sample of traffic it also counted in a window aggregate: kept
+    # for detail (and the draft-stop tuner), never summed again by rollups, detector or judge.
+    counted_in_aggregate: bool = False
 
 
 class RecordError(ValueError):

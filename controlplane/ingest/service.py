@@ -67,6 +67,7 @@ COPY_COLUMNS = (
     "category",
     "from_serving_key",
     "draft_stop_counts",
+    "counted_in_aggregate",
 )
 COPY_TYPES = (
     "int4",
@@ -87,6 +88,7 @@ COPY_TYPES = (
     "text",
     "bool",
     "json",
+    "bool",
 )
 COPY_SQL = f"COPY acceptance_records ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
 
@@ -109,12 +111,14 @@ _INSERT_NEW_FROM_ARRAYS_SQL = f"""
     RETURNING request_id
 """
 # The same insert, also queueing each stored row for the rollup fold (see fold_pending_rollups).
-_RETURNING_IDS = _INSERT_NEW_FROM_ARRAYS_SQL.replace("RETURNING request_id", "RETURNING id, request_id")
+_RETURNING_IDS = _INSERT_NEW_FROM_ARRAYS_SQL.replace(
+    "RETURNING request_id", "RETURNING id, request_id, counted_in_aggregate"
+)
 _INSERT_NEW_DEFERRING_ROLLUPS_SQL = f"""
     WITH stored AS ({_RETURNING_IDS}),
     queued AS (
         INSERT INTO acceptance_rollup_pending (record_id, deployment_id)
-        SELECT id, %(deployment_id)s FROM stored
+        SELECT id, %(deployment_id)s FROM stored WHERE NOT counted_in_aggregate
     )
     SELECT request_id FROM stored
 """
@@ -126,7 +130,7 @@ FOLD_CHUNK_RECORDS = 5_000
 # except who wrote the record, which no rollup splits by: earlier revisions' migrations fold
 # with this code on a table that has no such column yet.
 # The draft-stop counts are left out for the same reason (and no rollup sums them).
-_UNFOLDED_COLUMNS = ("from_serving_key", "draft_stop_counts")
+_UNFOLDED_COLUMNS = ("from_serving_key", "draft_stop_counts", "counted_in_aggregate")
 _FOLDED_COLUMNS = ", ".join(
     ["r.id", *(f"r.{name}" for name in COPY_COLUMNS if name not in _UNFOLDED_COLUMNS)]
 )
@@ -228,6 +232,7 @@ def _row(deployment_id: int, rec: AcceptanceRecord, now: datetime) -> tuple[Any,
         rec.category,
         rec.from_serving_key,
         rec.draft_stop_counts,
+        rec.counted_in_aggregate,
     )
 
 
@@ -519,9 +524,11 @@ def store_batches(
             conflicts += _stored_differently(session, deployment_id, claimed[deployment_id], existing)
         if conflicts:
             break  # the transaction is undone: nothing more to write
-        if fresh and not deferred:
+        # A sampled record also counted in an edge aggregate is in the rollups through it.
+        to_roll_up = [rec for rec in fresh if not rec.counted_in_aggregate]
+        if to_roll_up and not deferred:
             apply_deltas(
-                session=session, deployment_id=deployment_id, deltas=aggregate(fresh, when_default=now)
+                session=session, deployment_id=deployment_id, deltas=aggregate(to_roll_up, when_default=now)
             )
         stored_before[deployment_id] = existing
     if conflicts:

@@ -95,9 +95,15 @@ def upgrade() -> None:
         )
     with op.batch_alter_table("deployments") as batch:
         batch.add_column(sa.Column("raw_record_sample_rate", sa.Float, nullable=False, server_default="1.0"))
+    with op.batch_alter_table("acceptance_records") as batch:
+        batch.add_column(
+            sa.Column("counted_in_aggregate", sa.Boolean, nullable=False, server_default=sa.text("false"))
+        )
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("acceptance_records") as batch:
+        batch.drop_column("counted_in_aggregate")
     with op.batch_alter_table("deployments") as batch:
         batch.drop_column("raw_record_sample_rate")
     with op.batch_alter_table("accounts") as batch:
