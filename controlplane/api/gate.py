@@ -25,10 +25,12 @@ from controlplane.db.session import UNREACHABLE_DATABASE_ERRORS
 from controlplane.fleet.payloads import HEADER_SIGNATURE
 from controlplane.traces.formats import MAX_DATASET_BYTES
 
-# The data-writing routes: records, Prometheus pushes, traces and datasets. They take large
-# bodies and are called far more often than anything else.
+# The data-writing routes: records, Prometheus pushes, traces, datasets, and edges' windows of
+# aggregates (account-wide). They take large bodies and are called far more often than the rest.
 DEPLOYMENT_PATH = r"^/v1/accounts/[^/]+/deployments/[^/]+"
-INGEST_ROUTE = re.compile(DEPLOYMENT_PATH + r"/(acceptance|acceptance/prometheus|traces|datasets)$")
+INGEST_ROUTE = re.compile(
+    r"^/v1/accounts/[^/]+(?:/deployments/[^/]+/(acceptance|acceptance/prometheus|traces|datasets)|/aggregates)$"
+)
 # An actuator proves itself on this route by signing its body with the deployment's webhook
 # secret instead of presenting a key (controlplane.api.fleet.ready_caller checks the signature).
 SIGNED_READY_ROUTE = re.compile(DEPLOYMENT_PATH + r"/canaries/[^/]+/ready$")

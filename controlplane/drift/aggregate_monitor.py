@@ -56,7 +56,6 @@ from controlplane.drift.service import (
     raise_drift_event,
 )
 from controlplane.errors import ConflictError
-from controlplane.ingest.aggregate_store import aggregate_from_row
 from controlplane.timestamps import as_utc, utcnow
 
 _IN_CHUNK = 5_000
@@ -111,6 +110,7 @@ class AggregatePass:
     realign_jobs: list[int] = field(default_factory=list)
     # Seconds from each consumed window's end to this pass (the window's wait for detection).
     window_lags_s: list[float] = field(default_factory=list)
+    edge_window_ids: set[int] = field(default_factory=set)
     seconds: float = 0.0
     _written: dict[int, tuple[int, DetectorPair]] = field(default_factory=dict)
 
@@ -180,15 +180,6 @@ def monitor_aggregates(
             agg.window_s,
             agg.category,
             agg.speculated_requests,
-            agg.arm,
-            agg.requests,
-            agg.drafted_tokens,
-            agg.accepted_tokens,
-            agg.verify_steps,
-            agg.generated_tokens,
-            agg.prompt_tokens,
-            agg.timed_requests,
-            agg.drafter_version,
             agg.sums,
         )
         .outerjoin(state, state.deployment_id == agg.deployment_id)
@@ -292,7 +283,9 @@ def monitor_aggregates(
                 main.reset()
                 if detectors.mix.drift_detected:
                     detectors.mix.reset()
-            requests = detectors.update_window([aggregate_from_row(r) for r in window_rows])
+            requests = detectors.update_window(
+                [(r.category, r.speculated_requests, r.sums) for r in window_rows]
+            )
             examined += requests
             outcome.windows += 1
             outcome.requests += requests
@@ -329,6 +322,7 @@ def monitor_aggregates(
             last_alarm = now
             quiet_until = now + timedelta(seconds=policy.cooldown_s)
         consumed_to = max(windows)
+        outcome.edge_window_ids.update(windows)
         values = {
             "detector_state": {**detectors.to_state(), SERVING_MODE_KEY: serving_mode},
             "watermark_edge_window_id": consumed_to,

@@ -51,6 +51,7 @@ dependence of tokens within a request cannot make it over-confident. Lifecycle:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,30 @@ from controlplane.drift.reference import POOLED, FloatArray, ReferenceWindow
 
 STATE_VERSION = 1
 _MAX_LOG_LR = 700.0  # exp() overflows past ~709; any such request alarms anyway
+
+
+def _fit(v: Any, n: int) -> FloatArray:
+    """A vector padded with zeros or cut to ``n`` entries (aggregates of a shorter or longer k)."""
+    a = np.asarray(v, dtype=np.float64).ravel()
+    out = np.zeros(n)
+    m = min(n // 2, a.size // 2)
+    # x = (successes[K], trials[K]): pad each half separately.
+    out[:m] = a[:m]
+    out[n // 2 : n // 2 + m] = a[a.size // 2 : a.size // 2 + m]
+    return out
+
+
+def _fit_matrix(v: Any, n: int) -> FloatArray:
+    a = np.asarray(v, dtype=np.float64)
+    if a.shape == (n, n):
+        return a
+    half = a.shape[0] // 2
+    m = min(n // 2, half)
+    idx_from = np.r_[0:m, half : half + m]
+    idx_to = np.r_[0:m, n // 2 : n // 2 + m]
+    out = np.zeros((n, n))
+    out[np.ix_(idx_to, idx_to)] = a[np.ix_(idx_from, idx_from)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -198,6 +223,63 @@ class MixtureSR:
         rw += self._weights
         rw *= np.exp(llr, out=llr)
         self._stat = float(np.dot(rw, self._ones))
+        if self._stat >= self.arl0:
+            self._alarms += 1
+            self._alarm = self.evidence()
+        return self
+
+    def update_window(self, groups: Sequence[tuple[str | None, int, Any, Any]]) -> MixtureSR:
+        """Advance by one window of aggregated requests: ``(category, count, sum x, sum x x')`` per
+        category, ``x = (successes[K], trials[K])``. Costs one step per window, not per request.
+        ``sum x x'`` is read only while the reference window fills, so a caller may pass a
+        function returning it instead (unpacking it costs more than the monitoring step).
+
+        Every log-likelihood ratio is linear in the counts, so a window's is the sum of its
+        requests'. The window enters the Shiryaev-Roberts recursion as ``m`` requests whose
+        change, if any, started at the window's start: ``R <- (R + m w) exp(l_window)``, so
+        ``R - (requests seen)`` stays a martingale under no change and the false-alarm bound in
+        requests holds as for :meth:`update`. A change inside a window is dated to the window's
+        start, so the alarm comes at the end of the window in which the per-request detector
+        would have alarmed, or (rarely) the next one. During the reference window a whole window
+        joins the reference, its second moments included (overdispersion is measured as before).
+        """
+        k = self.n_positions
+        count = sum(int(c) for _, c, _, _ in groups)
+        if count <= 0:
+            return self
+        if self._kernel is None:
+            for category, c, sx, sxx in groups:
+                if c > 0:
+                    group = category if self.risk_adjust else None
+                    moments = sxx() if callable(sxx) else sxx
+                    self._reference.add_sums(int(c), _fit(sx, 2 * k), _fit_matrix(moments, 2 * k), group)
+            if self._reference.count >= self.reference_size:
+                self._freeze()
+            return self
+        if self._alarm is not None:
+            return self
+        if self._cooldown_left > 0:
+            self._cooldown_left = max(0, self._cooldown_left - count)
+            return self
+        self._examined += count
+        if self._g == 0:
+            return self
+        y = np.zeros(3 * k + self._g)
+        for category, c, sx, _ in groups:
+            if c <= 0:
+                continue
+            row = self._groups.get(category, 0) if category is not None else 0
+            y += self._Mc[row] @ _fit(sx, 2 * k)
+        self._cum += y[: 3 * k]
+        llr = np.minimum(y[3 * k :], _MAX_LOG_LR)
+        w = self._cusum
+        w += llr
+        reset = w <= 0.0
+        np.maximum(w, 0.0, out=w)
+        self._snapshot[reset] = self._cum
+        self._start[reset] = self._examined
+        self._rw = (self._rw + self._weights * count) * np.exp(llr)
+        self._stat = float(self._rw.sum())
         if self._stat >= self.arl0:
             self._alarms += 1
             self._alarm = self.evidence()

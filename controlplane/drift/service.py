@@ -17,8 +17,10 @@ baseline on a fresh reference window.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -44,6 +46,7 @@ from controlplane.drift.mix_monitor import MixMonitor
 from controlplane.drift.mixture_sr import MixtureSR
 from controlplane.drift.observation import RequestObservation
 from controlplane.errors import ConflictError
+from controlplane.ingest.aggregates import full_matrix, moment_length
 from controlplane.jobs.service import guardrail_fallback, guardrail_recovery_status, realign_on_drift
 from controlplane.timestamps import as_utc, utcnow
 
@@ -109,19 +112,22 @@ class DetectorPair:
         self.main.update(observation)
         self.mix.update(observation)
 
-    def update_window(self, aggregates: list[Any]) -> int:
-        """Advance both monitors by one edge window of one deployment's live aggregates (rows of
-        ``acceptance_aggregates`` or :class:`WindowAggregate`); returns the requests it held."""
+    def update_window(self, windows: Sequence[tuple[str | None, int, Mapping[str, Any]]]) -> int:
+        """Advance both monitors by one edge window of one deployment's live aggregates, given as
+        ``(category, speculated requests, sums)`` with the ``sums`` of
+        controlplane.ingest.aggregate_store; returns the requests the window held."""
         main: list[tuple[str | None, int, Any, Any]] = []
         mix: list[tuple[str | None, int, float, float, list[float]]] = []
-        for agg in aggregates:
-            count, sx, sxx = agg.detector_sums()
-            if count <= 0 or not sx:
+        for category, count, sums in windows:
+            successes = sums.get("accepted_per_position") or []
+            trials = sums.get("reached_per_position") or []
+            if count <= 0 or not successes or len(trials) != len(successes):
                 continue
-            category = agg.category or None
-            k = len(sx) // 2
-            main.append((category, count, sx, sxx))
-            mix.append((category, count, float(sum(sx[:k])), float(sum(sx[k:])), list(agg.prompt_log_length)))
+            k = len(successes)
+            moments = sums.get("position_moments") or [0.0] * moment_length(k)
+            main.append((category or None, count, [*successes, *trials], partial(full_matrix, moments, k)))
+            prompt = list(sums.get("prompt_log_length") or [0.0, 0.0, 0.0])
+            mix.append((category or None, count, float(sum(successes)), float(sum(trials)), prompt))
         if main:
             self.main.update_window(main)
             self.mix.update_window(mix)
