@@ -75,7 +75,13 @@ def make_celery() -> Celery:
         "controlplane",
         broker=settings.broker_url,
         backend=settings.result_backend_url,
-        include=["workers.tasks", "workers.canary_tasks", "workers.scrape_tasks", "workers.actuator_tasks"],
+        include=[
+            "workers.tasks",
+            "workers.canary_tasks",
+            "workers.scrape_tasks",
+            "workers.actuator_tasks",
+            "workers.storage_tasks",
+        ],
     )
     app.conf.update(
         task_default_queue=messaging.QUEUE_DEFAULT,
@@ -96,6 +102,7 @@ def make_celery() -> Celery:
         beat_schedule={
             "drift-monitor": {"task": messaging.DRIFT_MONITOR_ALL, "schedule": DRIFT_MONITOR_INTERVAL_S},
             "trace-retention": {"task": messaging.TRACES_APPLY_RETENTION, "schedule": 3600.0},
+            "acceptance-storage": {"task": messaging.ACCEPTANCE_STORAGE_MAINTAIN, "schedule": 3600.0},
             "realign-resend": {
                 "task": messaging.JOBS_RESEND_STALE_QUEUED,
                 "schedule": job_sweep_interval_s(settings.realign_lease_s),

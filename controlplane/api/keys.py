@@ -1,15 +1,26 @@
-"""Routes for the caller's identity and the account's API keys (admin only)."""
+"""Routes for the caller's identity, the account's API keys (admin only) and the account's own
+settings (admins change them, viewers read them)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
 
+from controlplane.accounts.account_settings import describe_account_settings, update_account_settings
 from controlplane.accounts.service import issue_key, key_summary, list_keys, revoke_key
 from controlplane.api import schemas
-from controlplane.api.deps import Admin, CurrentPrincipal, PrincipalCacheDep, RowId, SessionDep, SettingsDep
+from controlplane.api.deps import (
+    Admin,
+    CurrentPrincipal,
+    PrincipalCacheDep,
+    Reader,
+    RowId,
+    SessionDep,
+    SettingsDep,
+)
 from controlplane.audit.service import record_change
 from controlplane.db.models import Account, Role
+from controlplane.ingest.partitions import MAX_RETENTION_DAYS, MIN_RETENTION_DAYS
 
 router = APIRouter(tags=["keys"])
 
@@ -19,6 +30,19 @@ class KeyCreate(BaseModel):
 
     name: str = Field(min_length=1, max_length=100)
     role: Role
+
+
+class AccountSettings(BaseModel):
+    account: str
+    acceptance_retention_days: int = Field(
+        description="days raw acceptance records and edge aggregates are kept (rollups are kept)"
+    )
+
+
+class AccountSettingsChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    acceptance_retention_days: int | None = Field(default=None, ge=MIN_RETENTION_DAYS, le=MAX_RETENTION_DAYS)
 
 
 @router.get("/v1/whoami")
@@ -71,3 +95,20 @@ def revoke(
     )
     session.commit()
     cache.clear()
+
+
+@router.get("/v1/accounts/{account}/settings")
+def settings_get(account: str, principal: Reader, session: SessionDep) -> AccountSettings:
+    owner = session.get_one(Account, principal.account_id)
+    return AccountSettings.model_validate(describe_account_settings(owner))
+
+
+@router.patch("/v1/accounts/{account}/settings")
+def settings_patch(
+    account: str, body: AccountSettingsChange, principal: Admin, session: SessionDep
+) -> AccountSettings:
+    owner = update_account_settings(
+        session=session, principal=principal, acceptance_retention_days=body.acceptance_retention_days
+    )
+    session.commit()
+    return AccountSettings.model_validate(describe_account_settings(owner))

@@ -7,7 +7,8 @@ Create Date: 2026-12-03 08:00:00
 Edges send one window of per-deployment sums instead of one row per request: ``edge_windows``
 stores each (account, edge, window) once, ``acceptance_aggregates`` its rows (keyed by deployment
 first, so the table can be distributed by deployment later). The drift monitor keeps a watermark
-over edge windows next to the one over records. Accounts choose how long raw records and
+over edge windows next to the one over records; each window is marked once its sums are in the
+rollups (``rolled_up_at``, indexed while unset). Accounts choose how long raw records and
 aggregates are kept; deployments choose the share of requests also sent as raw records. On
 PostgreSQL ``acceptance_aggregates`` is partitioned by day of ``window_start``, so that retention
 drops whole days (see controlplane.ingest.partitions); on SQLite it is a plain table.
@@ -40,9 +41,17 @@ def upgrade() -> None:
         sa.Column("digest", sa.String(64), nullable=False),
         sa.Column("aggregates", sa.Integer, nullable=False),
         sa.Column("received_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("rolled_up_at", sa.DateTime(timezone=True), nullable=True),
         sa.UniqueConstraint("account_id", "edge_id", "window_start", name="uq_edge_windows_key"),
     )
     op.create_index("ix_edge_windows_received", "edge_windows", ["received_at"])
+    op.create_index(
+        "ix_edge_windows_rollup_pending",
+        "edge_windows",
+        ["id"],
+        postgresql_where=sa.text("rolled_up_at IS NULL"),
+        sqlite_where=sa.text("rolled_up_at IS NULL"),
+    )
     postgresql = op.get_bind().dialect.name == "postgresql"
     op.create_table(
         "acceptance_aggregates",
@@ -76,7 +85,7 @@ def upgrade() -> None:
         ),
         # One partition per UTC day (controlplane.ingest.partitions): retention drops whole days
         # instead of deleting rows. The partition key is in the primary key, as PostgreSQL requires.
-        **({"postgresql_partition_by": "RANGE (window_start)"} if postgresql else {}),
+        postgresql_partition_by="RANGE (window_start)" if postgresql else None,
     )
     # On the partitioned table this index is created on every partition, present and future.
     op.create_index("ix_acceptance_aggregates_edge_window", "acceptance_aggregates", ["edge_window_id"])
@@ -102,16 +111,15 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("acceptance_records") as batch:
-        batch.drop_column("counted_in_aggregate")
-    with op.batch_alter_table("deployments") as batch:
-        batch.drop_column("raw_record_sample_rate")
-    with op.batch_alter_table("accounts") as batch:
-        batch.drop_column("acceptance_retention_days")
-    with op.batch_alter_table("drift_monitor_states") as batch:
-        batch.drop_column("watermark_edge_window_id")
+    # Plain DROP COLUMN (SQLite 3.35+): a batch rebuild of these parents would drop their
+    # ON DELETE CASCADE children (on SQLite, every deployment and record with the accounts).
+    op.drop_column("acceptance_records", "counted_in_aggregate")
+    op.drop_column("deployments", "raw_record_sample_rate")
+    op.drop_column("accounts", "acceptance_retention_days")
+    op.drop_column("drift_monitor_states", "watermark_edge_window_id")
     op.drop_index("ix_acceptance_aggregates_edge_window", table_name="acceptance_aggregates")
     # On PostgreSQL this drops every partition with the table.
     op.drop_table("acceptance_aggregates")
+    op.drop_index("ix_edge_windows_rollup_pending", table_name="edge_windows")
     op.drop_index("ix_edge_windows_received", table_name="edge_windows")
     op.drop_table("edge_windows")

@@ -3,6 +3,8 @@ role gets 403, and the right role gets through. A new route without an entry her
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -45,6 +47,22 @@ PROM = (
     'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 4\n'
     'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2\n'
 )
+_WINDOW_START = datetime.fromtimestamp((int(time.time()) // 60 - 60) * 60, UTC)
+EDGE_WINDOW = {
+    "edge_id": "edge-1",
+    "window_start": _WINDOW_START.isoformat(),
+    "window_s": 60,
+    "aggregates": [
+        {
+            "deployment": "svc",
+            "requests": 1,
+            "drafted_tokens": 4,
+            "accepted_tokens": 2,
+            "verify_steps": 1,
+            "generated_tokens": 3,
+        }
+    ],
+}
 
 # (method, path template, roles allowed, json body or raw text)
 MATRIX: list[tuple[str, str, set[Role], Any]] = [
@@ -61,6 +79,7 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("GET", "/v1/accounts/{account}/audit", READ, None),
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/acceptance", WRITE_DATA, {"records": [RECORD]}),
     ("POST", "/v1/accounts/{account}/deployments/{deployment}/acceptance/prometheus", WRITE_DATA, PROM),
+    ("POST", "/v1/accounts/{account}/aggregates", WRITE_DATA, EDGE_WINDOW),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/stats", READ, None),
     (
         "POST",
@@ -98,6 +117,8 @@ MATRIX: list[tuple[str, str, set[Role], Any]] = [
     ("GET", "/v1/accounts/{account}/api-keys", ADMIN, None),
     ("POST", "/v1/accounts/{account}/api-keys", ADMIN, {"name": "k", "role": "viewer"}),
     ("DELETE", "/v1/accounts/{account}/api-keys/{key_id}", ADMIN, None),
+    ("GET", "/v1/accounts/{account}/settings", READ, None),
+    ("PATCH", "/v1/accounts/{account}/settings", ADMIN, {"acceptance_retention_days": 30}),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/serving-config", SERVING, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/serving-config/export", SERVING, None),
     ("GET", "/v1/accounts/{account}/deployments/{deployment}/drafter-versions", READ, None),

@@ -38,6 +38,7 @@ from controlplane.db.models import (
 )
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.ingest import service as ingest_service
+from controlplane.ingest.partitions import is_partition
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import SIX_HOURS
 from controlplane.ingest.service import fold_pending_rollups, store_batches, store_records
@@ -58,9 +59,16 @@ def test_upgrade_downgrade_upgrade_matches_the_models(dialect: str, tmp_path: Pa
     assert tables == set()
     upgrade_to_head(url)
     with get_engine(url).connect() as connection:
-        diff = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+        # The models declare a partitioned table's parent only; its daily partitions are the
+        # maintenance task's (controlplane.ingest.partitions).
+        context = MigrationContext.configure(connection, opts={"include_name": _declared_by_the_models})
+        diff = compare_metadata(context, Base.metadata)
     assert diff == [], f"models and migrations disagree: {diff}"
     get_engine(url).dispose()
+
+
+def _declared_by_the_models(name: str | None, type_: str, _parents: object) -> bool:
+    return not (type_ == "table" and name is not None and is_partition(name))
 
 
 def _deployment(session: Session) -> Deployment:
