@@ -422,13 +422,21 @@ class EdgeWindowRow(Base):
 
     ``id`` orders windows by arrival (the drift monitor's watermark over aggregates); ``digest``
     tells a retry of the same body (acknowledged, nothing stored) from a different body for a
-    window already stored (a conflict).
+    window already stored (a conflict). ``rolled_up_at`` is set in the transaction that adds the
+    window's sums to the rollups (controlplane.ingest.aggregate_rollups): exactly once.
     """
 
     __tablename__ = "edge_windows"
     __table_args__ = (
         UniqueConstraint("account_id", "edge_id", "window_start", name="uq_edge_windows_key"),
         Index("ix_edge_windows_received", "received_at"),
+        # Only the windows not rolled up yet: the fold finds them without scanning the ledger.
+        Index(
+            "ix_edge_windows_rollup_pending",
+            "id",
+            postgresql_where=text("rolled_up_at IS NULL"),
+            sqlite_where=text("rolled_up_at IS NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
@@ -439,6 +447,7 @@ class EdgeWindowRow(Base):
     digest: Mapped[str] = mapped_column(String(64))
     aggregates: Mapped[int] = mapped_column(Integer)
     received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    rolled_up_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class AcceptanceAggregateRow(Base):
