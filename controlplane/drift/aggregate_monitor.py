@@ -56,6 +56,7 @@ from controlplane.drift.service import (
     raise_drift_event,
 )
 from controlplane.errors import ConflictError
+from controlplane.ingest.aggregates import MAX_WINDOW_AGE
 from controlplane.timestamps import as_utc, utcnow
 
 _IN_CHUNK = 5_000
@@ -187,6 +188,8 @@ def monitor_aggregates(
             agg.edge_window_id > int(low or 0),
             agg.edge_window_id <= settled,
             agg.edge_window_id > watermark,
+            # Windows are accepted up to MAX_WINDOW_AGE late: older partitions cannot hold news.
+            agg.window_start >= now - MAX_WINDOW_AGE - timedelta(days=1),
             agg.arm == MONITORED_ARM,
             in_shard,
         )
