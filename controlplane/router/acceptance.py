@@ -154,6 +154,34 @@ def acceptance_record(
 ) -> dict[str, Any]:
     """The native record for one reply, filed under ``arm``/``drafter_version`` with the router's
     own latencies. ``UnreadableReply`` when the reply's metrics are present but refused."""
+    return native(
+        acceptance_of(
+            reply,
+            request_id=request_id,
+            arm=arm,
+            drafter_version=drafter_version,
+            category=category,
+            ttft_ms=ttft_ms,
+            total_ms=total_ms,
+            content_events=content_events,
+            finished_at=finished_at,
+        )
+    )
+
+
+def acceptance_of(
+    reply: Mapping[str, Any],
+    *,
+    request_id: str,
+    arm: str,
+    drafter_version: int | None,
+    category: str | None,
+    ttft_ms: float | None,
+    total_ms: float,
+    content_events: int = 0,
+    finished_at: datetime | None = None,
+) -> AcceptanceRecord:
+    """``acceptance_record`` before it is rendered as JSON: what a window's aggregates sum."""
     envelope: dict[str, Any] = {
         "request_id": request_id,
         "arm": arm,
@@ -180,7 +208,7 @@ def acceptance_record(
         (total_ms - ttft_ms) / (generated - 1) if ttft_ms is not None and generated > 1 else None
     )
     record.created_at = finished_at or datetime.now(UTC)
-    return native(record)
+    return record
 
 
 def _without_speculation(

@@ -8,6 +8,11 @@ from ``controlplane.router.pools``. A streamed reply is passed through chunk by 
 sends it (``SseScanner`` reads the metrics on the way); a whole reply is returned as the backend
 sent it. The acceptance record and the sampled trace are built after the reply has left (in the
 request's own task), so the client never waits on them; they go to the ``ControlPlaneReporter``.
+With aggregate windows on, every record is counted in the current window there (about 10 µs of
+arithmetic at k = 4, 30 at k = 16, done inline: a hand-off to a thread costs more, and a thread
+summing under the GIL would hold the event loop up longer), and only the sampled share (a hash of
+the request id against the deployment's ``raw_record_sample_rate``, so every process and retry
+agrees) is also sent as a raw record, marked ``counted_in_aggregate``.
 
 The router adds ``x-request-id`` and ``x-speculation-arm`` (the arm that served) to replies, tells a
 ``follower`` backend which arm to serve with the same header, and strips the non-standard
@@ -21,6 +26,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
+import secrets
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -36,13 +44,15 @@ from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX
 from controlplane.router.acceptance import (
     SseScanner,
     UnreadableReply,
-    acceptance_record,
+    acceptance_of,
     completion_text,
+    native,
     prompt_text,
 )
 from controlplane.router.arms import client_key, pick_arm, unit_hash
 from controlplane.router.config import (
     DEPLOYMENT_NAME,
+    MAX_EDGE_ID_BASE,
     WILDCARD,
     DeploymentRoutes,
     RouterConfig,
@@ -91,8 +101,16 @@ class RouterMetrics:
         self.spool_dropped = Gauge(
             "router_spool_dropped_items", "Items dropped because the spool was full", registry=self.registry
         )
+        self.spool_dropped_windows = Gauge(
+            "router_spool_dropped_windows",
+            "Aggregate windows dropped because the spool was full",
+            registry=self.registry,
+        )
         self.posted = Gauge(
-            "router_reported_items", "Items the control plane took", ["kind"], registry=self.registry
+            "router_reported_items",
+            "Items the control plane took (for aggregates: window bodies)",
+            ["kind"],
+            registry=self.registry,
         )
 
 
@@ -134,6 +152,9 @@ class Router:
             interval_s=settings.report_interval_s,
             batch=settings.report_batch,
             timeout_s=link.timeout_s,
+            window_s=settings.aggregate_window_s,
+            edge_id=process_edge_id(settings.edge_id),
+            max_window_bytes=int(settings.aggregate_max_body_mb * 1024 * 1024),
         )
         self.follower = ServingConfigFollower(
             base_url=link.url,
@@ -238,7 +259,25 @@ class Router:
         sampled = (
             followed.trace_sample_rate > 0.0 and unit_hash(f"trace:{request_id}") < followed.trace_sample_rate
         )
-        call = _Call(state.routes.name, request_id, category, body if sampled else None, time.perf_counter())
+        raw_rate = (
+            followed.raw_record_sample_rate
+            if followed.raw_record_sample_rate is not None
+            else state.routes.raw_record_sample_rate
+        )
+        raw_record = (
+            self.reporter.windows is None
+            or raw_rate >= 1.0
+            or (raw_rate > 0.0 and unit_hash(f"raw:{request_id}") < raw_rate)
+        )
+        call = _Call(
+            state.routes.name,
+            request_id,
+            category,
+            body if sampled else None,
+            time.perf_counter(),
+            raw_record,
+            followed.draft_positions,
+        )
         await self._forward(send, path, payload, forwarded, attempts, call, stream=body.get("stream") is True)
 
     async def _forward(
@@ -382,7 +421,7 @@ class Router:
         text: str,
     ) -> None:
         try:
-            record = acceptance_record(
+            record = acceptance_of(
                 reply,
                 request_id=call.request_id,
                 arm=arm,
@@ -396,7 +435,16 @@ class Router:
             self.metrics.unreadable.labels(call.deployment).inc()
             log.warning("reply %s of %s: acceptance unreadable: %s", call.request_id, call.deployment, exc)
             return
-        self.reporter.record(call.deployment, record)
+        if self.reporter.windows is None:
+            self.reporter.record(call.deployment, native(record))
+        else:
+            self.reporter.aggregate(call.deployment, record, call.draft_positions)
+            if call.raw_record:
+                raw = native(record)
+                raw["counted_in_aggregate"] = True  # stored for detail, never counted twice
+                self.reporter.record(call.deployment, raw)
+            else:
+                self.reporter.stats.records_not_sampled += 1
         if call.body is not None:
             prompt = prompt_text(call.body)
             if prompt is not None and text:
@@ -437,6 +485,7 @@ class Router:
             for name, state in self.deployments.items()
         }
         stats = self.reporter.stats
+        windows = self.reporter.windows
         await _json(
             send,
             200,
@@ -451,6 +500,18 @@ class Router:
                     "spool_bytes": self.reporter.spool.bytes,
                     "spool_dropped_items": self.reporter.spool.dropped_items,
                     "last_error": stats.last_error,
+                    "windows": {
+                        "window_s": windows.window_s if windows is not None else 0,
+                        "edge_id": self.reporter.edge_id if windows is not None else None,
+                        "requests_in_current": windows.requests if windows is not None else 0,
+                        "sealed": stats.windows_sealed,
+                        "posted": stats.posted["aggregates"],
+                        "duplicates": stats.windows_duplicate,
+                        "rejected": stats.windows_rejected,
+                        "aggregates_rejected": stats.aggregates_rejected,
+                        "spool_dropped": self.reporter.spool.dropped_windows,
+                        "records_not_sampled": stats.records_not_sampled,
+                    },
                 },
                 "serving_config": {
                     "polls": self.follower.polls,
@@ -463,6 +524,7 @@ class Router:
     async def prometheus(self, send: Send) -> None:
         self.metrics.spool_bytes.set(self.reporter.spool.bytes)
         self.metrics.spool_dropped.set(self.reporter.spool.dropped_items)
+        self.metrics.spool_dropped_windows.set(self.reporter.spool.dropped_windows)
         for kind, count in self.reporter.stats.posted.items():
             self.metrics.posted.labels(kind).set(count)
         await _respond(
@@ -519,6 +581,8 @@ class _Call:
     category: str | None
     body: dict[str, Any] | None  # kept only when the trace is sampled
     started: float
+    raw_record: bool  # sent as a raw record too (always, without aggregate windows)
+    draft_positions: int | None  # the most draft positions the deployment's arms draft
 
 
 def _forwarded_body(raw: bytes, body: dict[str, Any], backend_model: str | None) -> bytes:
@@ -608,6 +672,15 @@ async def _error(
 ) -> None:
     """An OpenAI-shaped error."""
     await _json(send, status, {"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def process_edge_id(configured: str | None) -> str:
+    """This process's edge id: the configured name (else the host's) and a boot id. Windows are
+    keyed by (edge id, window start): a restarted router, or another worker of the same file,
+    starts a window of the same start under its own id, and never sends a second body for a
+    window another process's body was stored under."""
+    base = configured or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._") or "router"
+    return f"{base[:MAX_EDGE_ID_BASE]}/{secrets.token_hex(6)}"
 
 
 def create_app(config: RouterConfig, api_key: str | None = None) -> Router:

@@ -9,12 +9,15 @@ deployment's backend pools.
     api_key_file = "/run/secrets/router-key"       # a serving key; else CONTROLPLANE_ROUTER_API_KEY
 
     [router]
-    spool_dir = "var/router-spool"     # records and traces wait here while the control plane is away
+    spool_dir = "var/router-spool"     # records, traces and windows wait here while the control plane is away
     client_key_header = "x-session-id"
+    aggregate_window_s = 60            # seconds per aggregate window (default 0: a raw record per request)
+    edge_id = "edge-eu-1"              # this router's name in the windows it sends (default: the host name)
 
     [[deployments]]
     name = "support-bot"               # the `model` clients send
     backend_model = "meta-llama/Llama-3.1-8B-Instruct"   # the name the engines serve (default: name)
+    raw_record_sample_rate = 0.05      # share of requests also sent as raw records (while aggregating)
 
     [[deployments.backends]]
     name = "incumbent-1"
@@ -29,6 +32,13 @@ follows its serving-config like the listed ones). Backends may also be declared 
 merges them with the file's (a name in the file wins).
 A ``follower`` backend follows serving-config itself (the reference server) and serves whichever arm
 the router names in ``x-speculation-arm``; the other pools serve one fixed configuration each.
+
+With ``aggregate_window_s`` above 0 every served request is summed into the window's aggregates
+(``edge-window/v1``) and only a ``raw_record_sample_rate`` share of requests is also sent as a raw
+record; the control plane's own rate for a deployment wins over the file's once serving-config
+carries one. With 0 (the default) every request is sent as a raw record: a deployment's detector
+then steps per request, which notices a drop within a window's worth fewer requests; aggregate
+windows are for fleets whose record rate one control plane cannot take (see README, Fleet scale).
 """
 
 from __future__ import annotations
@@ -40,8 +50,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from controlplane.ingest.aggregates import MAX_WINDOW_S, MIN_WINDOW_S
+
 Pool = Literal["incumbent", "candidate", "baseline", "follower"]
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
+_EDGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Room left in the control plane's 200 characters for the boot id and a part suffix.
+MAX_EDGE_ID_BASE = 150
 
 
 class RouterConfigError(ValueError):
@@ -85,6 +100,8 @@ class DeploymentRoutes(_Strict):
     name: str
     backend_model: str | None = None
     backends: list[BackendSpec] = Field(default_factory=list)
+    # Used until serving-config names the deployment's own rate (and ignored without aggregation).
+    raw_record_sample_rate: float = Field(default=1.0, ge=0.0, le=1.0)
 
     @field_validator("name")
     @classmethod
@@ -139,6 +156,30 @@ class RouterSettings(_Strict):
     breaker_cooldown_s: float = Field(default=10.0, gt=0.0)
     report_interval_s: float = Field(default=0.5, gt=0.0)
     report_batch: int = Field(default=500, ge=1, le=10_000)
+    # Seconds per aggregate window, aligned to multiples of it since the epoch; 0 sends one raw
+    # record per request instead. The control plane takes 10..3600 dividing a day.
+    aggregate_window_s: int = 0
+    # This router's name in its windows (default: the host name). Each process appends a boot id,
+    # so a restarted router (or a second worker) never sends another body for a stored window.
+    edge_id: str | None = Field(default=None, min_length=1, max_length=MAX_EDGE_ID_BASE)
+    # A window whose body would pass this is sent in parts, each under its own edge id.
+    aggregate_max_body_mb: float = Field(default=32.0, gt=0.0, le=1024.0)
+
+    @field_validator("aggregate_window_s")
+    @classmethod
+    def _window(cls, value: int) -> int:
+        if value != 0 and not (MIN_WINDOW_S <= value <= MAX_WINDOW_S and 86_400 % value == 0):
+            raise ValueError(
+                f"must be 0 (off) or a number of seconds in [{MIN_WINDOW_S}, {MAX_WINDOW_S}] dividing a day"
+            )
+        return value
+
+    @field_validator("edge_id")
+    @classmethod
+    def _edge_id(cls, value: str | None) -> str | None:
+        if value is not None and not _EDGE_ID.match(value):
+            raise ValueError("must be letters, digits, '.', '_' or '-'")
+        return value
 
 
 class RouterConfig(_Strict):

@@ -34,6 +34,11 @@ class FollowedConfig:
     backends: tuple[tuple[str, str, str, int | None], ...]
     version: str | None
     fetched_at: float
+    # The most draft positions any arm drafts (None: not stated): the k of the deployment's window.
+    draft_positions: int | None = None
+    # The share of requests sent as raw records besides the aggregates, when the control plane
+    # states one (else the router's file decides).
+    raw_record_sample_rate: float | None = None
 
 
 DEFAULT = FollowedConfig((ArmSpec("live", 1.0, None),), 0.0, (), None, 0.0)
@@ -42,6 +47,7 @@ DEFAULT = FollowedConfig((ArmSpec("live", 1.0, None),), 0.0, (), None, 0.0)
 def parse_serving_config(body: Mapping[str, Any], fetched_at: float) -> FollowedConfig:
     """The parts the router uses; ``ValueError`` on a body it cannot use (then it keeps the old)."""
     arms = []
+    positions = [int(raw["k"]) for raw in body.get("arms") or [] if raw.get("k")]
     for raw in body.get("arms") or []:
         version = raw.get("drafter_version")
         arms.append(
@@ -60,12 +66,15 @@ def parse_serving_config(body: Mapping[str, Any], fetched_at: float) -> Followed
                 int(version) if version else None,
             )
         )
+    raw_rate = body.get("raw_record_sample_rate")
     return FollowedConfig(
         tuple(arms),
         float(body.get("trace_sample_rate") or 0.0),
         tuple(backends),
         str(body.get("config_version") or "") or None,
         fetched_at,
+        max(positions) if positions else None,
+        min(max(float(raw_rate), 0.0), 1.0) if raw_rate is not None else None,
     )
 
 
