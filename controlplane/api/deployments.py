@@ -62,6 +62,7 @@ class DeploymentUpdate(SpeculationFields):
     auto_realign: bool | None = None
     trace_sample_rate: float | None = None
     trace_retention_days: int | None = None
+    raw_record_sample_rate: float | None = None
     row_version: int | None = Field(default=None, description="optimistic lock: fail with 409 if it moved")
 
 
@@ -112,6 +113,7 @@ def update(
             auto_realign=body.auto_realign,
             trace_sample_rate=body.trace_sample_rate,
             trace_retention_days=body.trace_retention_days,
+            raw_record_sample_rate=body.raw_record_sample_rate,
             expected_row_version=body.row_version,
         ),
     )

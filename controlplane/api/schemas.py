@@ -110,6 +110,9 @@ class Deployment(Reply):
     drift_policy: dict[str, Any] = Field(description="the stored overrides of the drift policy")
     trace_sample_rate: float
     trace_retention_days: int
+    raw_record_sample_rate: float = Field(
+        description="share of requests an aggregating edge also sends as raw records"
+    )
     row_version: int = Field(description="send it back in an update to fail with 409 if it moved")
     created_at: str
     updated_at: str
@@ -379,6 +382,9 @@ class ServingConfig(Reply):
     model: str
     target: ModelRef
     trace_sample_rate: float
+    raw_record_sample_rate: float = Field(
+        description="share of requests an aggregating edge also sends as raw records"
+    )
     arms: list[ServingArm]
     backends: list[ServingBackend] = Field(description="the fleet's backends, by name")
     config_version: str = Field(description="changes whenever anything else in this reply changes")

@@ -48,6 +48,7 @@ class DeploymentChanges:
     auto_realign: bool | None = None
     trace_sample_rate: float | None = None
     trace_retention_days: int | None = None
+    raw_record_sample_rate: float | None = None
     expected_row_version: int | None = None
 
 
@@ -88,6 +89,7 @@ def describe(*, session: Session, deployment: Deployment, account_name: str) -> 
         "drift_policy": deployment.drift_policy,
         "trace_sample_rate": deployment.trace_sample_rate,
         "trace_retention_days": deployment.trace_retention_days,
+        "raw_record_sample_rate": deployment.raw_record_sample_rate,
         "row_version": deployment.row_version,
         "created_at": deployment.created_at.isoformat(),
         "updated_at": deployment.updated_at.isoformat(),
@@ -105,6 +107,7 @@ def _audit_view(deployment: Deployment) -> dict[str, Any]:
         "display_name": deployment.display_name,
         "trace_sample_rate": deployment.trace_sample_rate,
         "trace_retention_days": deployment.trace_retention_days,
+        "raw_record_sample_rate": deployment.raw_record_sample_rate,
     }
 
 
@@ -211,6 +214,10 @@ def update_deployment(
         if not 0.0 <= changes.trace_sample_rate <= 1.0:
             raise ValidationProblem("trace_sample_rate must be between 0 and 1")
         deployment.trace_sample_rate = changes.trace_sample_rate
+    if changes.raw_record_sample_rate is not None:
+        if not 0.0 <= changes.raw_record_sample_rate <= 1.0:
+            raise ValidationProblem("raw_record_sample_rate must be between 0 and 1")
+        deployment.raw_record_sample_rate = changes.raw_record_sample_rate
     if changes.trace_retention_days is not None:
         if not 1 <= changes.trace_retention_days <= MAX_TRACE_RETENTION_DAYS:
             raise ValidationProblem(

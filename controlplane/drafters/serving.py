@@ -125,6 +125,7 @@ def serving_config(*, session: Session, deployment: Deployment) -> dict[str, Any
         "model": deployment.name,
         "target": target_location(session=session, deployment=deployment).to_dict(),
         "trace_sample_rate": deployment.trace_sample_rate,
+        "raw_record_sample_rate": deployment.raw_record_sample_rate,
         "arms": arms,
         # The fleet's endpoints by pool: the router sends each arm's traffic to its pool.
         "backends": [backend_summary(b) for b in list_backends(session=session, deployment_id=deployment.id)],

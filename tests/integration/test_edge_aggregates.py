@@ -246,3 +246,17 @@ def test_the_monitor_detects_drift_from_aggregates_sharded_and_exactly_once(
     session = db.new_session()
     assert session.get_one(DriftMonitorState, ids[names[1]]).records_examined == 57
     session.close()
+
+
+def test_the_raw_record_sample_rate_is_set_per_deployment_and_served_to_edges(
+    client: TestClient, tenants: tuple[Tenant, Tenant]
+) -> None:
+    acme, _ = tenants
+    _deploy(client, acme, "svc")
+    base = f"/v1/accounts/{acme.name}/deployments/svc"
+    changed = client.patch(base, json={"raw_record_sample_rate": 0.05}, headers=acme.headers(Role.admin))
+    assert changed.status_code == 200 and changed.json()["raw_record_sample_rate"] == 0.05
+    refused = client.patch(base, json={"raw_record_sample_rate": 1.5}, headers=acme.headers(Role.admin))
+    assert refused.status_code == 422
+    served_config = client.get(f"{base}/serving-config", headers=acme.headers(Role.serving))
+    assert served_config.status_code == 200 and served_config.json()["raw_record_sample_rate"] == 0.05
