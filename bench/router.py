@@ -287,7 +287,7 @@ def aggregation_cost(requests: int = 20_000) -> dict[str, float]:
     import random
 
     from controlplane.ingest.record import AcceptanceRecord
-    from controlplane.router.app import Router, _Call
+    from controlplane.router.app import Router, ServedCall
     from controlplane.router.arms import unit_hash
     from controlplane.router.config import parse_config
     from controlplane.router.windows import OpenWindows
@@ -334,7 +334,7 @@ def aggregation_cost(requests: int = 20_000) -> dict[str, float]:
                 for i in range(round_ * each, (round_ + 1) * each):
                     request_id = f"rq-{i}"
                     raw = window_s == 0 or rate >= 1.0 or unit_hash(f"raw:{request_id}") < rate
-                    call = _Call("chat", request_id, None, None, started, raw, 4)
+                    call = ServedCall("chat", request_id, None, None, started, raw, 4)
                     router._report(call, replies[i % len(replies)], "live", None, None, 120.0, 0, "")
                 cost = (time.perf_counter() - started) / each * 1e6
                 out[f"report_{label}_us"] = min(out.get(f"report_{label}_us", cost), cost)

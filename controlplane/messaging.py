@@ -38,6 +38,7 @@ DRIFT_MONITOR_AGGREGATES = "drift.monitor_aggregates"
 JOBS_RESEND_STALE_QUEUED = "jobs.resend_stale_queued"
 TRACES_APPLY_RETENTION = "traces.apply_retention"
 ACCEPTANCE_STORAGE_MAINTAIN = "acceptance.maintain_storage"
+ACCEPTANCE_ROLLUP_AGGREGATES = "acceptance.rollup_aggregates"
 METRICS_SCRAPE_ALL = "metrics.scrape_all"
 ACTUATOR_DELIVER = "actuator.deliver"
 ACTUATOR_RESEND_DUE = "actuator.resend_due"
@@ -53,6 +54,7 @@ NEEDS_GPU: dict[str, bool] = {
     JOBS_RESEND_STALE_QUEUED: False,
     TRACES_APPLY_RETENTION: False,
     ACCEPTANCE_STORAGE_MAINTAIN: False,
+    ACCEPTANCE_ROLLUP_AGGREGATES: False,
     METRICS_SCRAPE_ALL: False,
     ACTUATOR_DELIVER: False,
     ACTUATOR_RESEND_DUE: False,

@@ -34,6 +34,8 @@ ACTUATOR_RESEND_INTERVAL_S = 5.0
 # A realign job whose worker was killed does not wait for it: its lease lapses within a minute.
 VISIBILITY_TIMEOUT_S = 6 * 3600
 DRIFT_MONITOR_INTERVAL_S = 5.0
+# Edge windows reach the rollups (the stats API, dashboards) within about this long.
+AGGREGATE_ROLLUP_INTERVAL_S = 5.0
 # How often beat looks for realign jobs whose message was lost (Settings.realign_resend_after_s
 # says when a queued job counts as lost), whose retry is due, or whose lease lapsed; more often
 # when the lease is short (see job_sweep_interval_s).
@@ -81,6 +83,7 @@ def make_celery() -> Celery:
             "workers.scrape_tasks",
             "workers.actuator_tasks",
             "workers.storage_tasks",
+            "workers.aggregate_tasks",
         ],
     )
     app.conf.update(
@@ -103,6 +106,10 @@ def make_celery() -> Celery:
             "drift-monitor": {"task": messaging.DRIFT_MONITOR_ALL, "schedule": DRIFT_MONITOR_INTERVAL_S},
             "trace-retention": {"task": messaging.TRACES_APPLY_RETENTION, "schedule": 3600.0},
             "acceptance-storage": {"task": messaging.ACCEPTANCE_STORAGE_MAINTAIN, "schedule": 3600.0},
+            "aggregate-rollups": {
+                "task": messaging.ACCEPTANCE_ROLLUP_AGGREGATES,
+                "schedule": AGGREGATE_ROLLUP_INTERVAL_S,
+            },
             "realign-resend": {
                 "task": messaging.JOBS_RESEND_STALE_QUEUED,
                 "schedule": job_sweep_interval_s(settings.realign_lease_s),

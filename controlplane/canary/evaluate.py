@@ -12,15 +12,22 @@ steer a promotion, a rollback or a guardrail. The judge and the watch keep runni
 (``canary.tally``) on the canary row with a watermark, so each tick reads only new records. The
 judge's sums are split by request category too; ``arms["per_category"]`` shows each category's
 figures and verdict.
+
+Edges that sum their traffic per window send the same observations as window aggregates
+(``controlplane.ingest.aggregates``), one per arm and category. The judge folds the canary's
+aggregates (again only those sent under a serving key) into the same sums, with a second
+watermark over edge-window ids; a record the edge sent as a sample of aggregated traffic
+(``counted_in_aggregate``) is not judged again. Records and aggregates may be mixed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import record_change
@@ -49,11 +56,13 @@ from controlplane.canary.tally import ArmTally, JudgeTally
 from controlplane.canary.tuning_view import arm_draft_stop_counts, draft_stop_plan, verify_cost_of
 from controlplane.config import Settings
 from controlplane.db.models import (
+    AcceptanceAggregateRow,
     AcceptanceRecordRow,
     Canary,
     Deployment,
     DrafterVersion,
     DriftResolution,
+    EdgeWindowRow,
     SpeculationMode,
 )
 from controlplane.deployments.lookup import lock_deployment, resource_of
@@ -61,6 +70,8 @@ from controlplane.drafters.service import active_drafter
 from controlplane.drift.service import latest_record_id
 from controlplane.fleet.actuators import waits_for_pool
 from controlplane.fleet.readiness import Probe, check_candidate_pool
+from controlplane.ingest.aggregate_store import aggregate_from_row
+from controlplane.ingest.aggregates import WindowAggregate
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
 from controlplane.jobs.service import enter_guardrail_fallback
 from controlplane.timestamps import parse_utc, utcnow
@@ -74,6 +85,9 @@ ARM_NAMES = (INCUMBENT, CANDIDATE, BASELINE)
 # At most this many records are folded per tick: a canary that fell far behind catches up over
 # several ticks instead of loading everything at once.
 JUDGE_BATCH_LIMIT = 50_000
+# Likewise at most this many aggregate rows a tick (one per arm and category of a window, so
+# thousands of windows), in whole windows.
+JUDGE_WINDOW_ROW_LIMIT = 20_000
 
 
 def _arm_labels(session: Session, canary: Canary) -> dict[str, str]:
@@ -111,11 +125,129 @@ def _judged_records(
                 AcceptanceRecordRow.id > after,
                 AcceptanceRecordRow.arm.in_(list(labels)),
                 AcceptanceRecordRow.from_serving_key.is_(True),
+                # A sample of aggregated traffic: its window's sums are judged instead.
+                AcceptanceRecordRow.counted_in_aggregate.is_(False),
             )
             .order_by(AcceptanceRecordRow.id)
             .limit(limit)
         ).all()
     )
+
+
+@dataclass(frozen=True, slots=True)
+class JudgedWindow:
+    """One edge window's aggregates of a canary's arms (``id``: the edge-window id)."""
+
+    id: int
+    aggregates: list[WindowAggregate]
+
+
+def latest_edge_window_id(session: Session) -> int:
+    """The newest edge-window id visible now (one ledger for every account and deployment)."""
+    return int(session.scalar(select(func.max(EdgeWindowRow.id))) or 0)
+
+
+def edge_window_at_start(session: Session, canary: Canary) -> int:
+    """The newest edge window received when the canary went live: the judge reads windows after it,
+    as it reads records after ``live_since_record_id``. A canary without a start time (none live
+    ever lacks one) starts from the newest window now."""
+    started = canary.arms.get("live_started_at")
+    if not started:
+        return latest_edge_window_id(session)
+    newest = session.scalar(
+        select(EdgeWindowRow.id)
+        .where(EdgeWindowRow.received_at <= parse_utc(started))
+        .order_by(EdgeWindowRow.received_at.desc(), EdgeWindowRow.id.desc())
+        .limit(1)
+    )
+    return int(newest or 0)
+
+
+def _judged_windows(
+    session: Session, canary: Canary, labels: dict[str, str], *, after: int, row_limit: int | None
+) -> tuple[list[JudgedWindow], bool]:
+    """The canary's arm-labelled aggregates of edge windows after id ``after``, whole windows in id
+    order, and whether ``row_limit`` cut the read short (more windows may follow). Only aggregates
+    sent under a serving key count, as for records. Within a window, aggregates come in category
+    order, which is the order new categories are admitted in."""
+    agg = AcceptanceAggregateRow
+    query = (
+        select(
+            agg.edge_window_id,
+            agg.arm,
+            agg.drafter_version,
+            agg.category,
+            agg.requests,
+            agg.speculated_requests,
+            agg.timed_requests,
+            agg.drafted_tokens,
+            agg.accepted_tokens,
+            agg.verify_steps,
+            agg.generated_tokens,
+            agg.prompt_tokens,
+            agg.sums,
+        )
+        .where(
+            agg.deployment_id == canary.deployment_id,
+            agg.edge_window_id > after,
+            agg.arm.in_(list(labels)),
+            agg.from_serving_key.is_(True),
+        )
+        .order_by(agg.edge_window_id, agg.category, agg.arm)
+    )
+    rows: Sequence[Any] = session.execute(query if row_limit is None else query.limit(row_limit)).all()
+    cut_short = row_limit is not None and len(rows) >= row_limit
+    if cut_short:
+        last = rows[-1].edge_window_id
+        whole = [row for row in rows if row.edge_window_id != last]
+        # The last window may be cut: left for the next read, unless it is the only one.
+        rows = whole or session.execute(query.where(agg.edge_window_id == last)).all()
+    windows: list[JudgedWindow] = []
+    for row in rows:
+        if not windows or windows[-1].id != row.edge_window_id:
+            windows.append(JudgedWindow(int(row.edge_window_id), []))
+        windows[-1].aggregates.append(aggregate_from_row(row))
+    return windows, cut_short
+
+
+def _fold_settled(
+    tally: JudgeTally,
+    items: Sequence[Any],
+    fold: Callable[[JudgeTally, Any], None],
+    *,
+    horizon: int,
+    max_requests: int | None = None,
+) -> int:
+    """Fold the leading ``items`` (in id order) with ids up to ``horizon`` into ``tally``, each
+    whole, while it holds fewer than ``max_requests``; returns how many were folded."""
+    folded = 0
+    for item in items:
+        if item.id > horizon or (max_requests is not None and tally.records >= max_requests):
+            break
+        fold(tally, item)
+        folded += 1
+    return folded
+
+
+def _next_marks(
+    items: Sequence[Any],
+    folded: int,
+    *,
+    watermark: int,
+    horizon: int,
+    latest: int,
+    read: bool,
+    cut_short: bool,
+) -> tuple[int, int]:
+    """The watermark and horizon after ``folded`` of the settled ``items`` went into the stored
+    tally: ``latest`` becomes the horizon once everything up to the old one was consumed."""
+    if not read:
+        return watermark, horizon
+    settled = sum(1 for item in items if item.id <= horizon)
+    if folded < settled or (cut_short and items and folded == len(items)):
+        # Stopped inside the settled range (the read's limit or the request cap): the rest later.
+        return (items[folded - 1].id if folded else watermark), horizon
+    return horizon, max(latest, horizon)
 
 
 def _advance(
@@ -131,32 +263,46 @@ def _advance(
     """Fold ``rows`` (ids after ``watermark``, in order, at most ``limit``) into ``stored`` up to
     the settled ``horizon`` and into a view beyond it; returns the view, the new watermark and the
     new horizon (``latest``, once everything up to the old one was consumed)."""
-    settled = 0
-    while settled < len(rows) and rows[settled].id <= horizon:
-        fold(stored, rows[settled])
-        settled += 1
+    folded = _fold_settled(stored, rows, fold, horizon=horizon)
     view = stored.copy()
-    for row in rows[settled:]:
+    for row in rows[folded:]:
         fold(view, row)
-    if limit > 0 and len(rows) == limit and settled == len(rows):
-        return view, rows[-1].id, horizon  # cut short inside the settled range: the rest next tick
-    if limit > 0:
-        return view, horizon, max(latest, horizon)
+    watermark, horizon = _next_marks(
+        rows,
+        folded,
+        watermark=watermark,
+        horizon=horizon,
+        latest=latest,
+        read=limit > 0,
+        cut_short=len(rows) == limit,
+    )
     return view, watermark, horizon
 
 
 def advance_judge(
-    *, session: Session, canary: Canary, max_requests: int, batch_limit: int = JUDGE_BATCH_LIMIT
+    *,
+    session: Session,
+    canary: Canary,
+    max_requests: int,
+    batch_limit: int = JUDGE_BATCH_LIMIT,
+    window_row_limit: int = JUDGE_WINDOW_ROW_LIMIT,
 ) -> JudgeTally:
-    """This tick's view of a live canary: its stored tally advanced over the settled records, plus
-    the records not yet settled (folded into the returned view only).
+    """This tick's view of a live canary: its stored tally advanced over the settled records and
+    edge windows, plus those not yet settled (folded into the returned view only).
 
     As in the drift monitor (``drift.service``), ids become visible when their transaction
     commits, so only ids up to the newest id the previous tick saw (the horizon) are folded into
-    the stored tally and pass the watermark; newer ones are read again next tick. The view thus
-    holds every record visible now, in id order, capped at ``max_requests`` (and, for a canary
-    far behind, at ``batch_limit`` new ones a tick): the figures a read of every record since the
-    canary went live gives.
+    the stored tally and pass the watermark; newer ones are read again next tick. Records and
+    edge windows each have their own watermark and horizon (``judge_state["edge_watermark"]`` and
+    ``["edge_horizon"]``; a state without them, written before windows were judged, starts at the
+    canary's start). Each tick folds its records, then its windows. The view thus holds every
+    record and window visible now, in id order, capped at ``max_requests`` requests (and, for a
+    canary far behind, at ``batch_limit`` new records and ``window_row_limit`` aggregate rows a
+    tick): the figures a read of everything since the canary went live gives.
+
+    A window is folded whole, all its arms and categories at once, and only while the tally
+    holds fewer than ``max_requests`` requests: the last window folded may carry the tally past
+    the cap by up to its own requests, and no record or window is folded after that.
     """
     labels = _arm_labels(session, canary)
     state = canary.judge_state or {}
@@ -166,18 +312,68 @@ def advance_judge(
     else:  # the first tick since the canary went live
         stored = JudgeTally.empty(ARM_NAMES)
         watermark = horizon = int(canary.arms.get("live_since_record_id") or 0)
+    if "edge_watermark" in state:
+        edge_watermark, edge_horizon = int(state["edge_watermark"]), int(state["edge_horizon"])
+    else:
+        edge_watermark = edge_horizon = edge_window_at_start(session, canary)
     latest = latest_record_id(session, canary.deployment_id)
+    latest_window = latest_edge_window_id(session)
     limit = min(batch_limit, max_requests - stored.records)
     rows = _judged_records(session, canary, labels, after=watermark, limit=limit) if limit > 0 else []
+    read_windows = stored.records < max_requests
+    windows, windows_cut = (
+        _judged_windows(session, canary, labels, after=edge_watermark, row_limit=window_row_limit)
+        if read_windows
+        else ([], False)
+    )
 
     def fold(tally: JudgeTally, row: Any) -> None:
         tally.fold(labels[row.arm], row)
 
-    view, watermark, horizon = _advance(
-        stored, rows, fold, watermark=watermark, horizon=horizon, latest=latest, limit=limit
+    def fold_window(tally: JudgeTally, window: JudgedWindow) -> None:
+        for agg in window.aggregates:
+            tally.fold_aggregate(labels[agg.arm], agg)
+
+    folded = _fold_settled(stored, rows, fold, horizon=horizon)
+    folded_windows = _fold_settled(
+        stored, windows, fold_window, horizon=edge_horizon, max_requests=max_requests
+    )
+    view = stored.copy()
+    # The same order next tick: these records, then these windows, settled by then.
+    for row in rows[folded:]:
+        if view.records >= max_requests:
+            break
+        fold(view, row)
+    for window in windows[folded_windows:]:
+        if view.records >= max_requests:
+            break
+        fold_window(view, window)
+    watermark, horizon = _next_marks(
+        rows,
+        folded,
+        watermark=watermark,
+        horizon=horizon,
+        latest=latest,
+        read=limit > 0,
+        cut_short=len(rows) == limit,
+    )
+    edge_watermark, edge_horizon = _next_marks(
+        windows,
+        folded_windows,
+        watermark=edge_watermark,
+        horizon=edge_horizon,
+        latest=latest_window,
+        read=read_windows,
+        cut_short=windows_cut,
     )
     canary.judge_watermark_record_id = watermark
-    canary.judge_state = {**state, "tally": stored.to_state(), "horizon": horizon}
+    canary.judge_state = {
+        **state,
+        "tally": stored.to_state(),
+        "horizon": horizon,
+        "edge_watermark": edge_watermark,
+        "edge_horizon": edge_horizon,
+    }
     return view
 
 
@@ -237,13 +433,24 @@ def advance_watch(
 
 
 def recount_judge(*, session: Session, canary: Canary, max_requests: int) -> JudgeTally:
-    """Every judged record since the canary went live, folded in one read: what ``advance_judge``
-    keeps incrementally (kept for checks and repairs; the beat never calls it)."""
+    """Every judged record, then every judged edge window, since the canary went live, folded in
+    one read: what ``advance_judge`` keeps incrementally (kept for checks and repairs; the beat
+    never calls it). With records only, it equals the ticks' tally float for float; with windows
+    too, the ticks interleave the two by arrival, so the floats may differ in the last bits (and
+    the category admitted last before the limit may differ)."""
     labels = _arm_labels(session, canary)
     since = int(canary.arms.get("live_since_record_id") or 0)
     tally = JudgeTally.empty(ARM_NAMES)
     for row in _judged_records(session, canary, labels, after=since, limit=max_requests):
         tally.fold(labels[row.arm], row)
+    if tally.records < max_requests:
+        after = edge_window_at_start(session, canary)
+        windows, _ = _judged_windows(session, canary, labels, after=after, row_limit=None)
+        for window in windows:
+            if tally.records >= max_requests:
+                break
+            for agg in window.aggregates:
+                tally.fold_aggregate(labels[agg.arm], agg)
     return tally
 
 
@@ -634,7 +841,11 @@ def evaluate_deployment(
             for key, value in (outcome.figures.get("categories") or {}).items()
             if key != "verdicts"
         }
-        | {"records_covered": tally.category_records, "records": tally.records},
+        | {
+            "records_covered": tally.category_records,
+            "records": tally.records,
+            "aggregated_requests": tally.aggregated_requests,
+        },
     }
     findings = _guardrails(arms, deployment)
     if findings:

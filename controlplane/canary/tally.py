@@ -16,17 +16,28 @@ own sums: the first ones seen in record (id) order, which in steady traffic are 
 ones (a category with share ``s`` shows up within about ``1 / s`` requests); later names pool
 into :data:`OTHER_CATEGORIES`. Records without a category share :data:`UNCATEGORISED`. Admission
 by id order keeps an incremental tally and a recount identical.
+
+An edge that sums its traffic per window (``controlplane.ingest.aggregates.WindowAggregate``)
+sends these same sums: :meth:`ArmTally.add_aggregate` merges one window's sums, so per-request
+records and window aggregates feed one tally. The primary metrics arrive as ``[n, sum, sum of
+squares]`` and are merged as Welford states (Chan et al.), equal to adding the window's requests
+one by one up to float rounding; the token counts and the spread are integers, added exactly.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.canary.statistics import ArmAccumulator
+from controlplane.canary.statistics import (
+    LATENCY_MS_PER_TOKEN,
+    TOKENS_PER_STEP,
+    ArmAccumulator,
+    MetricAccumulator,
+)
 
 # 2 added the per-category sums; a version-1 state (written before) is still read: its earlier
 # records are in the per-arm sums only, and the per-category sums start from the next record.
@@ -57,9 +68,23 @@ def ms_per_token(
     return None
 
 
+def _three_sums(sums: Sequence[float]) -> tuple[float, float, float]:
+    if len(sums) != 3:
+        raise ValueError("a metric's sums are [n, sum, sum of squares]")
+    return float(sums[0]), float(sums[1]), float(sums[2])
+
+
+def _add_positions(into: list[int], counts: Iterable[Any]) -> None:
+    per_position = [int(c) for c in counts]
+    if len(per_position) > len(into):
+        into += [0] * (len(per_position) - len(into))
+    for i, count in enumerate(per_position):
+        into[i] += count
+
+
 @dataclass
 class ArmTally:
-    """One arm's sums over the records folded so far."""
+    """One arm's sums over the records and window aggregates folded so far."""
 
     stats: ArmAccumulator = field(default_factory=ArmAccumulator)  # the decision's per-request metrics
     timed: int = 0  # requests with a latency (the figures' request count)
@@ -92,12 +117,49 @@ class ArmTally:
             if tokens_per_step > 0 and latency > 0:  # the statistics refuse empty requests
                 self.stats.add(tokens_per_step=tokens_per_step, latency_ms_per_token=latency)
         self.verify_steps += steps
-        per_position = [int(c) for c in (row.accepted_per_position or [])]
-        if len(per_position) > len(self.accepted_per_position):
-            self.accepted_per_position += [0] * (len(per_position) - len(self.accepted_per_position))
-        for i, count in enumerate(per_position):
-            self.accepted_per_position[i] += count
+        _add_positions(self.accepted_per_position, row.accepted_per_position or [])
         self.add_counts(int(row.drafted_tokens or 0), int(row.accepted_tokens or 0))
+
+    def add_aggregate(self, agg: Any) -> None:
+        """Fold one window aggregate (any object with ``WindowAggregate``'s fields): its requests'
+        sums merged at once.
+
+        The metric sums cover the requests where both metrics are positive, exactly those
+        :meth:`add` passes to the statistics. ``timed_requests`` also counts requests timed at
+        zero latency (an engine reporting a total equal to its TTFT), whose tokens per step the
+        window does not carry: each is counted at the window's mean, so the figures' request
+        count stays exact and the mean tokens per step unchanged. Unlike :meth:`add`, the token
+        totals also hold requests that generated nothing (a window does not tell them apart).
+        """
+        tokens_per_step_sums = _three_sums(agg.tokens_per_step)
+        latency_sums = _three_sums(agg.ms_per_token)
+        tokens_per_step = MetricAccumulator.from_sums(*tokens_per_step_sums)
+        latency = MetricAccumulator.from_sums(*latency_sums)
+        self.stats.merge(ArmAccumulator({TOKENS_PER_STEP: tokens_per_step, LATENCY_MS_PER_TOKEN: latency}))
+        timed = int(agg.timed_requests)
+        zero_latency = max(timed - tokens_per_step.n, 0)
+        if tokens_per_step.n:
+            mean_tokens_per_step = tokens_per_step.mean
+        else:
+            steps, generated = int(agg.verify_steps), int(agg.generated_tokens)
+            mean_tokens_per_step = generated / steps if steps > 0 else 1.0
+        self.timed += timed
+        self.tokens_per_step_sum += tokens_per_step_sums[1] + zero_latency * mean_tokens_per_step
+        self.ms_per_token_sum += latency_sums[1]  # zero-latency requests add nothing here
+        self.verify_steps += int(agg.verify_steps)
+        if int(agg.speculated_requests) > 0:  # else no request carried per-position counts
+            _add_positions(self.accepted_per_position, agg.accepted_per_position)
+        self.drafted += int(agg.drafted_tokens)
+        self.accepted += int(agg.accepted_tokens)
+        spread = [int(v) for v in agg.spread]
+        if len(spread) != 6:
+            raise ValueError("an aggregate's spread holds six sums")
+        self.spread_requests += spread[0]
+        self.spread_drafted += spread[1]
+        self.spread_accepted += spread[2]
+        self.drafted_squared += spread[3]
+        self.accepted_drafted += spread[4]
+        self.accepted_squared += spread[5]
 
     def add_counts(self, drafted: int, accepted: int) -> None:
         """Fold one request's drafted and accepted tokens (all the post-promotion watch reads)."""
@@ -176,15 +238,17 @@ class ArmTally:
 
 @dataclass
 class JudgeTally:
-    """Every arm's tally plus how many records were folded (``max_requests`` caps them), and the
+    """Every arm's tally plus how many requests were folded (``max_requests`` caps them), and the
     same tallies split by category: ``categories[bucket][arm]``. ``category_records`` counts the
-    records in the category split (fewer than ``records`` only for a tally restored from a state
-    written before categories were kept)."""
+    requests in the category split (fewer than ``records`` only for a tally restored from a state
+    written before categories were kept). ``records`` counts a window aggregate's requests too;
+    ``aggregated_requests`` says how many of them came in aggregates."""
 
     arms: dict[str, ArmTally]
     records: int = 0
     categories: dict[str, dict[str, ArmTally]] = field(default_factory=dict)
     category_records: int = 0
+    aggregated_requests: int = 0
 
     @classmethod
     def empty(cls, arm_names: Iterable[str]) -> JudgeTally:
@@ -198,15 +262,27 @@ class JudgeTally:
         named = sum(1 for name in self.categories if name not in (UNCATEGORISED, OTHER_CATEGORIES))
         return key if named < CATEGORY_LIMIT else OTHER_CATEGORIES
 
-    def fold(self, arm: str, row: Any) -> None:
-        self.arms[arm].add(row)
-        bucket = self.bucket_of(getattr(row, "category", None))
+    def _category_tallies(self, category: str | None) -> dict[str, ArmTally]:
+        bucket = self.bucket_of(category)
         per_arm = self.categories.get(bucket)
         if per_arm is None:
             per_arm = self.categories[bucket] = {name: ArmTally() for name in self.arms}
-        per_arm[arm].add(row)
+        return per_arm
+
+    def fold(self, arm: str, row: Any) -> None:
+        self.arms[arm].add(row)
+        self._category_tallies(getattr(row, "category", None))[arm].add(row)
         self.category_records += 1
         self.records += 1
+
+    def fold_aggregate(self, arm: str, agg: Any) -> None:
+        """Fold one window aggregate of ``arm`` (its category, like a record's, picks the bucket)."""
+        self.arms[arm].add_aggregate(agg)
+        self._category_tallies(agg.category)[arm].add_aggregate(agg)
+        requests = int(agg.requests)
+        self.category_records += requests
+        self.records += requests
+        self.aggregated_requests += requests
 
     def fold_counts(self, arm: str, row: Any) -> None:
         self.arms[arm].add_counts(int(row.drafted_tokens or 0), int(row.accepted_tokens or 0))
@@ -221,6 +297,7 @@ class JudgeTally:
             "records": self.records,
             "arms": {name: tally.to_state() for name, tally in self.arms.items()},
             "category_records": self.category_records,
+            "aggregated_requests": self.aggregated_requests,
             "categories": {
                 bucket: {name: tally.to_state() for name, tally in per_arm.items()}
                 for bucket, per_arm in self.categories.items()
@@ -242,6 +319,12 @@ class JudgeTally:
                 str(bucket): {name: ArmTally.from_state(per_arm[name]) for name in names}
                 for bucket, per_arm in stored.items()
             }
-            return cls(arms, int(state["records"]), categories, int(state.get("category_records", 0)))
+            return cls(
+                arms,
+                int(state["records"]),
+                categories,
+                int(state.get("category_records", 0)),
+                int(state.get("aggregated_requests", 0)),  # absent from states written before
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed judge state: {exc!r}") from exc

@@ -314,6 +314,28 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
         return
     named = {key[3] for key in deltas} - {NO_CATEGORY}
     kept = rollup_categories(session=session, deployment_id=deployment_id, categories=named) if named else {}
+    rows = _tier_rows(deltas, kept)
+    keys = sorted(rows)
+    if session.get_bind().dialect.name == "postgresql":
+        _apply_postgres(session, deployment_id, keys, rows)
+        return
+    like = keys[0][1]
+    _insert_empty(session, deployment_id, keys)
+    current = _lock_rows(session, deployment_id, keys)
+    locked = {
+        (row.resolution_s, _aware(row.bucket_start, like), row.arm, row.drafter_version, row.category): row
+        for row in current
+    }
+    # A Core executemany on the table: the ORM's bulk-update path costs several times more CPU
+    # per row, and this runs in every ingest transaction.
+    session.execute(_UPDATE_BY_ID, [_updated(locked[key], rows[key]) for key in keys])
+    session.expire_all()
+
+
+def _tier_rows(
+    deltas: Mapping[RollupKey, RollupDelta], kept: Mapping[str, str]
+) -> dict[TierKey, RollupDelta]:
+    """The rows of every tier that per-minute ``deltas`` add to, categories mapped by ``kept``."""
     minutes: dict[RollupKey, RollupDelta] = {}
     for (minute, arm, version, category), delta in deltas.items():
         # Tier buckets are UTC-aligned; normalising here also merges keys that named the same
@@ -334,21 +356,103 @@ def apply_deltas(*, session: Session, deployment_id: int, deltas: Mapping[Rollup
             minutes[key] = merged
     rows: dict[TierKey, RollupDelta] = {(MINUTE, *key): delta for key, delta in minutes.items()}
     rows.update(tier_deltas(minutes))
-    keys = sorted(rows)
-    if session.get_bind().dialect.name == "postgresql":
-        _apply_postgres(session, deployment_id, keys, rows)
+    return rows
+
+
+# Rollup rows created, locked and read per statement when many deployments are updated at once.
+MANY_CHUNK_ROWS = 20_000
+
+
+def apply_deltas_by_deployment(
+    *, session: Session, deltas: Mapping[int, Mapping[RollupKey, RollupDelta]]
+) -> None:
+    """:func:`apply_deltas` for many deployments at once (``deltas[deployment_id]``), in the
+    caller's transaction.
+
+    On PostgreSQL the round trips do not grow with the number of deployments: one read for the
+    stored categories of those not yet remembered, then the same upsert-lock-read and update as
+    for one deployment, over all their rows in (deployment, key) order, the order a one-deployment
+    writer locks in too. Elsewhere, one deployment after another, in id order.
+    """
+    if session.get_bind().dialect.name != "postgresql":
+        for deployment_id in sorted(deltas):
+            apply_deltas(session=session, deployment_id=deployment_id, deltas=deltas[deployment_id])
         return
-    like = keys[0][1]
-    _insert_empty(session, deployment_id, keys)
-    current = _lock_rows(session, deployment_id, keys)
-    locked = {
-        (row.resolution_s, _aware(row.bucket_start, like), row.arm, row.drafter_version, row.category): row
-        for row in current
+    named = {deployment_id: {key[3] for key in per} - {NO_CATEGORY} for deployment_id, per in deltas.items()}
+    kept = _categories_by_deployment(session, named)
+    rows: dict[tuple[int, TierKey], RollupDelta] = {}
+    for deployment_id, per in deltas.items():
+        for key, delta in _tier_rows(per, kept.get(deployment_id, {})).items():
+            rows[(deployment_id, key)] = delta
+    keys = sorted(rows)
+    for start in range(0, len(keys), MANY_CHUNK_ROWS):
+        _apply_postgres_many(session, keys[start : start + MANY_CHUNK_ROWS], rows)
+
+
+def _categories_by_deployment(session: Session, named: Mapping[int, set[str]]) -> dict[int, dict[str, str]]:
+    """rollup_categories for many deployments: the stored categories of every deployment naming
+    one not remembered are read in one query (per LOCK_CHUNK deployments), not one each."""
+    url = session.get_bind().engine.url.render_as_string(hide_password=True)
+    stale = sorted(
+        deployment_id
+        for deployment_id, wanted in named.items()
+        if wanted and not wanted <= _STORED_CATEGORIES.get((url, deployment_id), frozenset())
+    )
+    if stale:
+        r = AcceptanceRollupRow
+        stored: dict[int, set[str]] = {deployment_id: set() for deployment_id in stale}
+        for start in range(0, len(stale), LOCK_CHUNK):
+            query = (
+                select(r.deployment_id, r.category)
+                .where(
+                    r.deployment_id.in_(stale[start : start + LOCK_CHUNK]), r.resolution_s == RESOLUTIONS[-1]
+                )
+                .distinct()
+            )
+            for deployment_id, category in session.execute(query):
+                stored[int(deployment_id)].add(category)
+        if len(_STORED_CATEGORIES) + len(stored) > _MAX_REMEMBERED_DEPLOYMENTS:
+            _STORED_CATEGORIES.clear()
+        for deployment_id, categories in stored.items():
+            _STORED_CATEGORIES[(url, deployment_id)] = frozenset(categories)
+    return {
+        deployment_id: _admitted(_STORED_CATEGORIES.get((url, deployment_id), frozenset()), wanted)
+        for deployment_id, wanted in named.items()
+        if wanted
     }
-    # A Core executemany on the table: the ORM's bulk-update path costs several times more CPU
-    # per row, and this runs in every ingest transaction.
-    session.execute(_UPDATE_BY_ID, [_updated(locked[key], rows[key]) for key in keys])
-    session.expire_all()
+
+
+def _apply_postgres_many(
+    session: Session, keys: Sequence[tuple[int, TierKey]], rows: Mapping[tuple[int, TierKey], RollupDelta]
+) -> None:
+    """_apply_postgres over rows of many deployments: ``keys`` sorted by (deployment, tier key)."""
+    with driver_cursor(session) as cursor:
+        cursor.execute(
+            _UPSERT_LOCKING_MANY_SQL,
+            {
+                "deployment_ids": [key[0] for key in keys],
+                "resolutions": [key[1][0] for key in keys],
+                "starts": [key[1][1] for key in keys],
+                "arms": [key[1][2] for key in keys],
+                "versions": [key[1][3] for key in keys],
+                "categories": [key[1][4] for key in keys],
+            },
+            prepare=True,
+        )
+        locked = {
+            (
+                row.deployment_id,
+                (row.resolution_s, row.bucket_start, row.arm, row.drafter_version, row.category),
+            ): row
+            for row in cursor.fetchall()
+        }
+        updates = []
+        for key in keys:
+            values = _updated(locked[key], rows[key])
+            for name in _JSON_COLUMNS:
+                values[name] = json_dumps(values[name])
+            updates.append(values)
+        cursor.executemany(_UPDATE_BY_ID_SQL, updates)
 
 
 # Categories found stored in a deployment's rollups, by (database URL, deployment id): only ever
@@ -378,7 +482,12 @@ def rollup_categories(*, session: Session, deployment_id: int, categories: Itera
     if len(_STORED_CATEGORIES) >= _MAX_REMEMBERED_DEPLOYMENTS:
         _STORED_CATEGORIES.clear()
     _STORED_CATEGORIES[known_key] = frozenset(stored)
-    counted = stored - {NO_CATEGORY, OVERFLOW_CATEGORY}
+    return _admitted(stored, wanted)
+
+
+def _admitted(stored: Iterable[str], wanted: Iterable[str]) -> dict[str, str]:
+    """Each of ``wanted`` mapped to the category it is rolled up under, given those ``stored``."""
+    counted = set(stored) - {NO_CATEGORY, OVERFLOW_CATEGORY}
     out: dict[str, str] = {}
     for category in sorted(wanted):
         if category in (NO_CATEGORY, OVERFLOW_CATEGORY) or category in counted:
@@ -544,6 +653,21 @@ _UPSERT_LOCKING_SQL = f"""
     ORDER BY k.position
     ON CONFLICT ON CONSTRAINT uq_acceptance_rollups_key DO UPDATE SET requests = acceptance_rollups.requests
     RETURNING {", ".join(_LOCKED_COLUMNS)}
+"""
+# The same for rows of many deployments: the deployment id travels with each key.
+_UPSERT_LOCKING_MANY_SQL = f"""
+    INSERT INTO acceptance_rollups (deployment_id, resolution_s, bucket_start, arm, drafter_version,
+        category, {", ".join(_SUM_COLUMNS)}, accepted_per_position, {", ".join(HISTOGRAMS)})
+    SELECT k.deployment_id, k.resolution_s, k.bucket_start, k.arm, k.drafter_version, k.category,
+        {", ".join("0" for _ in _SUM_COLUMNS)}, '[]', {", ".join("'[]'" for _ in HISTOGRAMS)}
+    FROM unnest(CAST(%(deployment_ids)s AS integer[]), CAST(%(resolutions)s AS integer[]),
+                CAST(%(starts)s AS timestamptz[]), CAST(%(arms)s AS varchar[]),
+                CAST(%(versions)s AS integer[]), CAST(%(categories)s AS varchar[]))
+         WITH ORDINALITY AS k(deployment_id, resolution_s, bucket_start, arm, drafter_version, category,
+                              position)
+    ORDER BY k.position
+    ON CONFLICT ON CONSTRAINT uq_acceptance_rollups_key DO UPDATE SET requests = acceptance_rollups.requests
+    RETURNING deployment_id, {", ".join(_LOCKED_COLUMNS)}
 """
 _JSON_COLUMNS = ("accepted_per_position", *HISTOGRAMS)
 _UPDATE_BY_ID_SQL = f"""

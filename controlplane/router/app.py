@@ -269,7 +269,7 @@ class Router:
             or raw_rate >= 1.0
             or (raw_rate > 0.0 and unit_hash(f"raw:{request_id}") < raw_rate)
         )
-        call = _Call(
+        call = ServedCall(
             state.routes.name,
             request_id,
             category,
@@ -287,7 +287,7 @@ class Router:
         payload: bytes,
         headers: dict[str, str],
         attempts: list[Attempt],
-        call: _Call,
+        call: ServedCall,
         *,
         stream: bool,
     ) -> None:
@@ -341,7 +341,7 @@ class Router:
         resp: aiohttp.ClientResponse,
         media_type: str,
         backend: BackendState,
-        call: _Call,
+        call: ServedCall,
         arm: str,
         version: int | None,
     ) -> None:
@@ -398,7 +398,9 @@ class Router:
         log.warning("backend %s of %s failed: %s", backend.name, deployment, why)
 
     # ------------------------------------------------------------------------------- reporting
-    def _report_whole(self, call: _Call, data: bytes, arm: str, version: int | None, total_ms: float) -> None:
+    def _report_whole(
+        self, call: ServedCall, data: bytes, arm: str, version: int | None, total_ms: float
+    ) -> None:
         """Parse a whole reply and file its record (on the event loop, in the request's own task
         once the reply has left: a thread hand-off per request would cost more than the parsing)."""
         try:
@@ -411,7 +413,7 @@ class Router:
 
     def _report(
         self,
-        call: _Call,
+        call: ServedCall,
         reply: Mapping[str, Any],
         arm: str,
         version: int | None,
@@ -575,7 +577,9 @@ class Router:
 
 
 @dataclass(frozen=True, slots=True)
-class _Call:
+class ServedCall:
+    """One proxied request, as the reporter needs it once the reply has left."""
+
     deployment: str
     request_id: str
     category: str | None

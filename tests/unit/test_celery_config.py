@@ -6,7 +6,14 @@ import pytest
 
 from controlplane import messaging
 from controlplane.messaging import QUEUE_DEFAULT, QUEUE_GPU
-from workers import actuator_tasks, canary_tasks, scrape_tasks, storage_tasks, tasks  # noqa: F401  (registers the tasks)
+from workers import (  # noqa: F401  (registers the tasks)
+    actuator_tasks,
+    aggregate_tasks,
+    canary_tasks,
+    scrape_tasks,
+    storage_tasks,
+    tasks,
+)
 from workers.celery_app import VISIBILITY_TIMEOUT_S, celery_app, make_celery
 
 REDIS = "redis://127.0.0.1:6379/0"
