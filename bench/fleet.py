@@ -356,6 +356,22 @@ def monitor_loop(url: str, shard: int, shards: int, stop: Any, out: Any) -> None
             time.sleep(0.5 - (done - started))
 
 
+def rollup_loop(url: str, stop: Any, out: Any) -> None:
+    """The rollup fold of edge windows (what the ``acceptance.rollup_aggregates`` task runs)."""
+    from controlplane.ingest.aggregate_rollups import fold_aggregate_rollups
+
+    factory = get_sessionmaker(url)
+    while not stop.is_set():
+        started = time.time()
+        with factory() as session:
+            fold = fold_aggregate_rollups(session=session)
+            session.commit()
+        if fold.windows:
+            out.put(("rollup", started, time.time(), fold.windows, fold.as_dict().get("aggregates", 0)))
+        else:
+            time.sleep(1.0)
+
+
 # -------------------------------------------------------------------------------- per request
 
 
@@ -479,6 +495,8 @@ def main() -> int:
     monitors = [
         ctx.Process(target=monitor_loop, args=(url, s, args.shards, stop, passes)) for s in range(args.shards)
     ]
+    rollups: Any = ctx.Queue()
+    monitors.append(ctx.Process(target=rollup_loop, args=(url, stop, rollups)))
     for p in monitors:
         p.start()
     sim_start = datetime.fromtimestamp((int(time.time()) // 3600 - 3) * 3600, UTC)
@@ -566,6 +584,15 @@ def main() -> int:
             api.wait(timeout=30)
         client.close()
     run_seconds = time.time() - run_started
+    rollup_log: list[tuple[Any, ...]] = []
+    while True:
+        try:
+            rollup_log.append(rollups.get_nowait())
+        except queue.Empty:
+            break
+    rolled_windows = sum(r[3] for r in rollup_log)
+    rolled_aggregates = sum(r[4] for r in rollup_log)
+    rollup_busy_s = sum(r[2] - r[1] for r in rollup_log)
     # Lag: each window's post start (its end, in compressed time) to the end of the last pass that
     # consumed part of it (a window holds deployments of every shard).
     consumed_at: dict[int, float] = {}
@@ -656,6 +683,13 @@ def main() -> int:
         "storage_bytes": storage,
         "storage_bytes_per_deployment_day": per_deployment_day,
         "retention_days_for_100GB_at_10k_deployments": retention_days,
+        "rollup_fold": {
+            "windows": rolled_windows,
+            "of_windows_posted": len(posted),
+            "aggregates": rolled_aggregates,
+            "busy_s": rollup_busy_s,
+            "aggregates_per_busy_s": rolled_aggregates / rollup_busy_s if rollup_busy_s else None,
+        },
         "windows_posted": len(posted),
         "windows_unconsumed": len(unconsumed),
         "post_errors": post_errors[:5],
@@ -693,6 +727,11 @@ def main() -> int:
         ("drifts detected", f"{len(detected)} / {len(drifted)}", ""),
         ("storage_bytes_per_deployment_day", f"{per_deployment_day:,.0f}", "printed"),
         ("retention for 100 GB at 10k deployments (days)", f"{retention_days:.1f}", ""),
+        (
+            "rollup fold: windows folded / posted (aggregates/s busy)",
+            f"{rolled_windows} / {len(posted)} ({figures['rollup_fold']['aggregates_per_busy_s'] or 0:,.0f})",
+            "",
+        ),
     ]
     print(f"\n{'figure':55s} {'measured':>40s}  target")
     for name, value, target in rows:

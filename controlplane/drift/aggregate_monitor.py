@@ -64,6 +64,9 @@ _IN_CHUNK = 5_000
 # commits (a 20,000-aggregate window takes about a second): ids are consumed only up to a
 # horizon seen at least this long ago, by when every transaction that took a lower id is done.
 DEFAULT_SETTLE_S = 2.0
+# Seconds a pass may spend giving frozen detectors still at the Pollak bound their simulated
+# threshold (about half a second each): the rest wait for a later pass.
+DEFAULT_CALIBRATION_BUDGET_S = 1.0
 
 
 @dataclass
@@ -112,6 +115,8 @@ class AggregatePass:
     # Seconds from each consumed window's end to this pass (the window's wait for detection).
     window_lags_s: list[float] = field(default_factory=list)
     edge_window_ids: set[int] = field(default_factory=set)
+    calibrated: int = 0
+    calibration_s: float = 0.0
     seconds: float = 0.0
     _written: dict[int, tuple[int, DetectorPair]] = field(default_factory=dict)
 
@@ -127,6 +132,7 @@ class AggregatePass:
             "requests": self.requests,
             "events_raised": self.events_raised,
             "realign_jobs": self.realign_jobs,
+            "calibrated": self.calibrated,
             "seconds": round(self.seconds, 4),
         }
 
@@ -145,6 +151,7 @@ def monitor_aggregates(
     cache: DetectorCache | None = None,
     now: datetime | None = None,
     settle_s: float = DEFAULT_SETTLE_S,
+    calibration_budget_s: float = DEFAULT_CALIBRATION_BUDGET_S,
 ) -> AggregatePass:
     """One pass over the shard's deployments with pending aggregates (see the module docstring).
 
@@ -268,7 +275,9 @@ def monitor_aggregates(
         # Taken out: a pass that fails leaves no half-advanced detector behind (commit puts back).
         cached = cache.detectors.pop(deployment_id, None)
         if restart:
-            detectors = DetectorPair.new(policy, n_positions=n_positions)
+            # Thousands of reference windows fill in the same minute on a fleet: each freezes at
+            # the Pollak bound (safe, a little slow to alarm) and is calibrated below, in turn.
+            detectors = DetectorPair.new(policy, n_positions=n_positions, calibrate_on_freeze=False)
         elif cached is not None and s is not None and cached[0] == s.version:
             detectors = cached[1]
         else:
@@ -324,6 +333,11 @@ def monitor_aggregates(
             open_event = True
             last_alarm = now
             quiet_until = now + timedelta(seconds=policy.cooldown_s)
+        if detectors.main.calibration_pending and outcome.calibration_s < calibration_budget_s:
+            calibrating = time.perf_counter()
+            detectors.main.calibrate()
+            outcome.calibrated += 1
+            outcome.calibration_s += time.perf_counter() - calibrating
         consumed_to = max(windows)
         outcome.edge_window_ids.update(windows)
         values = {

@@ -59,7 +59,9 @@ DETECTOR_NAME = "mixture_sr"
 SERVING_MODE_KEY = "speculation_mode"
 
 
-def new_detector(policy: drift_policy.DriftPolicy, *, n_positions: int) -> MixtureSR:
+def new_detector(
+    policy: drift_policy.DriftPolicy, *, n_positions: int, calibrate_on_freeze: bool = True
+) -> MixtureSR:
     """The main detector for a policy: threshold derived from ARL0, drops below min_drop ignored.
 
     The latch and cooldown are kept by the monitor (in wall time), not by the detector.
@@ -69,6 +71,7 @@ def new_detector(policy: drift_policy.DriftPolicy, *, n_positions: int) -> Mixtu
         min_drop=policy.min_drop,
         n_positions=n_positions,
         reference_size=policy.reference_requests,
+        calibrate_on_freeze=calibrate_on_freeze,
     )
 
 
@@ -89,9 +92,11 @@ class DetectorPair:
     mix: MixMonitor
 
     @classmethod
-    def new(cls, policy: drift_policy.DriftPolicy, *, n_positions: int) -> DetectorPair:
+    def new(
+        cls, policy: drift_policy.DriftPolicy, *, n_positions: int, calibrate_on_freeze: bool = True
+    ) -> DetectorPair:
         return cls(
-            new_detector(policy, n_positions=n_positions),
+            new_detector(policy, n_positions=n_positions, calibrate_on_freeze=calibrate_on_freeze),
             MixMonitor(arl0=float(policy.arl0_requests), min_drop=policy.min_drop),
         )
 
