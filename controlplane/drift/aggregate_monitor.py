@@ -45,6 +45,7 @@ from controlplane.db.models import (
     DriftMonitorState,
     EdgeWindowRow,
 )
+from controlplane.db.session import json_dumps
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS
 from controlplane.drift import policy as drift_policy
 from controlplane.drift import states as drift_states
@@ -66,14 +67,15 @@ _IN_CHUNK = 5_000
 DEFAULT_SETTLE_S = 2.0
 # Seconds a pass may spend giving frozen detectors still at the Pollak bound their simulated
 # threshold (about half a second each): the rest wait for a later pass.
-DEFAULT_CALIBRATION_BUDGET_S = 1.0
+DEFAULT_CALIBRATION_BUDGET_S = 0.5
 
 
 @dataclass
 class DetectorCache:
     """One worker's detectors as it last wrote them, and each shard's last seen horizon."""
 
-    detectors: dict[int, tuple[int, DetectorPair]] = field(default_factory=dict)
+    # deployment -> (state version written, detectors, the serving mode their baseline is of)
+    detectors: dict[int, tuple[int, DetectorPair, str]] = field(default_factory=dict)
     # Per (shard, shards): (monotonic time, newest edge-window id seen then), oldest first.
     horizons: dict[tuple[int, int], list[tuple[float, int]]] = field(default_factory=dict)
 
@@ -118,7 +120,7 @@ class AggregatePass:
     calibrated: int = 0
     calibration_s: float = 0.0
     seconds: float = 0.0
-    _written: dict[int, tuple[int, DetectorPair]] = field(default_factory=dict)
+    _written: dict[int, tuple[int, DetectorPair, str]] = field(default_factory=dict)
 
     def commit(self, cache: DetectorCache) -> None:
         cache.detectors.update(self._written)
@@ -235,7 +237,6 @@ def monitor_aggregates(
         for s in session.execute(
             select(
                 state.deployment_id,
-                state.detector_state,
                 state.watermark_edge_window_id,
                 state.active_drafter_version,
                 state.policy,
@@ -253,35 +254,57 @@ def monitor_aggregates(
                 )
             )
         )
+    # Decoding a stored detector costs more than advancing it: only cache misses read theirs.
+    missing = [
+        deployment_id
+        for deployment_id, s in states.items()
+        if (cache.detectors.get(deployment_id) or (None,))[0] != s.version
+    ]
+    stored_states: dict[int, dict[str, Any]] = {}
+    for chunk in _chunks(sorted(missing)):
+        for deployment_id, detector_state in session.execute(
+            select(state.deployment_id, state.detector_state).where(state.deployment_id.in_(chunk))
+        ):
+            stored_states[int(deployment_id)] = detector_state or {}
+    policies: dict[str, tuple[drift_policy.DriftPolicy, dict[str, Any]]] = {}
     updates: list[dict[str, Any]] = []
     inserts: list[dict[str, Any]] = []
     for deployment_id in ids:
         d = deployments.get(deployment_id)
         if d is None or d.deleted_at is not None:
             continue
-        policy = drift_policy.resolve(d.drift_policy or {}, settings)
+        # Most deployments share a policy: resolve each distinct stored one once per pass.
+        policy_key = json_dumps(d.drift_policy or {})
+        if policy_key not in policies:
+            resolved = drift_policy.resolve(d.drift_policy or {}, settings)
+            policies[policy_key] = (resolved, resolved.as_dict())
+        policy, policy_dict = policies[policy_key]
         active_version = active.get(deployment_id)
         serving_mode = d.speculation_mode.value
         s = states.get(deployment_id)
-        stored = (s.detector_state or {}) if s is not None else {}
+        # Taken out: a pass that fails leaves no half-advanced detector behind (commit puts back).
+        cached = cache.detectors.pop(deployment_id, None)
+        if cached is not None and s is not None and cached[0] == s.version:
+            stored: dict[str, Any] = {SERVING_MODE_KEY: cached[2]}
+        else:
+            cached = None
+            stored = stored_states.get(deployment_id, {})
         restart = (
             s is None
             or not stored
             or s.active_drafter_version != active_version
-            or s.policy != policy.as_dict()
+            or s.policy != policy_dict
             or stored.get(SERVING_MODE_KEY, serving_mode) != serving_mode
         )
         n_positions = max(1, min(d.draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS))
-        # Taken out: a pass that fails leaves no half-advanced detector behind (commit puts back).
-        cached = cache.detectors.pop(deployment_id, None)
         if restart:
             # Thousands of reference windows fill in the same minute on a fleet: each freezes at
             # the Pollak bound (safe, a little slow to alarm) and is calibrated below, in turn.
             detectors = DetectorPair.new(policy, n_positions=n_positions, calibrate_on_freeze=False)
-        elif cached is not None and s is not None and cached[0] == s.version:
+        elif cached is not None:
             detectors = cached[1]
         else:
-            detectors = DetectorPair.from_state(stored, policy)
+            detectors = DetectorPair.from_state(stored, policy, calibrate_on_freeze=False)
         examined = 0 if restart or s is None else int(s.records_examined)
         last_alarm = s.last_alarm_at if s is not None else None
         open_event = deployment_id in open_events
@@ -344,7 +367,7 @@ def monitor_aggregates(
             "detector_state": {**detectors.to_state(), SERVING_MODE_KEY: serving_mode},
             "watermark_edge_window_id": consumed_to,
             "active_drafter_version": active_version,
-            "policy": policy.as_dict(),
+            "policy": policy_dict,
             "records_examined": examined,
             "last_alarm_at": last_alarm,
             "updated_at": now,
@@ -359,12 +382,12 @@ def monitor_aggregates(
                     **values,
                 }
             )
-            outcome._written[deployment_id] = (1, detectors)
+            outcome._written[deployment_id] = (1, detectors, serving_mode)
         else:
             updates.append(
                 {"b_deployment_id": deployment_id, "b_version": s.version, **values, "version": s.version + 1}
             )
-            outcome._written[deployment_id] = (s.version + 1, detectors)
+            outcome._written[deployment_id] = (s.version + 1, detectors, serving_mode)
         outcome.deployments += 1
     table = cast(Table, DriftMonitorState.__table__)
     if updates:

@@ -29,6 +29,8 @@ class ReferenceWindow:
         self._count: dict[str, int] = {POOLED: 0}
         self._sx: dict[str, FloatArray] = {POOLED: np.zeros(dim)}
         self._sxx: dict[str, FloatArray] = {POOLED: np.zeros((dim, dim))}
+        # A frozen window is saved with every state of its detector: serialised once, not each time.
+        self._state: dict[str, Any] | None = None
 
     @property
     def count(self) -> int:
@@ -36,6 +38,7 @@ class ReferenceWindow:
 
     def add(self, x: FloatArray, category: str | None) -> None:
         """Add one request's vector ``x`` (length 2K) to the pooled group and to its category."""
+        self._state = None
         outer = np.outer(x, x)
         keys = [POOLED]
         if category is not None and category != POOLED:
@@ -53,6 +56,7 @@ class ReferenceWindow:
 
     def add_sums(self, count: int, sx: FloatArray, sxx: FloatArray, category: str | None) -> None:
         """Add ``count`` requests given only their sums ``sum x`` and ``sum x x'`` (an edge aggregate)."""
+        self._state = None
         keys = [POOLED]
         if category is not None and category != POOLED:
             if category in self._count or len(self._count) - 1 < self.max_categories:
@@ -69,6 +73,7 @@ class ReferenceWindow:
 
     def add_many(self, x: FloatArray, categories: list[str | None] | None) -> None:
         """Add many requests at once (rows of ``x``); same sums as repeated :meth:`add` (integer counts)."""
+        self._state = None
         cats: list[str | None] = list(categories) if categories is not None else [None] * len(x)
         dim = 2 * self.n_positions
         by_key: dict[str, list[int]] = {POOLED: list(range(len(x)))}
@@ -112,7 +117,9 @@ class ReferenceWindow:
         return GroupStats(key, self._count[key], self._sx[key].copy(), self._sxx[key].copy())
 
     def to_state(self) -> dict[str, Any]:
-        return {
+        if self._state is not None:
+            return self._state
+        self._state = {
             "n_positions": self.n_positions,
             "max_categories": self.max_categories,
             "groups": {
@@ -120,6 +127,7 @@ class ReferenceWindow:
                 for k in self._count
             },
         }
+        return self._state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> ReferenceWindow:

@@ -101,12 +101,21 @@ class DetectorPair:
         )
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], policy: drift_policy.DriftPolicy) -> DetectorPair:
+    def from_state(
+        cls,
+        state: dict[str, Any],
+        policy: drift_policy.DriftPolicy,
+        *,
+        calibrate_on_freeze: bool | None = None,
+    ) -> DetectorPair:
         if "main" in state:
-            return cls(MixtureSR.from_state(state["main"]), MixMonitor.from_state(state["mix"]))
+            return cls(
+                MixtureSR.from_state(state["main"], calibrate_on_freeze=calibrate_on_freeze),
+                MixMonitor.from_state(state["mix"]),
+            )
         # A state saved before the side monitor existed: keep the main detector, start the side one.
         return cls(
-            MixtureSR.from_state(state),
+            MixtureSR.from_state(state, calibrate_on_freeze=calibrate_on_freeze),
             MixMonitor(arl0=float(policy.arl0_requests), min_drop=policy.min_drop),
         )
 
