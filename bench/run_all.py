@@ -14,6 +14,7 @@ SCRIPTS = [
     "engine.py",
     "draft_stop.py",
     "drift.py",
+    "fleet.py",
     "realign.py",
     "domain_ceiling.py",
     "canary.py",
