@@ -78,6 +78,8 @@ REFERENCE = 5_000
 MIN_DROP = 0.03
 MOMENT_SAMPLES = 800
 WINDOW_S = 60
+# x = (s0..s3, t0..t3) with t_{i+1} = s_i: a window draws (t0, s0..s3) and derives the rest.
+_DRAWN = [K, *range(K)]
 # Minutes whose windows fill and freeze every deployment's reference window: steady-state lag and
 # pass figures start after them (both are printed).
 WARMUP_MINUTES = 2
@@ -142,7 +144,7 @@ class FleetTraffic:
         self.mean_after, self.second_after = model_moments(after, rng)
         self.moment_seconds = time.perf_counter() - t0
         self._after_row = {int(d): i for i, d in enumerate(self.drifted)}
-        self._factors: dict[tuple[int, bool], np.ndarray] = {}
+        self._factors: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.latency = self._latency_sketch()
 
     def _latency_sketch(self) -> dict[str, Any]:
@@ -161,6 +163,19 @@ class FleetTraffic:
             return self.mean_after[row], self.second_after[row]
         row = d + c * self.n
         return self.mean[row], self.second[row]
+
+    def _draw_model(self, d: int, c: int, after: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The model's mean, second moment and a square root of one request's covariance of
+        (t0, s0..s3), computed once per model."""
+        key = (d * 2 + c, after)
+        cached = self._factors.get(key)
+        if cached is None:
+            mean, second = self._model(d, c, after)
+            cov = (second - np.outer(mean, mean))[np.ix_(_DRAWN, _DRAWN)]
+            w, v = np.linalg.eigh(cov)
+            cached = (mean, second, v * np.sqrt(np.clip(w, 0.0, None)))
+            self._factors[key] = cached
+        return cached
 
     def window(self, d: int, minute: int, rps: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """(category index, requests, sum x, sum x x') per category of deployment d's window."""
@@ -185,15 +200,8 @@ class FleetTraffic:
             for m, after in parts:
                 if m == 0:
                     continue
-                mean, second = self._model(d, c, after)
-                cov = second - np.outer(mean, mean)
-                # x = (s0..s3, t0..t3) with t_{i+1} = s_i: draw (t0, s0..s3) and derive the rest.
-                idx = [K] + list(range(K))
-                sub = cov[np.ix_(idx, idx)] * m
-                w, v = np.linalg.eigh(sub)
-                draw = mean[idx] * m + v @ (
-                    np.sqrt(np.clip(w, 0.0, None)) * self.rng.standard_normal(len(idx))
-                )
+                mean, second, factor = self._draw_model(d, c, after)
+                draw = mean[_DRAWN] * m + math.sqrt(m) * (factor @ self.rng.standard_normal(len(_DRAWN)))
                 t0 = max(1.0, round(draw[0]))
                 s = np.zeros(K)
                 tried = t0

@@ -10,15 +10,19 @@ dependence of tokens within a request cannot make it over-confident. Lifecycle:
    linear in the counts, ``l_g = W_g . (successes, trials)``, with ``W_g`` built from the
    request's own category baseline (the risk adjustment of Steiner et al. 2000, so a pure change
    of workload mix does not look like a drop). ``R_g <- (1 + R_g) exp(l_g)`` and the alarm is
-   ``sum_g w_g R_g >= ARL0``. Overdispersion and baseline uncertainty are handled by tempering
-   each ``l_g`` (see :mod:`controlplane.drift.calibration`), so the requested ARL0 holds without
-   simulation; the baseline-error tempering is sized per baseline row (pooled, or a category's
-   own), because a category with few reference requests has a noisier baseline and a mix shift
-   can make it most of the traffic. Drops smaller than ``min_drop`` (absolute points of
-   acceptance) have no component. The weights: ``1 - single_share`` on the all-positions drops,
-   ``single_share`` on the one-position drops, uniform over the ``n_grid`` log-spaced sizes within
-   a set; each component pays ``ln(1 / w_g)`` nats of delay, so most weight goes where most drops
-   are (a stale drafter degrades every position), and one-position drops stay detectable.
+   ``sum_g w_g R_g >= exp(threshold)``. Overdispersion and baseline uncertainty are handled by
+   tempering each ``l_g`` (see :mod:`controlplane.drift.calibration`), so the requested ARL0 holds
+   at the Pollak bound ``threshold = ln ARL0`` without simulation; the baseline-error tempering is
+   sized per baseline row (pooled, or a category's own), because a category with few reference
+   requests has a noisier baseline and a mix shift can make it most of the traffic. That bound
+   holds several times the requested ARL0, so by default (``threshold="simulated"``) the
+   threshold is the one at which simulated null traffic of the reference's own moments reaches
+   the requested ARL0, computed once at freezing and kept in the state. Drops smaller than
+   ``min_drop`` (absolute points of acceptance) have no component. The weights: ``1 -
+   single_share`` on the all-positions drops, ``single_share`` on the one-position drops, uniform
+   over the ``n_grid`` log-spaced sizes within a set; each component pays ``ln(1 / w_g)`` nats of
+   delay, so most weight goes where most drops are (a stale drafter degrades every position), and
+   one-position drops stay detectable.
 3. **Alarm.** The alarm latches (``drift_detected`` stays True, the statistic freezes) until
    :meth:`MixtureSR.reset`, which starts a ``cooldown`` of ignored requests (realignment and
    canary run meanwhile); :meth:`MixtureSR.rebaseline` starts a new reference window after a
@@ -42,17 +46,18 @@ dependence of tokens within a request cannot make it over-confident. Lifecycle:
 ...     if detector.drift_detected:
 ...         break
 >>> i
-1004
+1003
 >>> e = detector.evidence()
 >>> round(e.baseline_rate, 2), round(e.current_estimate, 2), e.records_examined
-(0.8, 0.67, 705)
+(0.8, 0.68, 704)
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -60,6 +65,7 @@ import numpy as np
 from controlplane.drift.calibration import (
     dispersion_relative_var,
     estimation_temperings,
+    simulated_log_threshold,
     sr_log_threshold,
 )
 from controlplane.drift.evidence import DriftEvidence
@@ -67,6 +73,8 @@ from controlplane.drift.observation import RequestObservation
 from controlplane.drift.reference import POOLED, FloatArray, ReferenceWindow
 
 STATE_VERSION = 1
+THRESHOLDS = ("simulated", "bound")
+_MAX_STATISTIC = 1e300  # far above any alarm level, and its sum over components stays finite
 _MAX_LOG_LR = 700.0  # exp() overflows past ~709; any such request alarms anyway
 
 
@@ -92,6 +100,14 @@ def _fit_matrix(v: Any, n: int) -> FloatArray:
     out = np.zeros((n, n))
     out[np.ix_(idx_to, idx_to)] = a[np.ix_(idx_from, idx_from)]
     return out
+
+
+def _kernel_digest(W: FloatArray, weights: FloatArray, method: str) -> str:
+    """Identifies the kernel a stored threshold was computed for."""
+    digest = hashlib.blake2b(method.encode(), digest_size=16)
+    digest.update(np.ascontiguousarray(W).tobytes())
+    digest.update(np.ascontiguousarray(weights).tobytes())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -131,9 +147,13 @@ class MixtureSR:
         min_trials: int = 50,
         dispersion: bool = True,
         single_share: float = 0.05,
+        threshold: str = "simulated",
+        calibrate_on_freeze: bool = True,
     ) -> None:
         if not arl0 > 1.0:
             raise ValueError("arl0 must be > 1")
+        if threshold not in THRESHOLDS:
+            raise ValueError(f"threshold must be one of {THRESHOLDS}, got {threshold!r}")
         if not 0.0 < min_drop < 1.0 or not 0.0 < max_rel_drop < 1.0:
             raise ValueError("min_drop and max_rel_drop must lie in (0, 1)")
         if not 0.0 <= single_share < 1.0:
@@ -153,6 +173,10 @@ class MixtureSR:
         self.min_trials = int(min_trials)
         self.dispersion = bool(dispersion)
         self.single_share = float(single_share)
+        self.threshold_method = threshold
+        # False: freeze at the Pollak bound and simulate the threshold later (calibrate()), so a
+        # monitor that freezes thousands of detectors at once can spread the simulations out.
+        self.calibrate_on_freeze = bool(calibrate_on_freeze)
         self.rebaseline()
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -161,6 +185,7 @@ class MixtureSR:
         """Forget the baseline and start a new reference window (after a drafter promotion)."""
         self._reference = ReferenceWindow(self.n_positions)
         self._kernel: SRKernel | None = None
+        self._alarm_level = math.inf  # the statistic (not its log) that alarms; set by _bind
         self._cooldown_left = 0
         self._alarms = 0
         self._clear_statistic()
@@ -223,7 +248,7 @@ class MixtureSR:
         rw += self._weights
         rw *= np.exp(llr, out=llr)
         self._stat = float(np.dot(rw, self._ones))
-        if self._stat >= self.arl0:
+        if self._stat >= self._alarm_level:
             self._alarms += 1
             self._alarm = self.evidence()
         return self
@@ -279,8 +304,10 @@ class MixtureSR:
         self._snapshot[reset] = self._cum
         self._start[reset] = self._examined
         self._rw = (self._rw + self._weights * count) * np.exp(llr)
+        # A window's ratio can be astronomically large: kept finite, so the state stays JSON.
+        np.minimum(self._rw, _MAX_STATISTIC, out=self._rw)
         self._stat = float(self._rw.sum())
-        if self._stat >= self.arl0:
+        if self._stat >= self._alarm_level:
             self._alarms += 1
             self._alarm = self.evidence()
         return self
@@ -327,8 +354,8 @@ class MixtureSR:
 
     @property
     def threshold(self) -> float:
-        """Log alarm level."""
-        return sr_log_threshold(self.arl0)
+        """Log alarm level in use (the Pollak bound ``ln ARL0`` until the reference window freezes)."""
+        return sr_log_threshold(self.arl0) if self._kernel is None else self._kernel.log_threshold
 
     @property
     def kernel(self) -> SRKernel | None:
@@ -392,8 +419,12 @@ class MixtureSR:
 
     # ------------------------------------------------------------------------------------- freezing
 
-    def _freeze(self) -> None:
-        """Turn the reference window into the monitoring kernel (deterministic: from_state re-runs it)."""
+    def _freeze(self, stored_threshold: dict[str, Any] | None = None) -> None:
+        """Turn the reference window into the monitoring kernel (deterministic: from_state re-runs it).
+
+        ``stored_threshold`` is a state's threshold entry: used as is when it was computed for
+        this very kernel, so that restoring a state never repeats the simulation.
+        """
         ref = self._reference
         k = self.n_positions
         groups = ref.groups(self.min_category_requests if self.risk_adjust else 1 << 62)
@@ -494,11 +525,22 @@ class MixtureSR:
             for g, si in enumerate(set_of):
                 n_in_set = set_of.count(si)
                 weights[g] = (share_all if sets[si][0] == "all" else share_single) / n_in_set
+        digest = _kernel_digest(W, weights, self.threshold_method)
+        self._calibration_pending = False
+        if stored_threshold is not None and stored_threshold.get("kernel") == digest:
+            log_threshold = float(stored_threshold["log"])
+            self._calibration_pending = bool(stored_threshold.get("pending", False))
+        elif self.threshold_method == "simulated" and self.calibrate_on_freeze:
+            log_threshold = simulated_log_threshold(W=W, weights=weights, groups=stat_groups, arl0=self.arl0)
+        else:
+            log_threshold = sr_log_threshold(self.arl0)
+            self._calibration_pending = self.threshold_method == "simulated"
+        self._threshold_digest = digest
         self._kernel = SRKernel(
             W=W,
             weights=weights,
             p0=np.nan_to_num(p0),
-            log_threshold=sr_log_threshold(self.arl0),
+            log_threshold=log_threshold,
             groups={name: i for i, name in enumerate([POOLED, *own])},
             labels=labels,
             dispersion=phis,
@@ -530,7 +572,33 @@ class MixtureSR:
         self._ones = np.ones(g)
         self._reset = np.zeros(g, dtype=bool)
         self._reset_col = self._reset[:, None]
+        # The bound keeps ARL0 itself as the level (exp(ln ARL0) may differ from it in the last bit).
+        bound = self.threshold_method == "bound" or self._calibration_pending
+        self._alarm_level = self.arl0 if bound else math.exp(kernel.log_threshold)
         self._clear_statistic()
+
+    @property
+    def calibration_pending(self) -> bool:
+        """True while a frozen detector still runs at the Pollak bound awaiting :meth:`calibrate`."""
+        return self._kernel is not None and self._calibration_pending
+
+    def calibrate(self) -> bool:
+        """Simulate the threshold of a detector frozen with ``calibrate_on_freeze=False``; the
+        statistic carries on (a lower level can only make the next update alarm sooner). Returns
+        whether it calibrated anything."""
+        kernel = self._kernel
+        if kernel is None or not self._calibration_pending:
+            return False
+        groups = self._reference.groups(self.min_category_requests if self.risk_adjust else 1 << 62)
+        own = [g.name for g in groups[1:]]
+        stat_groups = [self._reference.rest(own), *groups[1:]]
+        log_threshold = simulated_log_threshold(
+            W=kernel.W, weights=kernel.weights, groups=stat_groups, arl0=self.arl0
+        )
+        self._kernel = replace(kernel, log_threshold=log_threshold)
+        self._calibration_pending = False
+        self._alarm_level = math.exp(log_threshold)
+        return True
 
     # ---------------------------------------------------------------------------------------- state
 
@@ -549,6 +617,8 @@ class MixtureSR:
             "min_trials": self.min_trials,
             "dispersion": self.dispersion,
             "single_share": self.single_share,
+            "threshold": self.threshold_method,
+            "calibrate_on_freeze": self.calibrate_on_freeze,
         }
 
     def to_state(self) -> dict[str, Any]:
@@ -559,6 +629,13 @@ class MixtureSR:
             "config": self.config(),
             "reference": self._reference.to_state(),
             "frozen": self._kernel is not None,
+            "threshold": None
+            if self._kernel is None
+            else {
+                "log": self._kernel.log_threshold,
+                "kernel": self._threshold_digest,
+                "pending": self._calibration_pending,
+            },
             "rw": self._rw.tolist(),
             "cusum": self._cusum.tolist(),
             "cum": self._cum.tolist(),
@@ -572,15 +649,21 @@ class MixtureSR:
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> MixtureSR:
+    def from_state(cls, state: dict[str, Any], *, calibrate_on_freeze: bool | None = None) -> MixtureSR:
+        """Restore a state; ``calibrate_on_freeze`` overrides the stored choice (a fleet monitor
+        restoring a state written without its threshold defers the simulation, see calibrate())."""
         if state.get("type") != "MixtureSR" or state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"not a MixtureSR state v{STATE_VERSION}: {state.get('type')} v{state.get('version')}"
             )
-        out = cls(**state["config"])
+        config = dict(state["config"])
+        if calibrate_on_freeze is not None:
+            config["calibrate_on_freeze"] = calibrate_on_freeze
+        out = cls(**config)
         out._reference = ReferenceWindow.from_state(state["reference"])
         if state["frozen"]:
-            out._freeze()
+            # A state saved without its threshold (or for another kernel) gets it computed again.
+            out._freeze(state.get("threshold"))
         g = 0 if out._kernel is None else out._kernel.W.shape[1]
         out._cooldown_left = int(state["cooldown_left"])
         out._alarms = int(state["alarms"])
