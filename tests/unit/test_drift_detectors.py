@@ -101,7 +101,8 @@ def test_observation_counts_and_validation() -> None:
 
 def test_mixture_sr_exact_detection_index() -> None:
     requests = stream(11, 1_700, 0.7, change_at=1_500, p_after=0.6)
-    detector = MixtureSR(reference_size=1_000)
+    # The arithmetic at the Pollak bound (the simulated threshold has tests of its own).
+    detector = MixtureSR(reference_size=1_000, threshold="bound")
     assert first_alarm(detector, requests) == 1508
     e = detector.evidence()
     assert e.records_examined == 509 and e.statistic >= e.threshold == pytest.approx(math.log(10_000))
@@ -111,16 +112,16 @@ def test_mixture_sr_exact_detection_index() -> None:
 
 def test_mixture_sr_one_position_drop_names_the_position() -> None:
     requests = stream(12, 2_500, 0.7, change_at=1_500, p_after=0.45, position=1)
-    detector = MixtureSR(reference_size=1_000)
+    detector = MixtureSR(reference_size=1_000, threshold="bound")
     assert first_alarm(detector, requests) == 1505
     assert detector.evidence().position_most_affected == 1
 
 
 def test_mixture_sr_null_and_small_drop_do_not_fire() -> None:
-    assert first_alarm(MixtureSR(reference_size=1_000), stream(13, 6_000, 0.7)) is None
+    assert first_alarm(MixtureSR(reference_size=1_000, threshold="bound"), stream(13, 6_000, 0.7)) is None
     # A drop of 1 point sits below half the minimum effect size (5 points): no component targets it.
     small = stream(14, 3_000, 0.7, change_at=1_000, p_after=0.69)
-    assert first_alarm(MixtureSR(reference_size=1_000), small) is None
+    assert first_alarm(MixtureSR(reference_size=1_000, threshold="bound"), small) is None
 
 
 def test_mixture_sr_state_round_trip_continues_identically() -> None:
