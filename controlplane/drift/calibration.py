@@ -53,7 +53,7 @@ the requested ARL0 under the frozen kernel (run through the exact mixture recurs
   holds 1.0-1.3x by the first reading and 0.85-0.9x by the second (the bound: 2-3.6x, 1.9-2.9x).
 * *Cost.* At most ``SIM_REQUESTS`` simulated requests (40-70 ns each in float32 on one core),
   with 400 alarms at the simulated level up to ARL0 = 1e4 (the ARL within ~5%) and at least 200
-  up to ``L = SIM_REQUESTS / MIN_SIM_ALARMS`` = 3e4: 0.2-0.4 s per freeze.
+  up to ``L = SIM_REQUESTS / MIN_SIM_ALARMS`` = 3e4: 0.1-0.4 s per freeze.
 * *Beyond L* the threshold is extrapolated: ``h = h(L) + ln(ARL0 / L) / EXTRAPOLATION_SLOPE``. A
   single Kesten-type recursion has ``ln ARL0 ~ theta h + c``, but across deployments the slope
   falls as ``h`` grows (the deployments with the least margin take over, and one whose error turns

@@ -93,6 +93,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         for name in RATES:
             created = cp.api("POST", DEPLOYMENTS, {"target_model": "reference-target", "deployment_id": name})
             assert created.status_code == 201, created.text
+            # The control plane's rate wins over the router file's once serving-config carries it.
+            rate = cp.api("PATCH", f"{DEPLOYMENTS}/{name}", {"raw_record_sample_rate": RATES[name]})
+            assert rate.status_code == 200, rate.text
         key = cp.api("POST", "/v1/accounts/default/api-keys", {"role": "serving", "name": "router"})
         assert key.status_code == 201, key.text
         ports = {"chat": free_port(), "docs": free_port()}
