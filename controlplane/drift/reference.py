@@ -38,21 +38,7 @@ class ReferenceWindow:
 
     def add(self, x: FloatArray, category: str | None) -> None:
         """Add one request's vector ``x`` (length 2K) to the pooled group and to its category."""
-        self._state = None
-        outer = np.outer(x, x)
-        keys = [POOLED]
-        if category is not None and category != POOLED:
-            if category in self._count or len(self._count) - 1 < self.max_categories:
-                keys.append(category)
-        dim = 2 * self.n_positions
-        for key in keys:
-            if key not in self._count:
-                self._count[key] = 0
-                self._sx[key] = np.zeros(dim)
-                self._sxx[key] = np.zeros((dim, dim))
-            self._count[key] += 1
-            self._sx[key] += x
-            self._sxx[key] += outer
+        self.add_sums(1, x, np.outer(x, x), category)
 
     def add_sums(self, count: int, sx: FloatArray, sxx: FloatArray, category: str | None) -> None:
         """Add ``count`` requests given only their sums ``sum x`` and ``sum x x'`` (an edge aggregate)."""
