@@ -10,7 +10,7 @@ import torch
 
 from workers.canary.replay import shadow_replay
 from workers.engine.decoder import SpeculativeDecoder
-from workers.engine.model import ModelConfig, Transformer
+from workers.engine.model import ModelConfig, Transformer, build_model
 from workers.engine.proposers import Proposer
 from workers.engine.tokenizer import Tokenizer
 from workers.training.first_drafter import (
@@ -67,13 +67,19 @@ def test_the_narrow_drafter_is_as_wide_as_its_cost_allows() -> None:
     )
 
 
-def test_the_narrow_drafter_starts_from_the_targets_embeddings_projected(target: Transformer) -> None:
+def test_the_narrow_drafter_starts_from_the_targets_embeddings_projected() -> None:
+    # Wider than 64, so the drafter is narrower than its target (at 64 or less it keeps the width).
+    target = build_model(
+        ModelConfig(vocab_size=320, dim=192, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=384, max_seq_len=128),
+        seed=0,
+    ).eval()
     before = {name: t.clone() for name, t in target.state_dict().items()}
     drafter = narrow_drafter_from_target(target)
     table = target.model.embed_tokens.weight.detach().float()
     own = drafter.model.embed_tokens.weight.detach()
     assert drafter.lm_head.weight is drafter.model.embed_tokens.weight and drafter.dtype == torch.float32
     # own = table @ W for a W with orthonormal columns: a projection of the target's own table.
+    assert own.shape[1] < table.shape[1]
     w = torch.linalg.lstsq(table, own).solution  # [D_target, dim]
     assert torch.allclose(table @ w, own, atol=1e-3)
     assert torch.allclose(w.T @ w, torch.eye(own.shape[1]), atol=1e-3)
