@@ -75,6 +75,7 @@ from controlplane.drift.reference import POOLED, FloatArray, ReferenceWindow
 STATE_VERSION = 1
 THRESHOLDS = ("simulated", "bound")
 _MAX_STATISTIC = 1e300  # far above any alarm level, and its sum over components stays finite
+_LOG_MAX_STATISTIC = math.log(_MAX_STATISTIC)
 _MAX_LOG_LR = 700.0  # exp() overflows past ~709; any such request alarms anyway
 
 
@@ -303,9 +304,10 @@ class MixtureSR:
         np.maximum(w, 0.0, out=w)
         self._snapshot[reset] = self._cum
         self._start[reset] = self._examined
-        self._rw = (self._rw + self._weights * count) * np.exp(llr)
-        # A window's ratio can be astronomically large: kept finite, so the state stays JSON.
-        np.minimum(self._rw, _MAX_STATISTIC, out=self._rw)
+        # A window's ratio can be astronomically large: the product is taken in logs and capped,
+        # so it never overflows and the state stays JSON.
+        log_rw = np.log(self._rw + self._weights * count) + llr
+        self._rw = np.exp(np.minimum(log_rw, _LOG_MAX_STATISTIC))
         self._stat = float(self._rw.sum())
         if self._stat >= self._alarm_level:
             self._alarms += 1
@@ -468,38 +470,45 @@ class MixtureSR:
         row_trials = trials.copy()
         row_trials[0] = pooled_trials
         per_request = row_trials / np.maximum(n_base, 1.0)[:, None]  # mean trials per request, per row
+        pq = np.nan_to_num(p0 * q0)
         for si, (name, mask) in enumerate(sets):
             on = mask > 0
             pbar = float((pooled_trials[on] * p_pool[on]).sum() / pooled_trials[on].sum())
             r_lo = min(self.min_drop / pbar, self.max_rel_drop)
-            for r in (
-                np.geomspace(r_lo, self.max_rel_drop, self.n_grid) if r_lo < self.max_rel_drop else [r_lo]
-            ):
-                p1 = p0 * (1.0 - r)
-                q1 = 1.0 - p1
-                with np.errstate(invalid="ignore"):
-                    b = np.where(on, np.log(q1 / q0), 0.0)  # (C, K), coefficient on trials
-                    a = np.where(on, np.log(p1 / p0), 0.0) - b  # coefficient on successes
-                a = np.nan_to_num(a)
-                b = np.nan_to_num(b)
-                pq = np.nan_to_num(p0 * q0)
-                model_var = float((a * a * pq * trials).sum())  # binomial variance of sum l over the window
-                if model_var <= 0.0:
+            drops = (
+                np.geomspace(r_lo, self.max_rel_drop, self.n_grid)
+                if r_lo < self.max_rel_drop
+                else np.array([r_lo])
+            )
+            # Every drop size of the set at once (axis 0): a fleet freezes thousands of windows.
+            p1 = p0[None] * (1.0 - drops)[:, None, None]  # (R, C, K)
+            q1 = 1.0 - p1
+            with np.errstate(invalid="ignore"):
+                b = np.where(on, np.log(q1 / q0), 0.0)  # coefficient on trials
+                a = np.where(on, np.log(p1 / p0), 0.0) - b  # coefficient on successes
+            a = np.nan_to_num(a)
+            b = np.nan_to_num(b)
+            model_var = (a * a * pq * trials).sum(axis=(1, 2))  # binomial variance of sum l over the window
+            phi = np.ones(len(drops))
+            if self.dispersion:
+                observed = sum(
+                    np.einsum("rk,kl,rl->r", a[:, c], resid[c], a[:, c]) for c in range(len(stat_groups))
+                )
+                phi = np.maximum(1.0, observed / np.where(model_var > 0.0, model_var, 1.0))
+            temper = 1.0 / phi
+            # Tempered per-request variance of l for a request of each row, and the relative
+            # sd of that row's null drift due to its baseline error.
+            sigma2 = (temper * temper * phi)[:, None] * (a * a * pq * per_request).sum(axis=2)  # (R, C)
+            with np.errstate(divide="ignore"):
+                tau2_rows = np.where(sigma2 > 0.0, 4.0 / (n_base * sigma2), np.inf) + var_phi
+            for i, r in enumerate(drops):
+                if model_var[i] <= 0.0:
                     continue
-                phi = 1.0
-                if self.dispersion:
-                    observed = sum(float(a[c] @ resid[c] @ a[c]) for c in range(len(stat_groups)))
-                    phi = max(1.0, observed / model_var)
-                temper = 1.0 / phi
-                # Tempered per-request variance of l for a request of each row, and the relative
-                # sd of that row's null drift due to its baseline error.
-                sigma2 = temper * temper * phi * (a * a * pq * per_request).sum(axis=1)  # (C,)
-                with np.errstate(divide="ignore"):
-                    tau2s.append(np.where(sigma2 > 0.0, 4.0 / (n_base * sigma2), np.inf) + var_phi)
-                rows.append(temper * np.concatenate([a, b], axis=1))  # (C, 2K)
+                tau2s.append(tau2_rows[i])
+                rows.append(temper[i] * np.concatenate([a[i], b[i]], axis=1))  # (C, 2K)
                 labels.append(f"{name} -{r:.3f}")
                 set_of.append(si)
-                phis.append(phi)
+                phis.append(float(phi[i]))
         if rows:
             tau2 = np.stack(tau2s)  # (G, C)
             finite = np.isfinite(tau2)

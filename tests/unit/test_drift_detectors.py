@@ -155,9 +155,12 @@ def test_fit_reference_equals_streaming_reference() -> None:
 def test_pure_mix_shift_does_not_fire_the_risk_adjusted_detector() -> None:
     cats = (("prose", 0.8), ("code", 0.55))
     requests = stream(17, 5_000, 0.0, change_at=1_500, categories=cats, share_after=0.7)
-    assert first_alarm(MixtureSR(reference_size=1_000), requests) is None
-    # Without the per-category baseline the same stream looks like a drafter drop.
-    assert first_alarm(MixtureSR(reference_size=1_000, risk_adjust=False), requests) is not None
+    # At ARL0 = 1e6 a false alarm within 3,500 requests is improbable (at 1e4, with a threshold
+    # calibrated to the requested ARL0, about one stream in three would have one).
+    assert first_alarm(MixtureSR(reference_size=1_000, arl0=1e6), requests) is None
+    # Without the per-category baseline the same stream looks like a drafter drop, at once.
+    unadjusted = first_alarm(MixtureSR(reference_size=1_000, arl0=1e6, risk_adjust=False), requests)
+    assert unadjusted is not None and unadjusted < 1_600
     monitor = MixMonitor(reference_size=1_000, window=200)
     assert first_alarm(monitor, requests) is not None
     assert monitor.attribution().verdict == "mix shift"
