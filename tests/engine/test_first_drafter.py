@@ -70,7 +70,9 @@ def test_the_narrow_drafter_is_as_wide_as_its_cost_allows() -> None:
 def test_the_narrow_drafter_starts_from_the_targets_embeddings_projected() -> None:
     # Wider than 64, so the drafter is narrower than its target (at 64 or less it keeps the width).
     target = build_model(
-        ModelConfig(vocab_size=320, dim=192, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=384, max_seq_len=128),
+        ModelConfig(
+            vocab_size=320, dim=192, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=384, max_seq_len=128
+        ),
         seed=0,
     ).eval()
     before = {name: t.clone() for name, t in target.state_dict().items()}
