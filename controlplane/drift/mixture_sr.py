@@ -54,6 +54,7 @@ dependence of tokens within a request cannot make it over-confident. Lifecycle:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import math
 from collections.abc import Sequence
@@ -61,6 +62,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from controlplane.drift.calibration import (
     dispersion_relative_var,
@@ -73,10 +75,30 @@ from controlplane.drift.observation import RequestObservation
 from controlplane.drift.reference import POOLED, FloatArray, ReferenceWindow
 
 STATE_VERSION = 1
+_PACKED_PREFIX = "b64:"
 THRESHOLDS = ("simulated", "bound")
 _MAX_STATISTIC = 1e300  # far above any alarm level, and its sum over components stays finite
 _LOG_MAX_STATISTIC = math.log(_MAX_STATISTIC)
 _MAX_LOG_LR = 700.0  # exp() overflows past ~709; any such request alarms anyway
+
+
+def pack_array(values: npt.NDArray[Any]) -> str:
+    """A running-state array as text that JSON carries: its little-endian bytes in base64.
+
+    A fleet monitor writes every detector's state on every pass; printing a few hundred floats as
+    decimals cost more than advancing the detector, and the bytes round-trip exactly."""
+    little = values.astype(values.dtype.newbyteorder("<"), copy=False)
+    return _PACKED_PREFIX + base64.b64encode(np.ascontiguousarray(little).tobytes()).decode("ascii")
+
+
+def unpack_array(value: str | Sequence[Any], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """:func:`pack_array`'s inverse, flat; a list (states written before packing) is read as is."""
+    if isinstance(value, str):
+        if not value.startswith(_PACKED_PREFIX):
+            raise ValueError("a packed array starts with 'b64:'")
+        raw = base64.b64decode(value[len(_PACKED_PREFIX) :], validate=True)
+        return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    return np.asarray(value, dtype=dtype).ravel()
 
 
 def _fit(v: Any, n: int) -> FloatArray:
@@ -645,11 +667,11 @@ class MixtureSR:
                 "kernel": self._threshold_digest,
                 "pending": self._calibration_pending,
             },
-            "rw": self._rw.tolist(),
-            "cusum": self._cusum.tolist(),
-            "cum": self._cum.tolist(),
-            "snapshot": self._snapshot.tolist(),
-            "start": self._start.tolist(),
+            "rw": pack_array(self._rw),
+            "cusum": pack_array(self._cusum),
+            "cum": pack_array(self._cum),
+            "snapshot": pack_array(self._snapshot),
+            "start": pack_array(self._start),
             "examined": self._examined,
             "stat": self._stat,
             "cooldown_left": self._cooldown_left,
@@ -677,15 +699,16 @@ class MixtureSR:
         out._cooldown_left = int(state["cooldown_left"])
         out._alarms = int(state["alarms"])
         out._alarm = None if state["alarm"] is None else DriftEvidence.from_dict(state["alarm"])
-        if len(state["rw"]) != g:
+        rw = unpack_array(state["rw"], np.float64)
+        if rw.size != g:
             # Saved by a version whose calibration kept other components: the baseline (the
             # reference window) still holds, so keep it and the latch, and restart the statistic.
             return out
-        out._rw = np.asarray(state["rw"], dtype=np.float64).reshape(g)
-        out._cusum = np.asarray(state["cusum"], dtype=np.float64).reshape(g)
-        out._cum = np.asarray(state["cum"], dtype=np.float64).reshape(3 * out.n_positions)
-        out._snapshot = np.asarray(state["snapshot"], dtype=np.float64).reshape(g, 3 * out.n_positions)
-        out._start = np.asarray(state["start"], dtype=np.int64).reshape(g)
+        out._rw = rw.reshape(g)
+        out._cusum = unpack_array(state["cusum"], np.float64).reshape(g)
+        out._cum = unpack_array(state["cum"], np.float64).reshape(3 * out.n_positions)
+        out._snapshot = unpack_array(state["snapshot"], np.float64).reshape(g, 3 * out.n_positions)
+        out._start = unpack_array(state["start"], np.int64).reshape(g)
         out._examined = int(state["examined"])
         out._stat = float(state["stat"])
         return out
