@@ -523,14 +523,14 @@ class MixtureSR:
             sigma2 = (temper * temper * phi)[:, None] * (a * a * pq * per_request).sum(axis=2)  # (R, C)
             with np.errstate(divide="ignore"):
                 tau2_rows = np.where(sigma2 > 0.0, 4.0 / (n_base * sigma2), np.inf) + var_phi
-            for i, r in enumerate(drops):
-                if model_var[i] <= 0.0:
+            for d, r in enumerate(drops.tolist()):
+                if model_var[d] <= 0.0:
                     continue
-                tau2s.append(tau2_rows[i])
-                rows.append(temper[i] * np.concatenate([a[i], b[i]], axis=1))  # (C, 2K)
+                tau2s.append(tau2_rows[d])
+                rows.append(temper[d] * np.concatenate([a[d], b[d]], axis=1))  # (C, 2K)
                 labels.append(f"{name} -{r:.3f}")
                 set_of.append(si)
-                phis.append(float(phi[i]))
+                phis.append(float(phi[d]))
         if rows:
             tau2 = np.stack(tau2s)  # (G, C)
             finite = np.isfinite(tau2)
