@@ -21,7 +21,7 @@ bench/drift.py's results (it calibrates the running threshold on its stream fami
 script copies them when bench/results/drift.json exists and says so otherwise.
 
 Writes bench/results/fleet.json. Usage:
-  .venv/bin/python bench/fleet.py [--deployments 10000] [--minutes 10] [--interval 20] [--quick]
+  .venv/bin/python bench/fleet.py [--deployments 10000] [--minutes 10] [--interval 60] [--quick]
 """
 
 from __future__ import annotations
@@ -477,7 +477,9 @@ def main() -> int:
     parser.add_argument("--rps", type=int, default=100, help="requests per second per deployment")
     parser.add_argument("--edges", type=int, default=4)
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--interval", type=float, default=20.0, help="real seconds per simulated minute")
+    parser.add_argument(
+        "--interval", type=float, default=60.0, help="real seconds per simulated minute (60: real time)"
+    )
     parser.add_argument("--quick", action="store_true", help="1,000 deployments, 5 minutes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -54,6 +54,7 @@ dependence of tokens within a request cannot make it over-confident. Lifecycle:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import math
 from collections.abc import Sequence
@@ -61,6 +62,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from controlplane.drift.calibration import (
     dispersion_relative_var,
@@ -73,9 +75,30 @@ from controlplane.drift.observation import RequestObservation
 from controlplane.drift.reference import POOLED, FloatArray, ReferenceWindow
 
 STATE_VERSION = 1
+_PACKED_PREFIX = "b64:"
 THRESHOLDS = ("simulated", "bound")
 _MAX_STATISTIC = 1e300  # far above any alarm level, and its sum over components stays finite
+_LOG_MAX_STATISTIC = math.log(_MAX_STATISTIC)
 _MAX_LOG_LR = 700.0  # exp() overflows past ~709; any such request alarms anyway
+
+
+def pack_array(values: npt.NDArray[Any]) -> str:
+    """A running-state array as text that JSON carries: its little-endian bytes in base64.
+
+    A fleet monitor writes every detector's state on every pass; printing a few hundred floats as
+    decimals cost more than advancing the detector, and the bytes round-trip exactly."""
+    little = values.astype(values.dtype.newbyteorder("<"), copy=False)
+    return _PACKED_PREFIX + base64.b64encode(np.ascontiguousarray(little).tobytes()).decode("ascii")
+
+
+def unpack_array(value: str | Sequence[Any], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """:func:`pack_array`'s inverse, flat; a list (states written before packing) is read as is."""
+    if isinstance(value, str):
+        if not value.startswith(_PACKED_PREFIX):
+            raise ValueError("a packed array starts with 'b64:'")
+        raw = base64.b64decode(value[len(_PACKED_PREFIX) :], validate=True)
+        return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    return np.asarray(value, dtype=dtype).ravel()
 
 
 def _fit(v: Any, n: int) -> FloatArray:
@@ -303,9 +326,10 @@ class MixtureSR:
         np.maximum(w, 0.0, out=w)
         self._snapshot[reset] = self._cum
         self._start[reset] = self._examined
-        self._rw = (self._rw + self._weights * count) * np.exp(llr)
-        # A window's ratio can be astronomically large: kept finite, so the state stays JSON.
-        np.minimum(self._rw, _MAX_STATISTIC, out=self._rw)
+        # A window's ratio can be astronomically large: the product is taken in logs and capped,
+        # so it never overflows and the state stays JSON.
+        log_rw = np.log(self._rw + self._weights * count) + llr
+        self._rw = np.exp(np.minimum(log_rw, _LOG_MAX_STATISTIC))
         self._stat = float(self._rw.sum())
         if self._stat >= self._alarm_level:
             self._alarms += 1
@@ -468,38 +492,45 @@ class MixtureSR:
         row_trials = trials.copy()
         row_trials[0] = pooled_trials
         per_request = row_trials / np.maximum(n_base, 1.0)[:, None]  # mean trials per request, per row
+        pq = np.nan_to_num(p0 * q0)
         for si, (name, mask) in enumerate(sets):
             on = mask > 0
             pbar = float((pooled_trials[on] * p_pool[on]).sum() / pooled_trials[on].sum())
             r_lo = min(self.min_drop / pbar, self.max_rel_drop)
-            for r in (
-                np.geomspace(r_lo, self.max_rel_drop, self.n_grid) if r_lo < self.max_rel_drop else [r_lo]
-            ):
-                p1 = p0 * (1.0 - r)
-                q1 = 1.0 - p1
-                with np.errstate(invalid="ignore"):
-                    b = np.where(on, np.log(q1 / q0), 0.0)  # (C, K), coefficient on trials
-                    a = np.where(on, np.log(p1 / p0), 0.0) - b  # coefficient on successes
-                a = np.nan_to_num(a)
-                b = np.nan_to_num(b)
-                pq = np.nan_to_num(p0 * q0)
-                model_var = float((a * a * pq * trials).sum())  # binomial variance of sum l over the window
-                if model_var <= 0.0:
+            drops = (
+                np.geomspace(r_lo, self.max_rel_drop, self.n_grid)
+                if r_lo < self.max_rel_drop
+                else np.array([r_lo])
+            )
+            # Every drop size of the set at once (axis 0): a fleet freezes thousands of windows.
+            p1 = p0[None] * (1.0 - drops)[:, None, None]  # (R, C, K)
+            q1 = 1.0 - p1
+            with np.errstate(invalid="ignore"):
+                b = np.where(on, np.log(q1 / q0), 0.0)  # coefficient on trials
+                a = np.where(on, np.log(p1 / p0), 0.0) - b  # coefficient on successes
+            a = np.nan_to_num(a)
+            b = np.nan_to_num(b)
+            model_var = (a * a * pq * trials).sum(axis=(1, 2))  # binomial variance of sum l over the window
+            phi = np.ones(len(drops))
+            if self.dispersion:
+                observed = sum(
+                    np.einsum("rk,kl,rl->r", a[:, c], resid[c], a[:, c]) for c in range(len(stat_groups))
+                )
+                phi = np.maximum(1.0, observed / np.where(model_var > 0.0, model_var, 1.0))
+            temper = 1.0 / phi
+            # Tempered per-request variance of l for a request of each row, and the relative
+            # sd of that row's null drift due to its baseline error.
+            sigma2 = (temper * temper * phi)[:, None] * (a * a * pq * per_request).sum(axis=2)  # (R, C)
+            with np.errstate(divide="ignore"):
+                tau2_rows = np.where(sigma2 > 0.0, 4.0 / (n_base * sigma2), np.inf) + var_phi
+            for d, r in enumerate(drops.tolist()):
+                if model_var[d] <= 0.0:
                     continue
-                phi = 1.0
-                if self.dispersion:
-                    observed = sum(float(a[c] @ resid[c] @ a[c]) for c in range(len(stat_groups)))
-                    phi = max(1.0, observed / model_var)
-                temper = 1.0 / phi
-                # Tempered per-request variance of l for a request of each row, and the relative
-                # sd of that row's null drift due to its baseline error.
-                sigma2 = temper * temper * phi * (a * a * pq * per_request).sum(axis=1)  # (C,)
-                with np.errstate(divide="ignore"):
-                    tau2s.append(np.where(sigma2 > 0.0, 4.0 / (n_base * sigma2), np.inf) + var_phi)
-                rows.append(temper * np.concatenate([a, b], axis=1))  # (C, 2K)
+                tau2s.append(tau2_rows[d])
+                rows.append(temper[d] * np.concatenate([a[d], b[d]], axis=1))  # (C, 2K)
                 labels.append(f"{name} -{r:.3f}")
                 set_of.append(si)
-                phis.append(phi)
+                phis.append(float(phi[d]))
         if rows:
             tau2 = np.stack(tau2s)  # (G, C)
             finite = np.isfinite(tau2)
@@ -636,11 +667,11 @@ class MixtureSR:
                 "kernel": self._threshold_digest,
                 "pending": self._calibration_pending,
             },
-            "rw": self._rw.tolist(),
-            "cusum": self._cusum.tolist(),
-            "cum": self._cum.tolist(),
-            "snapshot": self._snapshot.tolist(),
-            "start": self._start.tolist(),
+            "rw": pack_array(self._rw),
+            "cusum": pack_array(self._cusum),
+            "cum": pack_array(self._cum),
+            "snapshot": pack_array(self._snapshot),
+            "start": pack_array(self._start),
             "examined": self._examined,
             "stat": self._stat,
             "cooldown_left": self._cooldown_left,
@@ -668,15 +699,16 @@ class MixtureSR:
         out._cooldown_left = int(state["cooldown_left"])
         out._alarms = int(state["alarms"])
         out._alarm = None if state["alarm"] is None else DriftEvidence.from_dict(state["alarm"])
-        if len(state["rw"]) != g:
+        rw = unpack_array(state["rw"], np.float64)
+        if rw.size != g:
             # Saved by a version whose calibration kept other components: the baseline (the
             # reference window) still holds, so keep it and the latch, and restart the statistic.
             return out
-        out._rw = np.asarray(state["rw"], dtype=np.float64).reshape(g)
-        out._cusum = np.asarray(state["cusum"], dtype=np.float64).reshape(g)
-        out._cum = np.asarray(state["cum"], dtype=np.float64).reshape(3 * out.n_positions)
-        out._snapshot = np.asarray(state["snapshot"], dtype=np.float64).reshape(g, 3 * out.n_positions)
-        out._start = np.asarray(state["start"], dtype=np.int64).reshape(g)
+        out._rw = rw.reshape(g)
+        out._cusum = unpack_array(state["cusum"], np.float64).reshape(g)
+        out._cum = unpack_array(state["cum"], np.float64).reshape(3 * out.n_positions)
+        out._snapshot = unpack_array(state["snapshot"], np.float64).reshape(g, 3 * out.n_positions)
+        out._start = unpack_array(state["start"], np.int64).reshape(g)
         out._examined = int(state["examined"])
         out._stat = float(state["stat"])
         return out

@@ -367,13 +367,18 @@ def _sketch(value: Any) -> dict[str, Any] | None:
     if len(bins) > MAX_SKETCH_BINS:
         return None
     clean = []
+    # Exact types rather than isinstance (bool is an int; JSON decoders give plain int and
+    # float): a fleet posts three sketches of ~50 bins per aggregate, the bulk of ingest's work.
     for pair in bins:
-        if not isinstance(pair, list) or len(pair) != 2:
+        if type(pair) is not list or len(pair) != 2:
             return None
-        key, count = _int(pair[0]), _number(pair[1])
-        if key is None or count is None or count < 0 or abs(key) > 100_000:
+        key, count = pair
+        if type(key) is not int or not -100_000 <= key <= 100_000:
             return None
-        clean.append([key, count])
+        kind = type(count)
+        if (kind is not float and kind is not int) or not 0.0 <= count < math.inf:
+            return None
+        clean.append([key, float(count)])
     zeros = _number(value.get("zeros", 0.0))
     if zeros is None or zeros < 0:
         return None

@@ -23,12 +23,28 @@ from controlplane.canary.evaluate import (
 )
 from controlplane.canary.service import start_canary
 from controlplane.config import Settings
-from controlplane.db.models import Canary, Deployment, DrafterState, DrafterVersion, EdgeWindowRow, Role
+from controlplane.db.models import (
+    AcceptanceRollupRow,
+    Canary,
+    Deployment,
+    DrafterState,
+    DrafterVersion,
+    EdgeWindowRow,
+    Role,
+)
+from controlplane.ingest import rollups
 from controlplane.ingest.aggregate_rollups import fold_aggregate_rollups
 from controlplane.ingest.aggregates import EdgeWindow, WindowAccumulator
 from controlplane.ingest.record import AcceptanceRecord
-from controlplane.ingest.rollups import MAX_ROLLUP_CATEGORIES, OVERFLOW_CATEGORY
-from tests.conftest import Database, Tenant
+from controlplane.ingest.rollups import (
+    MAX_ROLLUP_CATEGORIES,
+    OVERFLOW_CATEGORY,
+    QUANTILES,
+    RollupDelta,
+    apply_deltas_by_deployment,
+    hist_quantiles,
+)
+from tests.conftest import Database, Tenant, add_deployment, add_deployment_to
 from tests.fleet.canary_setup import arm_records, passing_shadow
 
 K = 4
@@ -377,3 +393,92 @@ def test_one_fold_over_many_deployments_keeps_each_ones_category_cap(
     assert set(wide["per_category"]) == {*categories["wide"][:MAX_ROLLUP_CATEGORIES], OVERFLOW_CATEGORY}
     assert wide["per_category"][OVERFLOW_CATEGORY]["requests"] == 6
     assert set(narrow["per_category"]) == {"a", "b"} and narrow["total"]["requests"] == 6
+
+
+def _rollup_delta(requests: int, hist: dict[int, int]) -> RollupDelta:
+    return RollupDelta(
+        requests=requests,
+        drafted_tokens=4 * requests,
+        accepted_tokens=3 * requests,
+        verify_steps=requests,
+        generated_tokens=4 * requests,
+        total_ms_sum=1.5 * requests,
+        timed_requests=requests,
+        accepted_per_position=[requests, requests // 2],
+        total_ms_hist=dict(hist),
+    )
+
+
+@pytest.mark.parametrize("db", ["postgres"], indirect=True)  # the read-before-lock path is PostgreSQL's
+def test_a_fold_adds_to_rows_other_writers_change_between_its_read_and_its_locks(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL's many-deployment path reads rows before locking them: a row another writer
+    changes, deletes or creates in between is read again once locked, and nothing is lost."""
+    assert db.dialect == "postgresql"
+    session = db.new_session()
+    a = add_deployment(session, "interleaved", "a").id
+    b = add_deployment_to(session, session.get_one(Deployment, a).account_id, "b").id
+    first_minute = datetime(2026, 3, 4, 10, 1, tzinfo=UTC)
+    second_minute = first_minute + timedelta(minutes=1)
+    first = {d: {(first_minute, "live", 0, ""): _rollup_delta(10, {100: 4, 102: 6})} for d in (a, b)}
+    apply_deltas_by_deployment(session=session, deltas=first)
+    hour = (a, 3600, first_minute.replace(minute=0))
+    five_minutes = (b, 300, first_minute.replace(minute=0))
+    created_minute = (a, 60, second_minute)
+
+    read_rows = rollups._read_rows
+    calls = []
+
+    def interleaved(cursor: Any, keys: Any) -> Any:
+        found = read_rows(cursor, keys)
+        # After the first read, before the locks: another writer's changes (in a subtransaction
+        # here, so its rows get another xmin, as a concurrent writer's would).
+        if not calls:
+            cursor.execute("SAVEPOINT other_writer")
+            cursor.execute(
+                "UPDATE acceptance_rollups SET requests = requests + 1000, total_ms_hist = '[99, 7]' "
+                "WHERE deployment_id = %s AND resolution_s = %s AND bucket_start = %s",
+                hour,
+            )
+            cursor.execute(
+                "DELETE FROM acceptance_rollups WHERE deployment_id = %s AND resolution_s = %s "
+                "AND bucket_start = %s",
+                five_minutes,
+            )
+            cursor.execute(
+                "INSERT INTO acceptance_rollups (deployment_id, resolution_s, bucket_start, arm, "
+                "drafter_version, category, requests, drafted_tokens, accepted_tokens, verify_steps, "
+                "generated_tokens, prompt_tokens, total_ms_sum, timed_requests, accepted_per_position, "
+                "inter_token_hist, total_ms_hist, ttft_hist) VALUES (%s, %s, %s, 'live', 0, '', 5, 0, 0, "
+                "0, 0, 0, 0.0, 0, '[5]', '[]', '[101, 5]', '[]')",
+                created_minute,
+            )
+            cursor.execute("RELEASE SAVEPOINT other_writer")
+        calls.append(len(keys))
+        return found
+
+    monkeypatch.setattr(rollups, "_read_rows", interleaved)
+    second = {d: {(second_minute, "live", 0, ""): _rollup_delta(20, {101: 1, 103: 2})} for d in (a, b)}
+    apply_deltas_by_deployment(session=session, deltas=second)
+    assert calls == [10, 3]  # the rows changed, deleted and created in between are read again
+
+    def row(deployment_id: int, resolution: int, start: datetime) -> Any:
+        r = AcceptanceRollupRow
+        return session.execute(
+            select(
+                r.requests, r.accepted_per_position, r.total_ms_hist, r.total_ms_p50, r.total_ms_p95
+            ).where(r.deployment_id == deployment_id, r.resolution_s == resolution, r.bucket_start == start)
+        ).one()
+
+    want = {
+        hour: (1030, [30, 15], [99, 7, 0, 1, 0, 2]),  # what the other writer left, then the fold
+        five_minutes: (20, [20, 10], [101, 1, 0, 2]),  # deleted: the second minute's delta alone
+        created_minute: (25, [25, 10], [101, 6, 0, 2]),  # created by the other writer, added to
+        (b, 3600, first_minute.replace(minute=0)): (30, [30, 15], [100, 4, 1, 6, 2]),  # untouched
+    }
+    for (deployment_id, resolution, start), (requests, positions, hist) in want.items():
+        got = row(deployment_id, resolution, start)
+        assert (got.requests, got.accepted_per_position, got.total_ms_hist) == (requests, positions, hist)
+        assert [got.total_ms_p50, got.total_ms_p95] == hist_quantiles(hist, QUANTILES)
+    session.close()

@@ -8,12 +8,18 @@ from __future__ import annotations
 import math
 import random
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
 from controlplane.canary.statistics import LATENCY_MS_PER_TOKEN, TOKENS_PER_STEP, MetricAccumulator
 from controlplane.canary.tally import ArmTally, JudgeTally
-from controlplane.ingest.aggregate_rollups import deltas_by_deployment, rollup_delta_of, sketch_counts
+from controlplane.ingest.aggregate_rollups import (
+    deltas_by_deployment,
+    rollup_delta_of,
+    sketch_counts,
+    sketches_counts,
+)
 from controlplane.ingest.aggregate_store import aggregate_from_row, aggregate_sums
 from controlplane.ingest.aggregates import WindowAccumulator, WindowAggregate
 from controlplane.ingest.record import AcceptanceRecord
@@ -179,3 +185,42 @@ def test_a_sketch_becomes_rollup_counts_with_an_estimated_sum() -> None:
         rollup_delta_of(type("Row", (), {**WindowAggregate("svc").to_dict(), "latency": {}})()).timed_requests
         == 0
     )
+
+
+def test_sketches_convert_at_once_as_one_by_one() -> None:
+    """sketches_counts (NumPy, all of a fold's sketches together) gives exactly sketch_counts'
+    values: the same buckets and counts, the same estimated sums to the last bit."""
+    rng = random.Random(23)
+
+    def sketch() -> dict[str, Any] | None:
+        shape = rng.random()
+        if shape < 0.05:
+            return None
+        if shape < 0.1:
+            return {"bins": [], "zeros": rng.choice([0.0, 2.0, 0.5, 1.5])}
+        low = rng.randint(-300, 600)
+        keys = sorted(rng.sample(range(low, low + 400), rng.randint(1, 150)))
+        if rng.random() < 0.2:  # not written by sketch_to_dict: keys in any order
+            rng.shuffle(keys)
+        counts = (0.0, 0.5, 1.5, 2.5, 3, float(rng.randint(1, 10**6)), rng.random() * 10)
+        return {"bins": [[key, rng.choice(counts)] for key in keys], "zeros": rng.choice([0.0, 1.0, 2.5])}
+
+    sketches = [sketch() for _ in range(2_000)]
+    one_by_one = [sketch_counts(s) for s in sketches]
+    at_once = sketches_counts(sketches)
+    assert at_once == one_by_one
+    assert [c.estimated_sum_ms.hex() for c in at_once] == [c.estimated_sum_ms.hex() for c in one_by_one]
+    without_sums = sketches_counts(sketches, sums=False)
+    assert [(c.histogram, c.requests) for c in without_sums] == [
+        (c.histogram, c.requests) for c in one_by_one
+    ]
+    assert {c.estimated_sum_ms for c in without_sums} == {0.0}
+    # Each gets a histogram of its own (deltas made of them are summed in place).
+    empty = sketches_counts([None, {}])
+    assert empty[0].histogram is not empty[1].histogram
+    # What NumPy cannot hold exactly is left to sketch_counts.
+    for odd in ({"bins": [[1, 1e300]]}, {"bins": [[1.5, 2]]}):
+        assert sketches_counts([odd]) == [sketch_counts(odd)]
+    for broken in ({"bins": [[1, 2, 3]]}, {"bins": [[3, 2.0], [4, float("nan")]]}):
+        with pytest.raises(ValueError):  # as sketch_counts fails on it
+            sketches_counts([broken])

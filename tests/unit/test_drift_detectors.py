@@ -15,6 +15,7 @@ from controlplane.drift import mix_monitor as mix_monitor_module
 from controlplane.drift import mixture_sr as mixture_sr_module
 from controlplane.drift import observation as observation_module
 from controlplane.drift import oracle_cusum as oracle_cusum_module
+from controlplane.drift.mixture_sr import pack_array, unpack_array
 
 K = 4
 
@@ -239,11 +240,38 @@ def test_state_from_a_different_calibration_restarts_the_statistic() -> None:
     for x in requests[:1_200]:
         a.update(x)
     state = json.loads(json.dumps(a.to_state()))
-    for key in ("rw", "cusum", "snapshot", "start"):
-        state[key] = state[key][:-1]  # as if saved when the calibration kept one more component
+    g = len(unpack_array(state["rw"], np.float64))
+    dtypes = {"rw": np.float64, "cusum": np.float64, "snapshot": np.float64, "start": np.int64}
+    for key, dtype in dtypes.items():
+        values = unpack_array(state[key], dtype)
+        # As if saved when the calibration kept one more component.
+        state[key] = pack_array(values.reshape(g, -1)[:-1].ravel())
     b = MixtureSR.from_state(state)
     assert b.kernel is not None and b.statistic == float("-inf") and not b.drift_detected
     assert np.array_equal(b.kernel.W, a.kernel.W if a.kernel is not None else None)
     for x in requests[1_200:]:
         b.update(x)
     assert b.records_examined == 100
+
+
+def test_running_state_is_packed_and_states_with_lists_still_load() -> None:
+    requests = stream(23, 1_400, 0.7, change_at=1_300, p_after=0.6)
+    a = MixtureSR(reference_size=1_000)
+    for x in requests[:1_200]:
+        a.update(x)
+    state = json.loads(json.dumps(a.to_state()))
+    assert all(isinstance(state[key], str) for key in ("rw", "cusum", "cum", "snapshot", "start"))
+    # A state written before packing holds plain lists: it continues the same.
+    listed = dict(state)
+    for key in ("rw", "cusum", "cum", "snapshot"):
+        listed[key] = unpack_array(state[key], np.float64).tolist()
+    listed["start"] = unpack_array(state["start"], np.int64).tolist()
+    b, c = MixtureSR.from_state(state), MixtureSR.from_state(listed)
+    for x in requests[1_200:]:
+        a.update(x)
+        b.update(x)
+        c.update(x)
+        assert a.statistic == b.statistic == c.statistic
+    assert a.to_state() == b.to_state() == c.to_state()
+    with pytest.raises(ValueError, match="b64"):
+        unpack_array("not packed", np.float64)

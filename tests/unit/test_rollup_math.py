@@ -13,15 +13,18 @@ from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.rollups import (
     HIST_MIN_MS,
     HIST_RATIO,
+    QUANTILES,
     RollupDelta,
     aggregate,
     floor_to,
+    hist_add,
     hist_from_counts,
     hist_index,
     hist_merge,
     hist_percentile,
     hist_quantiles,
     hist_value,
+    row_percentiles,
     tier_deltas,
 )
 from controlplane.ingest.service import unfoldable_reason
@@ -331,3 +334,45 @@ def test_rows_the_fold_cannot_sum_are_named(change: dict[str, object], fragment:
     assert (reason is None) if fragment is None else (reason is not None and fragment in reason)
     if fragment is None:  # and what it lets through the aggregation takes
         aggregate([row], when_default=datetime(2026, 1, 1, tzinfo=UTC))
+
+
+def _reference_dense(counts: dict[int, int]) -> list[int]:
+    """hist_from_counts as first written: a loop over the counts."""
+    present = [index for index, count in counts.items() if count]
+    if not present:
+        return []
+    lo, hi = min(present), max(present)
+    dense = [0] * (hi - lo + 1)
+    for index, count in counts.items():
+        if count:
+            dense[index - lo] += count
+    return [lo, *dense]
+
+
+def test_the_fast_histogram_paths_give_what_the_plain_ones_do() -> None:
+    rng = random.Random(17)
+
+    def dense() -> list[int]:
+        shape = rng.random()
+        if shape < 0.1:
+            return []
+        if shape < 0.15:
+            return [rng.randint(0, 300)]  # a first index and no counts: empty
+        return [
+            rng.randint(0, 80),
+            *(rng.choice([0, rng.randint(1, 10**9)]) for _ in range(rng.randint(1, 40))),
+        ]
+
+    for _ in range(20_000):
+        counts = {rng.randint(0, 200): rng.choice([0, 1, 7, 10**12]) for _ in range(rng.randint(0, 30))}
+        assert hist_from_counts(counts) == _reference_dense(counts)
+        a, b = dense(), dense()
+        copies = (list(a), list(b))
+        merged = hist_add(a, b)
+        assert merged == hist_merge((a, b)) and (a, b) == copies and merged is not a and merged is not b
+        assert row_percentiles([a, b, merged]) == [
+            *hist_quantiles(a, QUANTILES),
+            *hist_quantiles(b, QUANTILES),
+            *hist_quantiles(merged, QUANTILES),
+        ]
+    assert row_percentiles([[5, 0, 0]]) == [None, None]
