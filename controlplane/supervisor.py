@@ -270,6 +270,8 @@ class UpOptions:
     worker_concurrency: int = 2
     trace_sample_rate: float = 0.1  # when the serving config does not say
     serve_threads: int | None = None  # torch threads of the reference server; None: half the cores
+    # Torch threads its verify passes may try (timed as it serves); None: its own share only.
+    serve_multi_row_threads: int | None = None
     grace_s: float = 10.0
     ready_timeout_s: float = READY_TIMEOUT_S
 
@@ -368,9 +370,14 @@ def child_specs(settings: Settings, options: UpOptions, *, account: str, key_fil
     # free cores spin-wait each other into order-of-magnitude slowdowns.
     threads = options.serve_threads or max(1, (os.cpu_count() or 2) // 2)
     serve_argv += ["--threads", str(threads)]
-    # Verify passes may take every core when that is measured faster: the server times both
-    # counts as it serves and falls back to its own share while the worker trains.
-    serve_argv += ["--multi-row-threads", str(max(threads, os.cpu_count() or 1))]
+    # Verify passes stay on the server's own share unless asked: here the server always shares the
+    # machine (API, workers, beat, router, database), and the passes it times on more threads wait
+    # at barriers for a descheduled one. With one busy neighbour on 2 cores, trying 2 threads
+    # raised the mean latency/token of speculating requests by 20% and tripled its spread, while
+    # requests without speculation (no verify passes) were untouched: a canary judging means
+    # then saw a drafter at 3 tokens/step no faster than no speculation.
+    if options.serve_multi_row_threads and options.serve_multi_row_threads != threads:
+        serve_argv += ["--multi-row-threads", str(options.serve_multi_row_threads)]
     # Behind the router, which reports every reply's record and sampled trace: the server reporting
     # too would store each trace twice.
     serve_argv += ["--no-report"]
