@@ -29,4 +29,6 @@ def test_an_explicit_verify_thread_count_is_passed_on(tmp_path: Path) -> None:
     argv = _serve_argv(UpOptions(serve_threads=1, serve_multi_row_threads=2), tmp_path)
     assert _flag(argv, "--threads") == "1" and _flag(argv, "--multi-row-threads") == "2"
     # The same count as the server's own is nothing to choose between.
-    assert "--multi-row-threads" not in _serve_argv(UpOptions(serve_threads=2, serve_multi_row_threads=2), tmp_path)
+    assert "--multi-row-threads" not in _serve_argv(
+        UpOptions(serve_threads=2, serve_multi_row_threads=2), tmp_path
+    )
