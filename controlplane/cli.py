@@ -232,6 +232,14 @@ def up(
     worker_concurrency: Annotated[int, typer.Option(help="worker processes (prefork)")] = 2,
     trace_sample_rate: Annotated[float, typer.Option(help="when a deployment does not set one")] = 0.1,
     grace: Annotated[float, typer.Option(help="seconds between SIGTERM and SIGKILL at stop")] = 10.0,
+    serve_multi_row_threads: Annotated[
+        int | None,
+        typer.Option(
+            help="torch threads the reference server's verify passes may try, timed as it serves "
+            "(default: its own share; more pays only on a machine nothing else keeps busy)",
+            min=1,
+        ),
+    ] = None,
 ) -> None:
     """Run API, Celery worker (default + gpu queues), beat, the reference server and the arm router
     in front of it; Ctrl-C stops all."""
@@ -243,6 +251,7 @@ def up(
         worker_concurrency=worker_concurrency,
         trace_sample_rate=trace_sample_rate,
         grace_s=grace,
+        serve_multi_row_threads=serve_multi_row_threads,
     )
     raise typer.Exit(run_up(get_settings(), options, echo=typer.echo))
 
