@@ -44,7 +44,7 @@ from controlplane.jobs.service import fail_job, finish_job, start_job
 from controlplane.jobs.states import TERMINAL
 from controlplane.models.location import ModelLocation
 from controlplane.timestamps import as_utc, utcnow
-from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, is_held_out, trace_key
+from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, content_key, is_held_out
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,9 @@ def held_out_requests(
     )
     end = as_utc(candidate.traffic_window_end)
     fresh = [t for t in rows if end is not None and as_utc(t.created_at) > end]
-    held = [t for t in rows if t not in fresh and is_held_out(trace_key(t.id), seed, REALIGN_HOLDOUT_SHARE)]
+    held = [
+        t for t in rows if t not in fresh and is_held_out(content_key(t.prompt), seed, REALIGN_HOLDOUT_SHARE)
+    ]
     return [(t.prompt, t.completion) for t in (fresh + held)[:n]]
 
 

@@ -34,7 +34,7 @@ from controlplane.messaging import SHADOW_REPLAY, TaskMessage
 from controlplane.models.location import ModelLocation
 from controlplane.models.service import default_drafter_of, find_model, location_of
 from controlplane.timestamps import as_utc, parse_utc, utcnow
-from controlplane.traces.holdout import trace_key
+from controlplane.traces.holdout import content_key
 
 # Traces from a little before the alarm count as post-drift: detection lags the change itself.
 DRIFT_LOOKBACK = timedelta(minutes=15)
@@ -188,7 +188,7 @@ class RealignInputs:
 
 
 def _training_traces(rows: list[Trace]) -> list[TrainingTrace]:
-    return [TrainingTrace(trace_key(t.id), t.prompt, t.completion, t.category) for t in rows]
+    return [TrainingTrace(content_key(t.prompt), t.prompt, t.completion, t.category) for t in rows]
 
 
 def last_drafter_location(*, session: Session, deployment: Deployment) -> ModelLocation | None:
