@@ -8,6 +8,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 SCRIPTS = [
+    "traffic_repeats.py",
     "ingest.py",
     "fsync_probe.py",
     "dashboard.py",
@@ -24,6 +25,9 @@ SCRIPTS = [
     "router.py",
     "scrub.py",
     "reliability.py",
+    "demo_heldout.py",
+    # Last: gathers the figures above into bench/results/evidence.json.
+    "evidence.py",
 ]
 
 
