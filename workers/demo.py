@@ -63,12 +63,27 @@ from controlplane.supervisor import (
     write_router_config,
 )
 from controlplane.timestamps import parse_utc
-from workers.serve.traffic import Callbacks, Phase, PhaseReport, RequestResult, Scenario, TrafficDriver
+from controlplane.traces.holdout import prompt_hash
+from workers.serve.traffic import (
+    Callbacks,
+    Phase,
+    PhaseReport,
+    RequestResult,
+    Scenario,
+    TrafficDriver,
+    plan_requests,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCENARIO = ROOT / "scenarios" / "demo.toml"
 POLL_S = 1.0
 WARMUP_REQUESTS_PER_DOMAIN = 4
+# The promoted drafter's speed-up is measured on prompts of the after phase's own (held-out) kind,
+# each sent once pinned to the live arm and once to the no-speculation arm, in alternating order,
+# after this many unmeasured warm-up pairs.
+PAIRED_WARMUP_PAIRS = 2
+# A seed offset for the paired prompts: new draws of the after phase's documents, not its requests.
+PAIRED_SEED_OFFSET = 7919
 
 # What the demo configures when the scenario's [demo] table does not say. `--fast` (the tests)
 # scales the traffic down; the loop and every decision rule stay the same.
@@ -79,6 +94,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "draft_token_count": 4,
     "trace_sample_rate": 1.0,
     "calibration_requests": 16,
+    "paired_requests": 24,
     "max_shift_s": 900.0,
     "drift_policy": {"reference_requests": 150, "arl0_requests": 10_000, "cooldown_s": 60},
     "canary_policy": {
@@ -94,6 +110,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 FAST_OVERRIDES: dict[str, Any] = {
     "calibration_requests": 6,
+    "paired_requests": 10,
     "max_shift_s": 600.0,
     "drift_policy": {"reference_requests": 60, "arl0_requests": 10_000, "cooldown_s": 60},
     "canary_policy": {
@@ -353,6 +370,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phase_count = [0]
 
         results: list[RequestResult] = []
+        # Every phase driven so far, with the requests it sent: what the drafter could have trained on.
+        driven: list[tuple[Phase, int]] = []
 
         def drive(phase: Phase, label: str, stop: Any = None) -> PhaseReport:
             count = [0, 0, 0]
@@ -375,6 +394,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not reports:
                 raise SupervisorError(f"{label}: no requests were sent")
             [report] = reports
+            driven.append((phase, report.requests))
             return report
 
         # 1. Calibration: what no speculation costs on each domain (the speed-up denominators).
@@ -440,16 +460,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # 4. After: the promoted drafter on the shifted traffic.
         after = None
+        heldout: dict[str, Any] = {}
         if promoted:
             time.sleep(2.5)
             say(f"[bold]4/4[/bold] {phases[2].name}: the promoted drafter")
+            seen = sent_content(driven)
             after = drive(phases[2], "after the promotion")
+            paired_phase = replace(phases[2], seed=phases[2].seed + PAIRED_SEED_OFFSET)
+            paired = paired_speedup(
+                local_url(options.serve_host, options.serve_port),
+                name,
+                paired_phase,
+                int(knobs["paired_requests"]),
+                run_id=f"demo-{run_stamp}-paired",
+            )
+            heldout = {
+                "demo_promoted_hit_rate_heldout": after.hit_rate,
+                "demo_promoted_speedup_vs_nospec_heldout": paired.get("speedup_vs_nospec"),
+                "heldout_prompt_overlap": content_overlap(
+                    [(phases[2], after.requests), (paired_phase, paired.get("planned", 0))], seen
+                ),
+                "paired": paired,
+            }
+            say(
+                f"  held out (no prompt or document of these reached training; overlap "
+                f"{heldout['heldout_prompt_overlap']}): hit rate {_pct(after.hit_rate)}, "
+                f"{paired.get('speedup_vs_nospec') or '-'}x vs no speculation (interleaved, warm)"
+            )
         else:
             say(f"[red]the canary did not promote[/red]: {canary.get('reason') or 'no decision in time'}")
         watcher.stop_event.set()
         summary = _summary(
             knobs, calibration, before, shift, after, observed, shift_started, shift_results, phases
         )
+        summary.update(heldout)
         if _mixed(phases):
             try:
                 summary["per_category"] = per_category_figures(
@@ -472,6 +516,112 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         supervisor.stop_all(first=("router", "serve"))
         restore()
     return summary
+
+
+def _pct(value: float | None) -> str:
+    return f"{value:.1%}" if value is not None else "-"
+
+
+def _planned_content(phase: Phase, count: int) -> set[str]:
+    """The normalised-prompt hashes and source documents of a phase's first ``count`` requests."""
+    out: set[str] = set()
+    planned = plan_requests(phase)
+    for _ in range(count):
+        request = next(planned)
+        out.add(f"prompt:{prompt_hash(request.prompt)}")
+        document = getattr(request, "document", None)
+        if document:
+            out.add(f"document:{document}")
+    return out
+
+
+def sent_content(driven: list[tuple[Phase, int]]) -> set[str]:
+    """Every prompt (normalised hash) and source document the phases driven so far sent: the most
+    the drafter can have trained on (every trace comes from these requests)."""
+    out: set[str] = set()
+    for phase, count in driven:
+        out |= _planned_content(phase, count)
+    return out
+
+
+def content_overlap(measured: list[tuple[Phase, int]], seen: set[str]) -> int:
+    """How many of the measured requests' prompts or documents were sent before (0: held out)."""
+    overlap = 0
+    for phase, count in measured:
+        planned = plan_requests(phase)
+        for _ in range(count):
+            request = next(planned)
+            keys = {f"prompt:{prompt_hash(request.prompt)}"}
+            document = getattr(request, "document", None)
+            if document:
+                keys.add(f"document:{document}")
+            overlap += bool(keys & seen)
+    return overlap
+
+
+def paired_speedup(url: str, model: str, phase: Phase, pairs: int, *, run_id: str) -> dict[str, Any]:
+    """The live arm's speed-up over no speculation on ``pairs`` prompts of ``phase``: each prompt
+    sent straight to the reference server twice, pinned once to the live arm and once to the
+    standing no-speculation arm (``x-speculation-arm``), the order alternating from pair to pair,
+    after a few unmeasured warm-up pairs; ms per token = the arm's summed latency / its summed
+    completion tokens. A reply that names another arm than the one pinned voids the figure."""
+    planned = plan_requests(phase)
+    arms = ("live", "baseline")
+    latency = dict.fromkeys(arms, 0.0)
+    tokens = dict.fromkeys(arms, 0)
+    ratios: list[float] = []
+    with httpx.Client(timeout=120.0) as client:
+        for index in range(PAIRED_WARMUP_PAIRS + pairs):
+            request = next(planned)
+            order = arms if index % 2 == 0 else arms[::-1]
+            measured: dict[str, tuple[float, int]] = {}
+            for arm in order:
+                body: dict[str, Any] = {
+                    "model": model,
+                    "prompt": request.prompt,
+                    "max_tokens": phase.max_tokens,
+                    "temperature": 0.0,
+                    "perf_metrics_in_response": True,
+                    "category": request.category,
+                }
+                stop = phase.stop_for(request.domain)
+                if stop:
+                    body["stop"] = list(stop)
+                started = time.perf_counter()
+                resp = client.post(
+                    f"{url}/v1/completions",
+                    json=body,
+                    headers={"x-speculation-arm": arm, "x-request-id": f"{run_id}-{index}-{arm}"},
+                )
+                elapsed = time.perf_counter() - started
+                resp.raise_for_status()
+                data = resp.json()
+                served = (data.get("speculation_record") or {}).get("arm") or resp.headers.get(
+                    "x-speculation-arm"
+                )
+                if served != arm:
+                    return {"error": f"pinned the {arm} arm, the server served {served!r}", "planned": index}
+                measured[arm] = (elapsed, int((data.get("usage") or {}).get("completion_tokens") or 0))
+            if index < PAIRED_WARMUP_PAIRS:
+                continue
+            for arm, (elapsed, count) in measured.items():
+                latency[arm] += elapsed
+                tokens[arm] += count
+            if all(measured[a][1] for a in arms):
+                ratios.append(
+                    (measured["baseline"][0] / measured["baseline"][1])
+                    / (measured["live"][0] / measured["live"][1])
+                )
+    ms = {arm: 1000.0 * latency[arm] / tokens[arm] if tokens[arm] else None for arm in arms}
+    ratios.sort()
+    return {
+        "pairs": pairs,
+        "planned": PAIRED_WARMUP_PAIRS + pairs,
+        "ms_per_token": ms,
+        "speedup_vs_nospec": _ratio(ms["baseline"], ms["live"]),
+        "per_pair_speedup_median": round(ratios[len(ratios) // 2], 3) if ratios else None,
+        "per_pair_speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None,
+    }
 
 
 def _drafter_label(knobs: dict[str, Any]) -> str:
@@ -726,6 +876,17 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"shift to promotion: {summary['shift_to_promotion_s']} s; canary decision: {summary['decision']}"
         f" (k chosen: {summary['chosen_k']})\n  why: {summary['decision_reason']}"
     )
+    if "demo_promoted_hit_rate_heldout" in summary:
+        paired = summary.get("paired") or {}
+        console.print(
+            f"promoted drafter on held-out documents (overlap with everything sent before: "
+            f"{summary['heldout_prompt_overlap']}): "
+            f"hit rate {pct(summary['demo_promoted_hit_rate_heldout'])}, "
+            f"{x(summary['demo_promoted_speedup_vs_nospec_heldout'])} vs no speculation "
+            f"({paired.get('pairs')} prompts, live and no-speculation arms interleaved and warm"
+            + (f"; {paired['error']}" if paired.get("error") else "")
+            + ")"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
