@@ -110,6 +110,10 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
         "structured_hit_rate_after": structured_after,
         "prose_speedup_vs_nospec_after": speedup("after_promotion_live", "prose"),
         "structured_speedup_vs_nospec_after": speedup("after_promotion_live", "structured"),
+        # The after phase draws from documents reserved for held-out phases: how many of its
+        # requests (and of the paired ones) any earlier request of the run had sent (0: held out).
+        "heldout_prompt_overlap": summary.get("heldout_prompt_overlap"),
+        "promoted_speedup_vs_nospec_heldout_paired": summary.get("demo_promoted_speedup_vs_nospec_heldout"),
         "shift_to_promotion_s": summary.get("shift_to_promotion_s"),
         "detection_delay_requests": summary.get("detection_delay_requests"),
         "decision": summary.get("decision"),
