@@ -7,14 +7,23 @@ standing 5 % no-speculation share. Traffic goes through the router, which report
 acceptance under the serving key. The beat's drift pass runs the speculation check; the bench
 only watches the API.
 
-1. calibration: code traffic with speculation off (the speed-up denominator);
+1. warm-up: a few code requests with speculation off (a fresh server's first requests are slow;
+   nothing here is measured);
 2. unprofitable: the generic drafter on code until the check acts (capped);
-3. after the action: code traffic again on whatever the check switched to.
+3. after the action: warm-up requests on both arms, then every prompt sent twice, once to the live
+   arm (whatever the check switched to) and once to the no-speculation arm, in alternating order,
+   one request at a time. Each request is pinned to its arm through the router's own rule (a
+   ``user`` key whose hash lands on that arm's slice of the serving config), and the arm the
+   reply names is checked.
 
 Figures: ``unprofitable_detected_requests`` (requests sent until the check's action appeared;
-target <= 2,000), ``after_action_speedup_vs_nospec`` (calibrated no-speculation ms per token over
-the live arm's after the action; target >= 1.0), plus the speed-up before the action, the action,
-its reason and the check's ratio. Run as a script it writes bench/results/drafters_pays.json.
+target <= 2,000) and ``after_action_speedup_vs_nospec`` (target >= 1.0): client-side ms per
+completion token of the no-speculation arm over the live arm's, both summed over the same
+interleaved prompts, with a bootstrap 95 % interval over prompts and the quartiles of the
+per-prompt ratios. The speed-up before the action compares the two arms of phase 2 (the
+hash split, so different prompts, and only the 5 % share on the no-speculation side). When the
+check turned speculation off, both measured arms serve without it and the figure says so
+(``after_action_live_speculation``). Run as a script it writes bench/results/drafters_pays.json.
 
 Usage: .venv/bin/python bench/drafters_pays.py [--quick]
 """
@@ -24,10 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +55,8 @@ from controlplane.bootstrap import init_account  # noqa: E402
 from controlplane.config import Settings  # noqa: E402
 from controlplane.db.models import Role  # noqa: E402
 from controlplane.db.session import unit_of_work  # noqa: E402
+from controlplane.router.arms import client_key, pick_arm  # noqa: E402
+from controlplane.router.follower import ArmSpec, parse_serving_config  # noqa: E402
 from controlplane.supervisor import (  # noqa: E402
     Supervisor,
     UpOptions,
@@ -53,7 +68,14 @@ from controlplane.supervisor import (  # noqa: E402
 )
 from tests.conftest import TEST_SECRET  # noqa: E402
 from tests.fleet.processes import free_port  # noqa: E402
-from workers.serve.traffic import Callbacks, Phase, PhaseReport, RequestResult, TrafficDriver  # noqa: E402
+from workers.serve.traffic import (  # noqa: E402
+    Callbacks,
+    Phase,
+    PhaseReport,
+    RequestResult,
+    TrafficDriver,
+    plan_requests,
+)
 
 RESULTS = ROOT / "bench" / "results" / "drafters_pays.json"
 NAME = "pays"
@@ -64,6 +86,8 @@ MAX_TOKENS = 16
 DRAFT_K = 8
 DETECTION_CAP = 2000
 POLL_S = 1.0
+NOSPEC = "disabled"
+BOOTSTRAP_RESAMPLES = 2000
 
 
 class CheckWatcher(threading.Thread):
@@ -94,20 +118,181 @@ class CheckWatcher(threading.Thread):
             self.requests_at_action = self.sent[0]
 
 
+@dataclass(frozen=True)
+class PairTiming:
+    """One prompt served by both arms: client-side latency and completion tokens of each."""
+
+    nospec_s: float
+    nospec_tokens: int
+    live_s: float
+    live_tokens: int
+
+    @property
+    def ratio(self) -> float:
+        """No-speculation ms per token over the live arm's, for this prompt alone."""
+        return (self.nospec_s / self.nospec_tokens) / (self.live_s / self.live_tokens)
+
+
+def _pooled(pairs: Sequence[PairTiming]) -> float:
+    nospec = sum(p.nospec_s for p in pairs) / sum(p.nospec_tokens for p in pairs)
+    live = sum(p.live_s for p in pairs) / sum(p.live_tokens for p in pairs)
+    return nospec / live
+
+
+def interleaved_speedup(
+    pairs: Sequence[PairTiming], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> dict[str, Any]:
+    """The live arm's speed-up over no speculation on the same prompts: ms per token pooled over
+    the pairs (no speculation over live), a percentile-bootstrap 95 % interval from resampling
+    whole pairs (so each resample keeps a prompt's two arms together), the quartiles of the
+    per-prompt ratios and the share of prompts the live arm served faster per token."""
+    usable = [p for p in pairs if min(p.nospec_s, p.live_s) > 0 and min(p.nospec_tokens, p.live_tokens) > 0]
+    if not usable:
+        return {"speedup": None, "interval_95": None, "pairs": 0}
+    rng = random.Random(seed)
+    n = len(usable)
+    boot = sorted(_pooled([usable[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    ratios = sorted(p.ratio for p in usable)
+    quartiles = statistics.quantiles(ratios, n=4) if n >= 2 else [ratios[0]] * 3
+    return {
+        "speedup": round(_pooled(usable), 4),
+        "interval_95": [round(boot[int(0.025 * resamples)], 4), round(boot[int(0.975 * resamples) - 1], 4)],
+        "pairs": n,
+        "pair_ratio_quartiles": [round(q, 4) for q in quartiles],
+        "share_of_prompts_live_faster": round(sum(r > 1.0 for r in ratios) / n, 4),
+        "nospec_ms_per_token": round(
+            1000 * sum(p.nospec_s for p in usable) / sum(p.nospec_tokens for p in usable), 3
+        ),
+        "live_ms_per_token": round(
+            1000 * sum(p.live_s for p in usable) / sum(p.live_tokens for p in usable), 3
+        ),
+    }
+
+
+def pin_keys(arms: Sequence[ArmSpec], wanted: Sequence[str], *, prefix: str = "pays") -> dict[str, str]:
+    """A ``user`` value per wanted arm that the router's hash places on that arm (the router keys
+    a request by its ``user`` before anything else), found by counting up from ``prefix``-0."""
+    keys: dict[str, str] = {}
+    for number in range(100_000):
+        user = f"{prefix}-{number}"
+        arm = pick_arm(arms, client_key({"user": user}, {}, None, "")).name
+        if arm in wanted and arm not in keys:
+            keys[arm] = user
+        if len(keys) == len(set(wanted)):
+            return keys
+    raise ValueError(f"no user key lands on {sorted(set(wanted) - set(keys))} (weights {arms})")
+
+
 def _phase(name: str, requests: int, seed: int) -> Phase:
     return Phase(name=name, mix={DOMAIN: 1.0}, requests=requests, max_tokens=MAX_TOKENS, seed=seed)
 
 
-def _live_ms_per_token(report: PhaseReport) -> float | None:
-    group = report.by_arm.get("live")
+def _arm_ms_per_token(report: PhaseReport, arm: str) -> float | None:
+    group = report.by_arm.get(arm)
     return group.ms_per_token if group is not None else None
+
+
+def _arm_requests(report: PhaseReport, arm: str) -> int:
+    group = report.by_arm.get(arm)
+    return group.requests if group is not None else 0
+
+
+class ArmClient:
+    """Sends one request at a time through the router, pinned to an arm by its ``user`` key."""
+
+    def __init__(self, url: str, keys: dict[str, str], run_id: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=120)
+        self.keys, self.run_id = keys, run_id
+        self.sent = 0
+        self.misrouted = 0
+        self.drafted = self.accepted = 0
+
+    def send(self, arm: str, prompt: str, category: str) -> tuple[float, int] | None:
+        """(latency s, completion tokens) of the reply, None when it failed or another arm served."""
+        self.sent += 1
+        body = {
+            "model": NAME,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "user": self.keys[arm],
+            "category": category,
+            "perf_metrics_in_response": True,
+        }
+        started = time.perf_counter()
+        response = self.http.post(
+            "/v1/completions", json=body, headers={"x-request-id": f"{self.run_id}-{self.sent}"}
+        )
+        latency = time.perf_counter() - started
+        if response.status_code != 200:
+            return None
+        if response.headers.get("x-speculation-arm") != arm:
+            self.misrouted += 1
+            return None
+        data = response.json()
+        record = data.get("speculation_record") or {}
+        if arm == "live":
+            self.drafted += int(record.get("drafted_tokens") or 0)
+            self.accepted += int(record.get("accepted_tokens") or 0)
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        return latency, tokens
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def measure_interleaved(
+    url: str, config: dict[str, Any], *, warmup: int, pairs: int, run_id: str, say: Any = print
+) -> dict[str, Any]:
+    """The live arm against no speculation on the same prompts, alternating which goes first,
+    after ``warmup`` unmeasured requests on each arm (see the module docstring)."""
+    followed = parse_serving_config(config, time.time())
+    by_name = {raw["arm"]: raw for raw in config.get("arms") or []}
+    live_mode = by_name.get("live", {}).get("speculation")
+    # The no-speculation arm: the standing share, else the live arm itself when it stopped speculating.
+    nospec = next(
+        (name for name, raw in by_name.items() if name != "live" and raw.get("speculation") == NOSPEC),
+        "live" if live_mode == NOSPEC else None,
+    )
+    if nospec is None:
+        raise RuntimeError(f"the serving config has no arm without speculation: {sorted(by_name)}")
+    keys = pin_keys(followed.arms, ["live", nospec])
+    client = ArmClient(url, keys, run_id)
+    planned = plan_requests(_phase("after the action", warmup + pairs, seed=2))
+    timings: list[PairTiming] = []
+    try:
+        for i in range(warmup + pairs):
+            req = next(planned)
+            order = ("live", nospec) if i % 2 == 0 else (nospec, "live")
+            served = [client.send(arm, req.prompt, req.category) for arm in order]
+            if i < warmup:
+                continue
+            # By position, not by name: with speculation off both requests go to "live".
+            live, base = served[order.index("live")], served[1 - order.index("live")]
+            if live is not None and base is not None:
+                timings.append(PairTiming(base[0], base[1], live[0], live[1]))
+            if (i - warmup + 1) % 20 == 0 and timings:
+                say(f"  {i - warmup + 1}/{pairs} interleaved pairs; {_pooled(timings):.3f}x so far")
+    finally:
+        client.close()
+    out = interleaved_speedup(timings)
+    out.update(
+        live_speculation=live_mode,
+        live_k=by_name.get("live", {}).get("k"),
+        nospec_arm=nospec,
+        warmup_requests_per_arm=warmup,
+        requests_sent=client.sent,
+        requests_misrouted=client.misrouted,
+        live_hit_rate=round(client.accepted / client.drafted, 4) if client.drafted else None,
+    )
+    return out
 
 
 def measure(quick: bool = False) -> dict[str, Any]:
     """Run the loop once; returns the figures (see the module docstring)."""
     say = print
-    calibration_requests = 20 if quick else 40
-    after_requests = 60 if quick else 150
+    warmup_requests = 8
+    after_pairs = 60 if quick else 150
     with tempfile.TemporaryDirectory() as tmp:
         var = Path(tmp) / "var"
         settings = Settings(
@@ -145,10 +330,11 @@ def measure(quick: bool = False) -> dict[str, Any]:
         started = time.monotonic()
         watcher: CheckWatcher | None = None
 
-        def call(method: str, path: str, body: Any) -> None:
+        def call(method: str, path: str, body: Any = None) -> Any:
             response = http.request(method, path, json=body)
             if response.status_code >= 400:
                 raise RuntimeError(f"{method} {path}: {response.status_code} {response.text[:300]}")
+            return response.json() if response.content else None
 
         try:
             supervisor.wait_ready([supervisor.start(specs["api"])])
@@ -174,11 +360,10 @@ def measure(quick: bool = False) -> dict[str, Any]:
                 {"standing_baseline_share": 0.05, "first_drafter": False},
             )
             time.sleep(2.5)  # the reference server caches its serving config for a second or two
-            say("pays: 1/3 calibration, speculation off")
-            [calibration] = TrafficDriver(serve_url, NAME, run_id=f"pays-{stamp}-0").run(
-                [_phase("no speculation", calibration_requests, seed=9)]
+            say("pays: 1/3 warm-up, speculation off (not measured)")
+            TrafficDriver(serve_url, NAME, run_id=f"pays-{stamp}-0").run(
+                [_phase("warm-up", warmup_requests, seed=9)]
             )
-            nospec = calibration.ms_per_token
             call("PATCH", prefix, {"draft_model": "reference-drafter", "draft_token_count": DRAFT_K})
             time.sleep(2.5)
 
@@ -206,10 +391,14 @@ def measure(quick: bool = False) -> dict[str, Any]:
                 watcher.poll()
                 time.sleep(POLL_S)
             acted = watcher.acted
+            before_live = _arm_ms_per_token(unprofitable, "live")
+            before_nospec = _arm_ms_per_token(unprofitable, "baseline")
             summary: dict[str, Any] = {
-                "nospec_ms_per_token": nospec,
-                "unprofitable_ms_per_token": _live_ms_per_token(unprofitable),
-                "unprofitable_speedup_vs_nospec": _ratio(nospec, _live_ms_per_token(unprofitable)),
+                "unprofitable_ms_per_token": before_live,
+                "unprofitable_nospec_ms_per_token": before_nospec,
+                # Same phase, arms split by hash: different prompts, few on the no-speculation side.
+                "unprofitable_speedup_vs_nospec": _ratio(before_nospec, before_live),
+                "unprofitable_nospec_requests": _arm_requests(unprofitable, "baseline"),
                 "unprofitable_hit_rate": unprofitable.hit_rate,
                 "unprofitable_detected_requests": watcher.requests_at_action if acted else None,
                 "requests_sent_before_action": sent[0],
@@ -223,19 +412,50 @@ def measure(quick: bool = False) -> dict[str, Any]:
                 summary["after_action_speedup_vs_nospec"] = None
                 return summary
             say(f"pays: the check acted after {watcher.requests_at_action} requests: {acted.get('action')}")
-            time.sleep(2.5)
-            say("pays: 3/3 after the action")
-            [after] = TrafficDriver(serve_url, NAME, run_id=f"pays-{stamp}-2").run(
-                [_phase("after the action", after_requests, seed=2)]
+            # The router follows serving-config every second and the reference server caches it
+            # for a second or two: let both see the action before pinning requests to its arms.
+            time.sleep(3.0)
+            config = call("GET", f"{prefix}/serving-config")
+            say(
+                "pays: 3/3 after the action, interleaved: "
+                + ", ".join(
+                    f"{a['arm']} {a['speculation']} k={a.get('k')} w={a['weight']}" for a in config["arms"]
+                )
             )
+            after = measure_interleaved(
+                serve_url,
+                config,
+                warmup=warmup_requests,
+                pairs=after_pairs,
+                run_id=f"pays-{stamp}-2",
+                say=say,
+            )
+            config_after = call("GET", f"{prefix}/serving-config")
             watcher.poll()
             summary.update(
                 {
-                    "after_action_ms_per_token": _live_ms_per_token(after),
-                    "after_action_speedup_vs_nospec": _ratio(nospec, _live_ms_per_token(after)),
-                    "after_action_hit_rate": after.hit_rate,
+                    "after_action_speedup_vs_nospec": after["speedup"],
+                    "after_action_speedup_interval_95": after["interval_95"],
+                    "after_action_pair_ratio_quartiles": after.get("pair_ratio_quartiles"),
+                    "after_action_share_of_prompts_live_faster": after.get("share_of_prompts_live_faster"),
+                    "after_action_pairs": after["pairs"],
+                    "after_action_ms_per_token": after.get("live_ms_per_token"),
+                    "after_action_nospec_ms_per_token": after.get("nospec_ms_per_token"),
+                    "after_action_hit_rate": after["live_hit_rate"],
+                    "after_action_live_speculation": after["live_speculation"],
+                    "after_action_live_k": after["live_k"],
+                    "after_action_nospec_arm": after["nospec_arm"],
+                    "after_action_requests_misrouted": after["requests_misrouted"],
+                    # A second action during the measurement would mix two live arms.
+                    "after_action_serving_changed_during_measurement": config_after.get("config_version")
+                    != config.get("config_version"),
+                    "after_action_method": "interleaved pairs through the router, same prompt both arms, "
+                    "alternating order, one request at a time, greedy, warm (unmeasured requests first); "
+                    "client ms per completion token, no speculation over live; bootstrap over prompts",
                     "after_action_serving": watcher.last.get("serving"),
                     "ladder_at_end": watcher.last.get("ladder"),
+                    "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+                    "quick": quick,
                     "wall_s": round(time.monotonic() - started, 1),
                 }
             )
@@ -252,7 +472,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer calibration and after-action requests")
+    parser.add_argument("--quick", action="store_true", help="fewer interleaved pairs after the action")
     args = parser.parse_args(argv)
     figures = measure(quick=args.quick)
     print(json.dumps(figures, indent=2))

@@ -196,3 +196,69 @@ def test_only_names_known_parts() -> None:
     assert drafters.parse_only("pays, realign") == ("realign", "pays")
     with pytest.raises(argparse.ArgumentTypeError, match="unknown part"):
         drafters.parse_only("realign,nonsense")
+
+
+def _load_part(stem: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{stem}_under_test", ROOT / "bench" / f"{stem}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_after_action_speedup_pools_pairs_and_its_interval_can_fall_below_one() -> None:
+    pays = _load_part("drafters_pays")
+    Pair = pays.PairTiming
+    # Live faster on every prompt by 1.25x per token: the interval sits above 1 around 1.25.
+    faster = [Pair(0.5 + 0.01 * i, 20, (0.5 + 0.01 * i) / 1.25, 20) for i in range(40)]
+    out = pays.interleaved_speedup(faster, seed=1)
+    assert out["speedup"] == pytest.approx(1.25, abs=1e-3)
+    assert 1.2 < out["interval_95"][0] <= out["speedup"] <= out["interval_95"][1] < 1.3
+    assert out["share_of_prompts_live_faster"] == 1.0 and out["pairs"] == 40
+    # Live slower by 1.25x: the same figure comes out below 1, interval and all.
+    slower = [Pair(p.live_s, 20, p.nospec_s, 20) for p in faster]
+    worse = pays.interleaved_speedup(slower, seed=1)
+    assert worse["speedup"] == pytest.approx(0.8, abs=1e-3) and worse["interval_95"][1] < 1.0
+    assert worse["share_of_prompts_live_faster"] == 0.0
+    # Pooled per token, not averaged per prompt: a long slow prompt weighs by its tokens.
+    mixed = pays.interleaved_speedup([Pair(1.0, 10, 0.5, 10), Pair(1.0, 40, 2.0, 40)], seed=1)
+    assert mixed["speedup"] == pytest.approx(2.0 / 2.5)
+    # Failed requests (no tokens) leave the figure rather than divide by zero.
+    assert pays.interleaved_speedup([Pair(1.0, 0, 1.0, 10)])["speedup"] is None
+
+
+def test_pin_keys_land_on_their_arms_by_the_routers_own_rule() -> None:
+    pays = _load_part("drafters_pays")
+    from controlplane.router.arms import client_key, pick_arm
+    from controlplane.router.follower import ArmSpec
+
+    arms = (ArmSpec("live", 0.95, 3), ArmSpec("baseline", 0.05, None))
+    keys = pays.pin_keys(arms, ["live", "baseline"])
+    for arm, user in keys.items():
+        assert pick_arm(arms, client_key({"user": user}, {}, None, "rid")).name == arm
+    with pytest.raises(ValueError, match="canary:4"):
+        pays.pin_keys((*arms, ArmSpec("canary:4", 0.0, 4)), ["live", "canary:4"])
+
+
+def test_the_threshold_gain_is_reported_only_where_a_threshold_was_chosen() -> None:
+    threshold = _load_part("drafters_threshold")
+    cases = {
+        "stale": {"chosen_threshold": 0.9, "gain": 1.31},
+        "realigned": {
+            "chosen_threshold": None,
+            "gain": None,
+            "gain_absent_reason": "no threshold chosen: no threshold beats no threshold by 2%",
+        },
+        threshold.MUST_CHOOSE: {"chosen_threshold": None, "gain": None},
+    }
+    figures = threshold.gain_figures(cases)
+    assert figures["tuned_threshold_speedup_gain_stale"] == 1.31
+    assert figures["tuned_threshold_speedup_gain_realigned"] is None
+    assert "beats" in figures["tuned_threshold_speedup_gain_realigned_absent_reason"]
+    assert "tuned_threshold_speedup_gain_stale_absent_reason" not in figures
+    assert figures["tuned_threshold_must_choose_case_chose"] is False
+    cases[threshold.MUST_CHOOSE] = {"chosen_threshold": 0.8, "gain": 0.97}
+    figures = threshold.gain_figures(cases)
+    assert figures["tuned_threshold_must_choose_case_chose"] is True
+    assert figures[f"tuned_threshold_speedup_gain_{threshold.MUST_CHOOSE}"] == 0.97
