@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,9 +35,11 @@ def _drop_root_kwargs() -> dict[str, Any]:
 class PrivatePostgres:
     """A PostgreSQL cluster of its own: trust authentication, one database ``test``.
 
-    ``restart()`` is a fast stop (every connection cut, as a crash or a failover would) and a start
-    on the same port and data directory; ``stop()`` and ``start()`` leave a gap of the caller's
-    choosing between them.
+    ``restart()`` is a fast stop (every connection cut, open transactions rolled back, a shutdown
+    checkpoint written) and a start on the same port and data directory; ``crash()`` is the
+    other kind of outage: the server killed with nothing written, so the next start replays the
+    WAL (crash recovery). ``stop()`` and ``start()`` leave a gap of the caller's choosing between
+    them.
     """
 
     def __init__(self, port: int | None = None) -> None:
@@ -99,6 +102,38 @@ class PrivatePostgres:
             time.sleep(down_s)
         self.start()
 
+    def crash(self, down_s: float = 0.0) -> None:
+        """SIGKILL the postmaster, then every server process it leaves behind (as the kernel's OOM
+        killer or a lost node would take them), and start again: the start runs crash recovery,
+        replaying the WAL from the last checkpoint, before it takes connections."""
+        lock = self.data_dir / "postmaster.pid"
+        postmaster = int(lock.read_text().split()[0])
+        children = _children_of(postmaster)
+        os.kill(postmaster, signal.SIGKILL)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in (postmaster, *children)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"PostgreSQL processes outlived SIGKILL: {children}")
+            time.sleep(0.05)
+        # A killed postmaster nobody reaped is a zombie its lock files still name, which the next
+        # start would take for a running server; a machine that lost it would not have it at all.
+        lock.unlink(missing_ok=True)
+        (self.root / f".s.PGSQL.{self.port}.lock").unlink(missing_ok=True)
+        if down_s:
+            time.sleep(down_s)
+        self.start()
+
+    def recoveries(self) -> int:
+        """How many times the server log says a start replayed the WAL after a crash."""
+        if not self.log.exists():
+            return 0
+        return self.log.read_text(errors="replace").count("automatic recovery in progress")
+
     def is_running(self) -> bool:
         return (self.data_dir / "postmaster.pid").exists()
 
@@ -117,6 +152,29 @@ class PrivatePostgres:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.destroy()
+
+
+def _children_of(parent: int) -> list[int]:
+    """The ids of the processes whose parent is ``parent`` (Linux /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name (field 2) is in parentheses and may hold spaces: split after it.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that still runs (a zombie, dead but unreaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 class PrivateRedis:
