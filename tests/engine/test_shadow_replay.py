@@ -3,7 +3,9 @@ lossless check that catches a broken verifier or a tampered arm (and names the p
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,10 +13,16 @@ import pytest
 import torch
 
 import workers.engine.decoder as decoder_module
-from workers.canary.replay import ReplayCancelledError, greedy_tokens, shadow_replay
+from workers.canary.replay import (
+    NEVER_MISSING,
+    ReplayCancelledError,
+    analytic_ceiling,
+    greedy_tokens,
+    shadow_replay,
+)
 from workers.engine.decoder import GenerationResult, SpeculativeDecoder
 from workers.engine.model import Transformer
-from workers.engine.proposers import NgramProposer, Proposer
+from workers.engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from workers.engine.tokenizer import Tokenizer
 
 PromptFactory = Callable[..., list[list[int]]]
@@ -22,6 +30,7 @@ CopyFactory = Callable[[Transformer, float, int], Transformer]
 K = 4
 N_NEW = 16
 QUICK: dict[str, Any] = {"cost_max_k": 4, "cost_repeats": 3}
+SLOW_S = 0.1  # a slowed candidate's sleep per proposal
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +170,90 @@ def test_each_prompt_replays_at_its_own_served_length(
         shadow_replay(target, tokenizer, arms, prompts, K, lengths[:-1], measure_cost=False)
     with pytest.raises(ValueError, match="one length"):
         shadow_replay(target, tokenizer, arms, prompts, K, [0] * len(prompts), measure_cost=False)
+
+
+def test_the_never_missing_arm_measures_the_candidates_ceiling(
+    target: Transformer, tokenizer: Tokenizer, arms: dict[str, Any], prompts: list[list[int]]
+) -> None:
+    r = shadow_replay(target, tokenizer, arms, prompts, K, N_NEW, ceiling_of="candidate", **QUICK)
+    assert r.broken_arms == []
+    assert list(r.arms) == ["baseline", "incumbent", "candidate", NEVER_MISSING]
+    assert r.outputs[NEVER_MISSING] == r.outputs["baseline"]  # lossless like every arm
+    # Interleaved with the others: every arm, the never-missing one too, runs first equally often.
+    assert sorted(o[0] for o in r.order[:4]) == sorted(r.arms)
+    nm, cand, base = r.arms[NEVER_MISSING], r.arms["candidate"], r.arms["baseline"]
+    ceiling = r.ceiling
+    assert ceiling is not None and ceiling.of == "candidate"
+    # It drafts the continuation: every draft the continuation knew was accepted.
+    assert nm.drafted_tokens > 0
+    assert nm.accepted_tokens == nm.drafted_tokens - ceiling.never_missing_off_continuation
+    assert ceiling.never_missing_hit_rate == nm.hit_rate and cand.hit_rate is not None
+    assert nm.hit_rate is not None and nm.hit_rate > cand.hit_rate
+    assert nm.verify_steps < cand.verify_steps
+    # Every figure is computed from the arms' own measurements, nothing configured.
+    decode = {n: r.arms[n].decode_tokens_per_s / base.decode_tokens_per_s for n in r.arms if n != "baseline"}
+    assert ceiling.speedup_over_baseline == pytest.approx(decode)
+    assert ceiling.never_missing_speedup == pytest.approx(decode[NEVER_MISSING])
+    assert ceiling.share_of_ceiling == pytest.approx(decode["candidate"] / decode[NEVER_MISSING])
+    assert ceiling.share_of_ceiling_with_prefill == pytest.approx(
+        r.speedup("candidate", "baseline") / r.speedup(NEVER_MISSING, "baseline")
+    )
+    assert ceiling.share_of_ceiling_paired_median is not None and ceiling.share_of_ceiling_paired_median > 0
+    # The analytic cross-check: Leviathan at acceptance 1 from the isolated costs of this run.
+    costs = r.costs
+    assert costs is not None and ceiling.analytic_ceiling_speedup == pytest.approx(
+        analytic_ceiling(K, costs.cost_ratio_by_arm["candidate"], costs.verify_cost[K])
+    )
+    assert ceiling.analytic_share_of_ceiling == pytest.approx(
+        decode["candidate"] / ceiling.analytic_ceiling_speedup
+    )
+    assert ceiling.analytic_ceiling_speedup_in_situ is not None
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["ceiling"]["share_of_ceiling"] == pytest.approx(ceiling.share_of_ceiling, abs=1e-5)
+    assert d["arms"][NEVER_MISSING]["broken"] is None
+    # Without it asked for, no fourth arm and no ceiling.
+    assert (
+        shadow_replay(target, tokenizer, arms, prompts[:2], K, 4, measure_cost=False).to_dict()["ceiling"]
+        is None
+    )
+
+
+def test_a_slower_candidate_gets_a_smaller_share_of_the_same_ceiling(
+    target: Transformer, tokenizer: Tokenizer, drafter: Transformer, prompts: list[list[int]]
+) -> None:
+    """The share moves with what the candidate costs, not with a formula: the same drafter made
+    slower per round (a sleep in each of its proposals) keeps its tokens and loses share."""
+
+    class Slow(DraftModelProposer):
+        def propose(self, *args: Any, **kw: Any) -> Any:
+            time.sleep(SLOW_S)
+            return super().propose(*args, **kw)
+
+    arms: dict[str, Any] = {"baseline": None, "candidate": Slow(drafter, name="candidate")}
+    r = shadow_replay(
+        target, tokenizer, arms, prompts[:3], K, N_NEW, ceiling_of="candidate", measure_cost=False
+    )
+    ceiling = r.ceiling
+    assert ceiling is not None and r.broken_arms == []
+    cand, nm = r.arms["candidate"], r.arms[NEVER_MISSING]
+    # No sampling here: the sleep is a floor under the candidate's time (SLOW_S per verify step,
+    # >= SLOW_S / (k + 1) = 20 ms per token), so the share reaches 1/2 only if the never-missing
+    # arm took >= 10 ms per token over every prompt: nine times the 1.1 ms it measured on this
+    # 2-core machine shared by eight busy processes.
+    assert cand.propose_ms_per_step >= SLOW_S * 1000
+    assert ceiling.share_of_ceiling < 0.5, (ceiling, nm.score_ms_per_step, nm.propose_ms_per_step)
+
+
+def test_the_ceiling_needs_greedy_a_baseline_and_a_drafter(
+    target: Transformer, tokenizer: Tokenizer, drafter: Transformer, prompts: list[list[int]]
+) -> None:
+    arms: dict[str, Any] = {"baseline": None, "candidate": drafter, "ngram": NgramProposer(2)}
+    run = functools.partial(shadow_replay, target, tokenizer, prompts=prompts[:1], k=K, max_new_tokens=4)
+    with pytest.raises(ValueError, match="temperature 0"):
+        run(arms, ceiling_of="candidate", temperature=0.7, measure_cost=False)
+    with pytest.raises(ValueError, match="no speculation"):
+        run({"candidate": drafter}, ceiling_of="candidate", reference="none", measure_cost=False)
+    with pytest.raises(ValueError, match="names no speculating arm"):
+        run(arms, ceiling_of="incumbent", measure_cost=False)
+    with pytest.raises(TypeError, match="no never-missing twin"):
+        run(arms, ceiling_of="ngram", measure_cost=False)

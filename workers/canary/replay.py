@@ -25,6 +25,17 @@ task around it).
   AIPerf / genai-perf definition, and the percentiles are taken over requests. Per prompt, the
   paired figures the sequential canary statistics consume: ``tokens_per_step`` and
   ``ms_per_token`` (request latency / output tokens).
+- Measured ceiling (``ceiling_of``, greedy only): a fourth arm, ``never_missing``, drafts the
+  target's own greedy continuation of each prompt (from a plain greedy pass made before the timed
+  ones, the same pass the lossless check compares against) while running the named arm's drafter
+  forwards exactly as that arm does (``workers.engine.never_missing``), interleaved with the
+  others. Its speed-up over no speculation is the most that drafter can give at this k on this
+  machine, per-round engine work included; ``share_of_ceiling`` is the named arm's realised speed-up
+  over that one. Speed-ups are over the decode phase (tokens after the first / time after the
+  first: the prefill is the same in every arm, and counting it would pull every ratio towards 1);
+  the same with the prefill counted, a per-prompt paired median, and the Leviathan figure at
+  acceptance 1 from the isolated step costs (``analytic_ceiling_speedup``) stand beside it, as
+  cross-checks.
 - Costs: ``c`` = drafter step / target step (1 token each, at the prompts' context length) and
   ``verify_cost[k]`` = target forward over k + 1 tokens / over 1 token, medians of interleaved
   timings (on a GPU each timed forward waits for its kernels); the same ratios measured in situ
@@ -53,6 +64,12 @@ from workers.devices import autocast_for
 from workers.engine.decoder import GenerationResult, SpeculativeDecoder
 from workers.engine.metrics import RequestMetrics
 from workers.engine.model import Transformer
+from workers.engine.never_missing import (
+    Continuations,
+    NeverMissingDraftProposer,
+    NeverMissingHeadProposer,
+    never_missing_twin,
+)
 from workers.engine.proposers import DraftModelProposer, Proposer
 from workers.engine.tokenizer import Tokenizer
 
@@ -62,6 +79,7 @@ DecoderFactory = Callable[[str, Proposer | None, int], SpeculativeDecoder]
 ProgressFn = Callable[[float, str], bool]
 ARM_ORDER = ("baseline", "incumbent", "candidate")
 BASELINE = "baseline"
+NEVER_MISSING = "never_missing"
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -125,6 +143,31 @@ class CostProfile:
 
 
 @dataclass
+class CeilingReport:
+    """The never-missing arm beside the arm it mirrors (``of``), all over no speculation."""
+
+    of: str
+    never_missing_speedup: float  # decode tokens/s of the never-missing arm / the baseline's
+    share_of_ceiling: float  # the mirrored arm's decode speed-up / the never-missing arm's
+    # Every speculating arm's decode speed-up over no speculation (the never-missing arm's included).
+    speedup_over_baseline: dict[str, float]
+    speedup_with_prefill: dict[str, float]  # the same with the prefill counted (tokens_per_s ratios)
+    share_of_ceiling_with_prefill: float
+    # Median over prompts of the never-missing arm's decode ms per token / the mirrored arm's.
+    share_of_ceiling_paired_median: float | None
+    never_missing_hit_rate: float | None  # 1.0 unless the output left the known continuation
+    never_missing_off_continuation: int  # drafts it had to make itself (continuation ended or unknown)
+    # Cross-checks: Leviathan et al. at acceptance 1, (k + 1) / (verify_cost[k] + k c), from the
+    # isolated step costs, and from the costs measured during the replay (None where not measured).
+    analytic_ceiling_speedup: float | None = None
+    analytic_share_of_ceiling: float | None = None
+    analytic_ceiling_speedup_in_situ: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _round(v) for k, v in asdict(self).items()}
+
+
+@dataclass
 class ReplayResult:
     k: int
     max_new_tokens: int
@@ -137,6 +180,7 @@ class ReplayResult:
     order: list[list[str]]  # the arm order used for each prompt
     costs: CostProfile | None
     outputs: dict[str, list[list[int]]] = field(default_factory=dict, repr=False)
+    ceiling: CeilingReport | None = None
 
     @property
     def broken_arms(self) -> list[str]:
@@ -167,6 +211,7 @@ class ReplayResult:
             },
             "order": self.order,
             "costs": self.costs.to_dict() if self.costs is not None else None,
+            "ceiling": self.ceiling.to_dict() if self.ceiling is not None else None,
         }
 
 
@@ -383,6 +428,7 @@ def shadow_replay(
     cost_repeats: int = 15,
     decoder_factory: DecoderFactory | None = None,
     progress: ProgressFn | None = None,
+    ceiling_of: str | None = None,
 ) -> ReplayResult:
     """Replay ``prompts`` (token ids) through every arm, interleaved per prompt; see the module doc.
 
@@ -394,6 +440,9 @@ def shadow_replay(
     check applies to greedy decoding only (``temperature == 0``). ``tie_tol``: the relative logit
     gap under which a divergence is a rounding tie (default 1e-4 for a float32 target on a CPU,
     2e-2 otherwise: on a GPU the products run in bf16 under autocast).
+    ``ceiling_of``: the arm (a drafter or a head) whose never-missing twin runs beside the others
+    as arm ``never_missing``, for the measured ceiling (``ReplayResult.ceiling``; greedy only, and
+    it needs the no-speculation arm ``baseline``).
     Raises ReplayCancelledError when ``progress`` returns False.
     """
     if not arms:
@@ -413,18 +462,25 @@ def shadow_replay(
         if BASELINE in arms and arms[BASELINE] is None
         else []
     )
+    greedy = temperature == 0.0
+    eos = tokenizer.eos_id if stop_at_eos else None
+    # The longest request plus a round of drafts: all any KV cache of this replay needs.
+    max_len = max(len(p) + n for p, n in zip(prompts, lengths, strict=True)) + k + 1
+    continuations: Continuations | None = None
+    twin: NeverMissingDraftProposer | NeverMissingHeadProposer | None = None
+    if ceiling_of is not None:
+        mirrored = _check_ceiling_arm(arms, ceiling_of, greedy)
+        continuations = Continuations()
+        twin = never_missing_twin(mirrored, continuations, max_len)
+        arms = {**arms, NEVER_MISSING: twin}
     requested = arms
     arms = {n: spec for n, spec in arms.items() if n not in same_as_baseline}
     names = sorted(arms, key=_arm_rank)
     if reference == "baseline" and not any(arms[n] is None for n in names):
         raise ValueError("reference='baseline' needs an arm without speculation (None)")
-    greedy = temperature == 0.0
     check = greedy and reference != "none"
     exact = target.dtype == torch.float32 and target.device.type == "cpu"
     tol = tie_tol if tie_tol is not None else (1e-4 if exact else 2e-2)
-    eos = tokenizer.eos_id if stop_at_eos else None
-    # The longest request plus a round of drafts: all any KV cache of this replay needs.
-    max_len = max(len(p) + n for p, n in zip(prompts, lengths, strict=True)) + k + 1
     make = decoder_factory or _default_decoder(target, tokenizer, max_len)
     decoders = {name: make(name, _proposer(name, arms[name], max_len), k) for name in names}
     report = progress or (lambda _f, _m: True)
@@ -441,6 +497,15 @@ def shadow_replay(
         return decoders[name].generate(
             list(prompt), n_new, temperature=temperature, generator=gen, stop_at_eos=stop_at_eos
         )
+
+    known: list[list[int]] | None = None
+    if continuations is not None:
+        # Each prompt's continuation, known before any timed request (the arms' order rotates, so
+        # the baseline does not always run first); it is the independent reference too.
+        known = [greedy_tokens(target, p, n, eos) for p, n in zip(prompts, lengths, strict=True)]
+        for prompt, ref, n in zip(prompts, known, lengths, strict=True):
+            # A continuation that stopped early stopped at end-of-text: the target writes that next.
+            continuations.add(prompt, ref + [eos] if eos is not None and len(ref) < n else ref)
 
     if warmup:
         for name in names:
@@ -463,7 +528,7 @@ def shadow_replay(
     outputs = {name: [runs[0].token_ids for runs in results[name]] for name in names}
     refs: list[list[int]] | None = None
     if check and reference == "independent":
-        refs = [greedy_tokens(target, p, n, eos) for p, n in zip(prompts, lengths, strict=True)]
+        refs = known or [greedy_tokens(target, p, n, eos) for p, n in zip(prompts, lengths, strict=True)]
     elif check:
         refs = outputs[next(n for n in names if arms[n] is None)]
 
@@ -508,6 +573,9 @@ def shadow_replay(
         per_prompt[name] = {figure: list(values) for figure, values in per_prompt[BASELINE].items()}
         outputs[name] = outputs[BASELINE]
     reports = {n: reports[n] for n in sorted(requested, key=_arm_rank)}
+    ceiling = None
+    if ceiling_of is not None and twin is not None:
+        ceiling = _ceiling_report(ceiling_of, reports, per_prompt, costs, k, twin.off_continuation)
     return ReplayResult(
         k=k,
         max_new_tokens=max(lengths),
@@ -519,6 +587,79 @@ def shadow_replay(
         order=order,
         costs=costs,
         outputs=outputs,
+        ceiling=ceiling,
+    )
+
+
+def _check_ceiling_arm(arms: Mapping[str, ArmSpec], of: str, greedy: bool) -> Transformer | Proposer:
+    """The arm the never-missing arm mirrors, once the replay can measure a ceiling for it."""
+    if not greedy:
+        raise ValueError("the never-missing arm drafts the greedy continuation: it needs temperature 0")
+    if arms.get(of) is None:
+        raise ValueError(f"ceiling_of={of!r} names no speculating arm")
+    if BASELINE not in arms or arms[BASELINE] is not None:
+        raise ValueError(
+            f"the measured ceiling is a speed-up over no speculation: it needs arm {BASELINE!r} = None"
+        )
+    if NEVER_MISSING in arms:
+        raise ValueError(f"arm name {NEVER_MISSING!r} is the never-missing arm's")
+    mirrored = arms[of]
+    assert mirrored is not None
+    return mirrored
+
+
+def analytic_ceiling(k: int, cost_ratio: float, verify_cost: float) -> float:
+    """Leviathan et al.'s speed-up at acceptance 1: k + 1 tokens per round for one verify pass of
+    k + 1 tokens (``verify_cost`` one-token steps) and k drafter steps (``cost_ratio`` each)."""
+    return (k + 1) / (verify_cost + k * cost_ratio)
+
+
+def _decode_ms_per_token(figures: Mapping[str, list[float | None]], i: int) -> float | None:
+    """One prompt's time after the first token per token after it (None with fewer than 2 tokens)."""
+    per_token, ttft, tokens = (figures[f][i] for f in ("ms_per_token", "ttft_ms", "generated_tokens"))
+    if per_token is None or ttft is None or tokens is None or tokens < 2:
+        return None
+    return (per_token * tokens - ttft) / (tokens - 1)
+
+
+def _ceiling_report(
+    of: str,
+    reports: Mapping[str, ArmReport],
+    per_prompt: Mapping[str, Mapping[str, list[float | None]]],
+    costs: CostProfile | None,
+    k: int,
+    off_continuation: int,
+) -> CeilingReport:
+    base = reports[BASELINE]
+    speculating = [n for n, r in reports.items() if r.speculative]
+    decode = {n: reports[n].decode_tokens_per_s / base.decode_tokens_per_s for n in speculating}
+    with_prefill = {n: reports[n].tokens_per_s / base.tokens_per_s for n in speculating}
+    ceiling = decode[NEVER_MISSING]
+    paired = [
+        nm / arm
+        for i in range(len(per_prompt[of]["ms_per_token"]))
+        if (nm := _decode_ms_per_token(per_prompt[NEVER_MISSING], i)) is not None
+        and (arm := _decode_ms_per_token(per_prompt[of], i))
+    ]
+    analytic = in_situ = None
+    if costs is not None and of in costs.cost_ratio_by_arm and k in costs.verify_cost:
+        analytic = analytic_ceiling(k, costs.cost_ratio_by_arm[of], costs.verify_cost[k])
+    if costs is not None and of in costs.in_situ:
+        measured = costs.in_situ[of]
+        in_situ = analytic_ceiling(k, measured["cost_ratio"], measured["verify_cost_at_k"])
+    return CeilingReport(
+        of=of,
+        never_missing_speedup=ceiling,
+        share_of_ceiling=decode[of] / ceiling,
+        speedup_over_baseline=decode,
+        speedup_with_prefill=with_prefill,
+        share_of_ceiling_with_prefill=with_prefill[of] / with_prefill[NEVER_MISSING],
+        share_of_ceiling_paired_median=statistics.median(paired) if paired else None,
+        never_missing_hit_rate=reports[NEVER_MISSING].hit_rate,
+        never_missing_off_continuation=off_continuation,
+        analytic_ceiling_speedup=analytic,
+        analytic_share_of_ceiling=decode[of] / analytic if analytic else None,
+        analytic_ceiling_speedup_in_situ=in_situ,
     )
 
 
