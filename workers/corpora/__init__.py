@@ -8,8 +8,21 @@ Three domains, each split into train / validation / test by document:
 
 ``prompts(domain, split, n, seed)`` yields prefixes of held-out documents, cut at a line boundary
 (prose, code) or right after an answer marker (structured), with the held-out continuation attached
-as ``reference``. Every request carries ``category``, the traffic label a deployment monitors (the
-domain name), so acceptance can be baselined per category.
+as ``reference``, one per document: what the benches measure on. Every request carries
+``category``, the traffic label a deployment monitors (the domain name), so acceptance can be
+baselined per category.
+
+``traffic_prompts(domain, split, seed, heldout=...)`` is what scenario traffic sends: an endless
+stream in which every prompt is a new draw, so that prompts rarely repeat verbatim. A structured
+prompt is cut from a document of its own, generated without bound (:mod:`workers.corpora.generated`:
+Faker's names, places and companies, many phrasings per task, the fixed corpus's answer grammar). A
+prose or code prompt is a distinct (document, cut point, window length) draw: it ends at any word
+boundary and starts at any word start 200-800 characters earlier. The bundled prose test split is
+the interpreter's own text and small (about 25 documents, 70,000 characters), so prose prompts share
+documents and overlap one another heavily even when no two are equal; traffic on a real model's
+generated corpora is what carries headline figures. Documents are partitioned by a hash of their
+key (``<domain>:<doc_id>``): :data:`HELDOUT_DOCUMENT_SHARE` of them only ever feed held-out
+streams, the rest only the others, so a held-out phase shares no document with any other phase.
 
 The prose and code domains depend on the interpreter's version (their text is its stdlib);
 :func:`fingerprint` records which interpreter and a sha256 per domain and split, so a model's
@@ -18,13 +31,15 @@ recipe can name the exact corpus it was trained on.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 
-from workers.corpora import code, prose, structured
+from workers.corpora import code, generated, prose, structured
 from workers.corpora._common import SPLITS, Document, python_tag, split_of
 
 DOMAINS = ("prose", "code", "structured")
@@ -32,19 +47,26 @@ DOMAINS = ("prose", "code", "structured")
 ALIASES = {"tool": "structured"}
 # The traffic category label that requests of each domain carry.
 CATEGORY = {"prose": "prose", "code": "code", "structured": "structured"}
+# The share of documents (by a hash of their key) that only held-out traffic draws from. Three in
+# ten keeps a held-out prose phase about 8 of the bundled test split's 25 documents.
+HELDOUT_DOCUMENT_SHARE = 0.3
 
 __all__ = [
     "ALIASES",
     "CATEGORY",
     "DOMAINS",
+    "HELDOUT_DOCUMENT_SHARE",
     "SPLITS",
     "Document",
     "Prompt",
+    "document_key",
     "documents",
     "fingerprint",
+    "is_heldout_document",
     "prompts",
     "split_of",
     "texts",
+    "traffic_prompts",
 ]
 
 
@@ -147,6 +169,131 @@ def prompts(
             doc_id=doc.doc_id,
             kind=doc.kind,
         )
+
+
+def document_key(domain: str, doc_id: str) -> str:
+    """The key that names a document across domains (what a request's ``document`` field carries).
+
+    >>> document_key("prose", "topic:integers")
+    'prose:topic:integers'
+    """
+    return f"{_domain(domain)}:{doc_id}"
+
+
+def is_heldout_document(key: str) -> bool:
+    """Whether the document ``key`` is reserved for held-out traffic (a pure function of the key)."""
+    digest = hashlib.sha256(f"heldout-traffic:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < HELDOUT_DOCUMENT_SHARE
+
+
+def _word_bounds(text: str, min_prefix: int, min_rest: int) -> tuple[list[int], list[int]]:
+    """Where a prose or code prompt may start (a word's first character, or the document's) and end
+    (after a word, before the white space that follows it, so the continuation's first token carries
+    its own leading space, as a tokenizer splits it)."""
+    starts = [0] + [i for i in range(1, len(text)) if text[i - 1].isspace() and not text[i].isspace()]
+    ends = [
+        i
+        for i in range(max(min_prefix, 1), len(text) - min_rest + 1)
+        if text[i].isspace() and not text[i - 1].isspace()
+    ]
+    return starts, ends
+
+
+@dataclass(frozen=True)
+class _Windows:
+    """Every (start, end) window of one document whose length is within the prompt bounds, counted
+    without being listed: window ``w`` is found by bisecting the running totals."""
+
+    doc: Document
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    first_start: tuple[int, ...]  # per end: the index in `starts` of its earliest start
+    totals: tuple[int, ...]  # per end: windows of this end and every earlier one
+
+    def window(self, w: int) -> tuple[int, int]:
+        e = bisect.bisect_right(self.totals, w)
+        before = self.totals[e - 1] if e else 0
+        return self.starts[self.first_start[e] + w - before], self.ends[e]
+
+
+@cache
+def _window_table(
+    domain: str, split: str, heldout: bool, min_chars: int, max_chars: int, min_rest: int
+) -> tuple[tuple[_Windows, ...], tuple[int, ...]]:
+    """The documents on one side of the held-out partition with their windows, and the running total
+    of windows over documents: a draw below the total is uniform over every window of every document."""
+    tables: list[_Windows] = []
+    totals: list[int] = []
+    total = 0
+    for doc in documents(domain, split):
+        if is_heldout_document(document_key(domain, doc.doc_id)) != heldout:
+            continue
+        starts, ends = _word_bounds(doc.text, min_chars, min_rest)
+        first, counts = [], []
+        for end in ends:
+            lo = bisect.bisect_left(starts, end - max_chars)
+            hi = bisect.bisect_right(starts, end - min_chars)
+            first.append(lo)
+            counts.append(max(0, hi - lo))
+        if sum(counts) == 0:
+            continue
+        tables.append(
+            _Windows(doc, tuple(starts), tuple(ends), tuple(first), tuple(itertools.accumulate(counts)))
+        )
+        total += sum(counts)
+        totals.append(total)
+    return tuple(tables), tuple(totals)
+
+
+def traffic_prompts(
+    domain: str,
+    split: str = "test",
+    seed: int = 0,
+    *,
+    heldout: bool = False,
+    max_prompt_chars: int = 800,
+    min_prompt_chars: int = 200,
+    reference_chars: int = 600,
+) -> Iterator[Prompt]:
+    """An endless stream of prompts for scenario traffic, each a new draw (see the module docstring).
+
+    The same arguments always give the same stream. ``heldout`` picks the side of the document
+    partition: held-out streams and the others never share a document.
+    """
+    domain = _domain(domain)
+    side = "heldout" if heldout else "open"
+    rng = random.Random(f"traffic:{domain}:{split}:{seed}:{side}")
+    if domain == "structured":
+        for index in itertools.count():
+            doc = generated.document(split, seed, index)
+            if is_heldout_document(document_key(domain, doc.doc_id)) != heldout:
+                continue
+            cut = rng.choice(_cut_points(doc, 0, 0))
+            start = max(0, cut - max_prompt_chars)
+            if start > 0:
+                nl = doc.text.find("\n", start, cut)
+                start = nl + 1 if 0 <= nl < cut - 1 else start
+            yield _prompt(doc, start, cut, reference_chars)
+    tables, totals = _window_table(domain, split, heldout, min_prompt_chars, max_prompt_chars, 100)
+    if not tables:
+        raise ValueError(f"the {domain}/{split} corpus has no {side} document long enough for a prompt")
+    while True:
+        draw = rng.randrange(totals[-1])
+        which = bisect.bisect_right(totals, draw)
+        table = tables[which]
+        start, end = table.window(draw - (totals[which - 1] if which else 0))
+        yield _prompt(table.doc, start, end, reference_chars)
+
+
+def _prompt(doc: Document, start: int, cut: int, reference_chars: int) -> Prompt:
+    return Prompt(
+        text=doc.text[start:cut],
+        reference=doc.text[cut : cut + reference_chars],
+        domain=doc.domain,
+        category=CATEGORY[doc.domain],
+        doc_id=doc.doc_id,
+        kind=doc.kind,
+    )
 
 
 def fingerprint() -> dict[str, object]:

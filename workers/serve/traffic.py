@@ -9,8 +9,11 @@ requests per second, open loop, with `concurrency` as the cap on requests in fli
 `max_tokens`, `stop` (a string or up to four: where a completion ends, as a tool-calling client
 ends one at its next turn), `stop_by_domain` (a table of such stops per domain, for a mixed
 phase whose domains end differently, e.g. `{ structured = "\n" }`; it wins over `stop` for its
-domains), `temperature`, `seed` and the corpus `split` (default "test": held out of every training
-split, so demo traffic is never text the generic drafter was trained on):
+domains), `temperature`, `seed`, the corpus `split` (default "test": held out of every training
+split, so demo traffic is never text the generic drafter was trained on) and `heldout` (default
+false; true draws only from the documents that no other phase can draw from, so the phase's figures
+are measured on prompts whose text and source document never reached a drafter trained on the
+run's other phases):
 
     [server]
     url = "http://127.0.0.1:8601"
@@ -25,12 +28,15 @@ split, so demo traffic is never text the generic drafter was trained on):
     mix = { prose = 1.0 }
     seed = 1
 
-Prompts come from `workers.corpora.prompts` in an order fixed by the phase's seed: request i of a
-phase always gets the same domain and prompt (the domain by a seeded draw on the mix, the prompt
-as the next one of that domain's seeded stream, which cycles through the split with a new seed per
-pass). Requests carry `x-request-id` `<run id>-p<phase>-<i>` (a fresh run id per run unless given,
-as the control plane keeps one record per request id), the domain as `category`, and ask for
-`perf_metrics_in_response`; sampled requests (temperature > 0) get a per-request seed.
+Prompts come from `workers.corpora.traffic_prompts` in an order fixed by the phase's seed: request
+i of a phase always gets the same domain and prompt (the domain by a seeded draw on the mix, the
+prompt as the next of that domain's seeded stream, in which every prompt is a new draw: a structured
+request from a newly generated document, a prose or code request a new window of the split). Give
+each phase its own seed: two phases with one seed, domain and split send the same prompts. Requests
+carry `x-request-id` `<run id>-p<phase>-<i>` (a fresh run id per run unless given, as the control
+plane keeps one record per request id), the domain as `category`, the source document as the
+non-standard field `document` (`<domain>:<doc id>`, what a held-out split by document keys on), and
+ask for `perf_metrics_in_response`; sampled requests (temperature > 0) get a per-request seed.
 
 Per phase it reports requests, errors, hit rate (accepted / drafted tokens summed over the
 responses' speculation records; a response without one, e.g. from a Fireworks deployment, gives its
@@ -38,7 +44,12 @@ counts through `perf_metrics`' `speculation-acceptance` pairs "position:hits/tot
 hits, drafted = the totals; `speculation-generated-tokens` means the tokens the verify steps
 emitted, the completion tokens less the prefill's one, as everywhere in this project, so it is
 never read as drafted tokens), throughput in completion tokens/s, latency p50/p95, and the same
-per arm and per domain. `run_scenario(..., callbacks=...)` calls `on_phase_start`, `on_result`
+per arm and per domain; and how often its prompts repeat: `repeat_share`, the share of the phase's
+requests whose normalised prompt (`controlplane.traces.holdout.prompt_hash`) an earlier request of
+the run already sent, in any phase, and for a held-out phase `heldout_prompt_overlap`, how many of
+its requests share a normalised prompt or a document with a phase of the run that is not held out
+(0 by construction). A driver keeps one `PromptLedger` for all its runs; pass one to several drivers
+to count repeats across them. `run_scenario(..., callbacks=...)` calls `on_phase_start`, `on_result`
 (every finished request) and `on_phase_end` so a demo orchestrator can draw progress and read the
 figures; `should_stop` ends the run early.
 """
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -61,6 +73,7 @@ from typing import Any
 
 import httpx
 
+from controlplane.traces.holdout import prompt_hash
 from workers import corpora
 from workers.engine.stop_strings import parse_stop
 
@@ -78,6 +91,7 @@ PHASE_KEYS = frozenset(
         "split",
         "stop",
         "stop_by_domain",
+        "heldout",
     }
 )
 
@@ -104,6 +118,7 @@ class Phase:
     split: str = "test"
     stop: tuple[str, ...] = ()
     stop_by_domain: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    heldout: bool = False
 
     def stop_for(self, domain: str) -> tuple[str, ...]:
         """Where a completion of ``domain`` ends: its own stops, else the phase's."""
@@ -158,6 +173,9 @@ class Phase:
             if name not in corpora.DOMAINS:
                 raise ValueError(f"{where}: unknown domain {domain!r}; expected one of {corpora.DOMAINS}")
             stop_by_domain[name] = _stop_strings(value, f"{where} stop_by_domain.{domain}")
+        heldout = raw.get("heldout", False)
+        if not isinstance(heldout, bool):
+            raise ValueError(f"{where}: `heldout` must be true or false")
         return cls(
             name=str(raw.get("name") or where),
             mix=mix,
@@ -171,6 +189,7 @@ class Phase:
             split=split,
             stop=stop,
             stop_by_domain=stop_by_domain,
+            heldout=heldout,
         )
 
 
@@ -206,6 +225,7 @@ class PlannedRequest:
     domain: str
     category: str
     prompt: str
+    document: str  # "<domain>:<doc id>" of the document the prompt was cut from
 
 
 def plan_requests(phase: Phase) -> Iterator[PlannedRequest]:
@@ -213,13 +233,14 @@ def plan_requests(phase: Phase) -> Iterator[PlannedRequest]:
     rng = random.Random(f"traffic:{phase.seed}")
     domains = sorted(phase.mix)
     cumulative = list(_cumulative([phase.mix[d] for d in domains]))
-    streams = {d: _prompt_stream(d, phase.split, phase.seed) for d in domains}
+    streams = {d: corpora.traffic_prompts(d, phase.split, phase.seed, heldout=phase.heldout) for d in domains}
     index = 0
     while True:
         u = rng.random()
         domain = next((d for d, c in zip(domains, cumulative, strict=True) if u < c), domains[-1])
         prompt = next(streams[domain])
-        yield PlannedRequest(index, domain, prompt.category, prompt.text)
+        document = corpora.document_key(domain, prompt.doc_id)
+        yield PlannedRequest(index, domain, prompt.category, prompt.text, document)
         index += 1
 
 
@@ -230,16 +251,73 @@ def _cumulative(weights: list[float]) -> Iterator[float]:
         yield total
 
 
-def _prompt_stream(domain: str, split: str, seed: int) -> Iterator[corpora.Prompt]:
-    batch = 256
-    for round_ in range(10_000):
-        made = 0
-        for prompt in corpora.prompts(domain, split, n=batch, seed=seed * 10_007 + round_):
-            made += 1
-            yield prompt
-        if made == 0:
-            raise ValueError(f"the {domain}/{split} corpus yields no prompts")
-    raise RuntimeError("prompt stream exhausted")  # pragma: no cover
+@dataclass
+class PromptTally:
+    """One phase's requests as the ledger counts them."""
+
+    heldout: bool
+    requests: int = 0
+    repeats: int = 0
+    sent: list[tuple[str, str]] = field(default_factory=list)  # (prompt hash, document) per request
+
+
+@dataclass(frozen=True)
+class PromptFigures:
+    requests: int
+    repeats: int
+    repeat_share: float | None
+    heldout_prompt_overlap: int | None  # None for a phase that is not held out
+
+
+class PromptLedger:
+    """Every prompt a run has sent, by normalised prompt hash and by document: the one place that
+    counts a phase's repeats (of any earlier request of the run) and a held-out phase's overlap with
+    the run's other phases."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._open_prompts: set[str] = set()
+        self._open_documents: set[str] = set()
+
+    def open_phase(self, *, heldout: bool) -> PromptTally:
+        return PromptTally(heldout=heldout)
+
+    def record(self, tally: PromptTally, request: PlannedRequest) -> None:
+        """Count one sent request (in the order they are sent)."""
+        digest = prompt_hash(request.prompt)
+        tally.requests += 1
+        tally.repeats += digest in self._seen
+        self._seen.add(digest)
+        tally.sent.append((digest, request.document))
+        if not tally.heldout:
+            self._open_prompts.add(digest)
+            self._open_documents.add(request.document)
+
+    def figures(self, tally: PromptTally) -> PromptFigures:
+        """The phase's figures; a held-out phase's overlap is with every phase that is not held out
+        recorded so far (the phases before it, or all of them once the run is over)."""
+        overlap = (
+            sum(d in self._open_prompts or doc in self._open_documents for d, doc in tally.sent)
+            if tally.heldout
+            else None
+        )
+        share = tally.repeats / tally.requests if tally.requests else None
+        return PromptFigures(tally.requests, tally.repeats, share, overlap)
+
+
+def plan_figures(phases: list[Phase] | tuple[Phase, ...]) -> list[PromptFigures]:
+    """Each phase's prompt figures for a run that sends every phase's `requests` in order, planned
+    without a server (a phase with only `duration_s` has no planned size and is refused)."""
+    ledger = PromptLedger()
+    tallies = []
+    for phase in phases:
+        if phase.requests is None:
+            raise ValueError(f"phase {phase.name!r} has no `requests`: its size depends on the server")
+        tally = ledger.open_phase(heldout=phase.heldout)
+        for request in itertools.islice(plan_requests(phase), phase.requests):
+            ledger.record(tally, request)
+        tallies.append(tally)
+    return [ledger.figures(t) for t in tallies]
 
 
 @dataclass
@@ -291,6 +369,10 @@ class PhaseReport:
     accepted_tokens: int
     by_arm: dict[str, Group] = field(default_factory=dict)
     by_domain: dict[str, Group] = field(default_factory=dict)
+    heldout: bool = False
+    repeats: int = 0
+    repeat_share: float | None = None
+    heldout_prompt_overlap: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -367,6 +449,7 @@ class TrafficDriver:
         run_id: str | None = None,
         timeout_s: float = 300.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        ledger: PromptLedger | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
@@ -374,6 +457,7 @@ class TrafficDriver:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout_s
         self._transport = transport
+        self.ledger = ledger or PromptLedger()
 
     def run(
         self,
@@ -414,6 +498,7 @@ class TrafficDriver:
         should_stop: Callable[[], bool] | None,
     ) -> PhaseReport:
         planned = plan_requests(phase)
+        tally = self.ledger.open_phase(heldout=phase.heldout)
         results: list[RequestResult] = []
         slots = asyncio.Semaphore(phase.concurrency)
         tasks: set[asyncio.Task[None]] = set()
@@ -439,14 +524,21 @@ class TrafficDriver:
             if time.monotonic() >= end or (should_stop is not None and should_stop()):
                 slots.release()
                 break
-            task = asyncio.create_task(one(next(planned)))
+            request = next(planned)
+            self.ledger.record(tally, request)
+            task = asyncio.create_task(one(request))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             sent += 1
         if tasks:
             await asyncio.gather(*tasks)
         results.sort(key=lambda r: r.index)
-        return summarise(phase.name, results, time.monotonic() - start)
+        report = summarise(phase.name, results, time.monotonic() - start)
+        figures = self.ledger.figures(tally)
+        report.heldout = phase.heldout
+        report.repeats, report.repeat_share = figures.repeats, figures.repeat_share
+        report.heldout_prompt_overlap = figures.heldout_prompt_overlap
+        return report
 
     async def _send(
         self, client: httpx.AsyncClient, number: int, phase: Phase, req: PlannedRequest
@@ -459,6 +551,7 @@ class TrafficDriver:
             "temperature": phase.temperature,
             "perf_metrics_in_response": True,
             "category": req.category,
+            "document": req.document,
         }
         if phase.temperature > 0:
             body["seed"] = (phase.seed * 1_000_003 + req.index) % 2**31
@@ -579,7 +672,8 @@ def main(argv: list[str] | None = None) -> None:
         reports = driver.run(scenario.phases, Callbacks(on_phase_start=start, on_result=result))
 
     table = Table(title="traffic by phase")
-    for col in ("phase", "requests", "errors", "hit rate", "tokens/s", "ms/token", "p50 s", "p95 s", "arms"):
+    columns = ("phase", "requests", "errors", "hit rate", "tokens/s", "ms/token", "p50 s", "p95 s")
+    for col in (*columns, "repeats", "held-out overlap", "arms"):
         table.add_column(col)
     for rep in reports:
         arms = ", ".join(f"{a}: {g.requests} ({_fmt(g.hit_rate, '.0%')})" for a, g in rep.by_arm.items())
@@ -592,6 +686,8 @@ def main(argv: list[str] | None = None) -> None:
             _fmt(rep.ms_per_token, ".1f"),
             _fmt(rep.latency_p50_s, ".2f"),
             _fmt(rep.latency_p95_s, ".2f"),
+            f"{rep.repeats} ({_fmt(rep.repeat_share, '.1%')})",
+            "-" if rep.heldout_prompt_overlap is None else str(rep.heldout_prompt_overlap),
             arms,
         )
     console.print(table)
