@@ -255,6 +255,9 @@ def _replay(plan: ReplayPlan, settings: Settings, progress: Progress) -> dict[st
             k=plan.k,
             max_new_tokens=[n for _, n in requests],
             progress=lambda fraction, message: progress(0.05 + 0.9 * fraction, message),
+            # The candidate's measured ceiling: one more arm, the cheapest of them (it needs the
+            # fewest target passes), drafting the continuations the lossless check computes anyway.
+            ceiling_of="candidate",
         )
     except ReplayCancelledError as exc:
         raise _Cancelled(str(exc)) from exc

@@ -514,7 +514,7 @@ def record_shadow_result(
         return canary.phase  # a redelivered replay after the canary moved on (or waits for its pool)
     deployment = session.get_one(Deployment, canary.deployment_id)
     policy = canary_policy(deployment, settings)
-    canary.arms = {**canary.arms, "shadow": result}
+    canary.arms = {**canary.arms, "shadow": result, **shadow_ceiling_fields(result)}
     broken = [arm for arm, figures in result.get("arms", {}).items() if figures.get("broken")]
     if CANDIDATE in broken:
         reject(
@@ -553,6 +553,33 @@ def record_shadow_result(
         return canary.phase
     go_live(session=session, canary=canary, policy=policy, shadow_decision=outcome.decision)
     return canary.phase
+
+
+SHADOW_CEILING_FIGURES = (
+    "of",
+    "share_of_ceiling",
+    "never_missing_speedup",
+    "never_missing_hit_rate",
+    "analytic_ceiling_speedup",
+    "analytic_share_of_ceiling",
+)
+
+
+def shadow_ceiling_fields(result: dict[str, Any]) -> dict[str, Any]:
+    """The candidate's share of its measured ceiling, from a replay that ran the never-missing arm,
+    under ``shadow_ceiling`` for the API and the dashboard (nothing when the replay ran none).
+
+    ``share_of_ceiling`` is the candidate's decode speed-up over no speculation divided by that of
+    an arm drafting the target's own continuation through the candidate's forwards, both measured
+    in the replay; the analytic (Leviathan, acceptance 1) figure stays beside it as a cross-check.
+    """
+    ceiling = result.get("ceiling")
+    if not isinstance(ceiling, dict):
+        return {}
+    figures = {name: ceiling.get(name) for name in SHADOW_CEILING_FIGURES}
+    speedups = ceiling.get("speedup_over_baseline") or {}
+    figures["speedup_over_baseline"] = speedups.get(ceiling.get("of")) if isinstance(speedups, dict) else None
+    return {"shadow_ceiling": figures}
 
 
 def live_k_for_a_first_drafter(canary: Canary, result: dict[str, Any], policy: CanaryPolicy) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import workers.engine.decoder as decoder_module
+from controlplane.canary.evaluate import shadow_ceiling_fields
 from workers.canary.replay import (
     NEVER_MISSING,
     ReplayCancelledError,
@@ -211,11 +212,15 @@ def test_the_never_missing_arm_measures_the_candidates_ceiling(
     d = json.loads(json.dumps(r.to_dict()))
     assert d["ceiling"]["share_of_ceiling"] == pytest.approx(ceiling.share_of_ceiling, abs=1e-5)
     assert d["arms"][NEVER_MISSING]["broken"] is None
+    # What the canary records beside the stored replay, for the API and the dashboard.
+    shown = shadow_ceiling_fields(d)["shadow_ceiling"]
+    assert shown["of"] == "candidate" and shown["share_of_ceiling"] == d["ceiling"]["share_of_ceiling"]
+    assert shown["speedup_over_baseline"] == d["ceiling"]["speedup_over_baseline"]["candidate"]
+    assert shown["analytic_share_of_ceiling"] == d["ceiling"]["analytic_share_of_ceiling"]
     # Without it asked for, no fourth arm and no ceiling.
-    assert (
-        shadow_replay(target, tokenizer, arms, prompts[:2], K, 4, measure_cost=False).to_dict()["ceiling"]
-        is None
-    )
+    plain = shadow_replay(target, tokenizer, arms, prompts[:2], K, 4, measure_cost=False)
+    assert plain.ceiling is None and NEVER_MISSING not in plain.arms and plain.to_dict()["ceiling"] is None
+    assert shadow_ceiling_fields(plain.to_dict()) == {}
 
 
 def test_a_slower_candidate_gets_a_smaller_share_of_the_same_ceiling(
