@@ -12,18 +12,28 @@ cluster and a Redis of the bench's own, tests/fleet/services.py). Writes bench/r
    key ids), sent with the other account's key of each role; a leak is a 2xx on a path inside the
    victim's account, or any body carrying one of the victim's markers (a deployment display name,
    a trace's text, a key's secret) that the request itself did not contain.
-3. records_lost / records_duplicated: retrying ingest clients (tests/fleet/ingest_load.py: unique
-   request ids, the same batch re-sent until a 2xx) against the API on PostgreSQL while PostgreSQL
-   is restarted twice (once at once, once down for 3 s) and the API is SIGKILLed and restarted once.
-   Lost: acknowledged ids not stored; duplicated: ids stored twice or stored though never sent.
+3. records_lost / rollup_double_counted_records / rollup_missing_records: retrying ingest clients
+   (tests/fleet/ingest_load.py: unique request ids, the same batch re-sent until a 2xx; batches of
+   10 records, whose rollup sums the API defers to its fold, and of 100, stored by COPY and summed
+   in place) against the API on PostgreSQL while PostgreSQL is restarted cleanly twice (once at
+   once, once down for 3 s), crashed twice (postmaster and its children SIGKILLed, then started
+   with crash recovery, at once and after 3 s) and the API is SIGKILLed and restarted once. Lost:
+   acknowledged ids not stored (records_duplicated, ids stored twice or never sent, is kept; the
+   unique key makes it 0 by construction). Then, once the fold has caught up, every rollup tier
+   against the stored raw records (tests/fleet/rollup_audit.py): requests a bucket counts beyond
+   its records are double counted, fewer are missing (the worst tier of each is the figure).
 4. promotions_per_loop / stalled_events: the whole loop (as `controlplane demo --fast` drives it)
    on private PostgreSQL and Redis, with the gpu worker SIGKILLed once while the realign job runs
    and once while the canary's shadow replay runs (each restarted at once), and Redis restarted
    once; promotions of the deployment, and drift events still open at the end.
 5. poisoned_requests_collateral: two accounts ingest at once; one sends batches each carrying one
-   out-of-range value (counts 2^40, k=40000, 30-digit drafter versions, 150-character categories,
-   NUL in request ids, year 1 and 9999 timestamps, latency 1e307, ...); requests of the other
-   account that failed.
+   poisoned record: values the parser refuses (counts 2^40, k=40000, NUL in request ids, year 1
+   timestamps, latency 1e307, ...) and records that pass it and fail at the shared write (a
+   request id stored before with other content, one sent twice at once with other content, a
+   check constraint and a foreign key the parser cannot know, a rollup row the database refuses
+   in place and in the deferred fold), besides records at every column's largest storable value;
+   requests of the other account that failed. Also checked: all or nothing per poisoned request,
+   and the other account's records stored and rolled up exactly once.
 6. pii_recall / pii_false_positive_rate: bench.scrub.measure_corpus on the labelled corpus.
 """
 
@@ -42,6 +52,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -321,13 +332,23 @@ def _examples(operation: Any, pinned: dict[str, str], count: int) -> list[Any]:
 
 
 def run_ingest(quick: bool) -> dict[str, Any]:
+    from controlplane.ingest.service import fold_pending_rollups
+    from tests.fleet.rollup_audit import audit_rollups
+
     gap_s = 4.0 if quick else 15.0
     with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
         tenant = new_tenant(pg, "acme")
         create_deployment(api, tenant, "svc")
         url = f"{api.url}/v1/accounts/acme/deployments/svc/acceptance"
+        # Five clients of 10-record batches (their rollup sums deferred to the API's fold) and one
+        # of 100 (stored by COPY, summed in the same transaction): both ways into the rollups.
         clients = RetryingIngestClients(
-            url, tenant.keys[Role.ingest], clients=6, batch=10, give_up_after_s=120
+            url,
+            tenant.keys[Role.ingest],
+            clients=6,
+            batch=(10, 10, 10, 10, 10, 100),
+            categories=("code", "prose", "sql"),
+            give_up_after_s=120,
         ).start()
         timeline: list[str] = []
         started = time.monotonic()
@@ -338,38 +359,76 @@ def run_ingest(quick: bool) -> dict[str, Any]:
             )
             say(f"ingest: {what}")
 
-        time.sleep(gap_s)
-        mark("PostgreSQL restart (fast stop, immediate start)")
-        pg.restart()
-        time.sleep(gap_s)
-        mark("PostgreSQL restart (down 3 s)")
-        pg.restart(down_s=3.0)
-        time.sleep(gap_s)
-        mark("API SIGKILLed")
-        api.stop(kill=True)
-        time.sleep(1.0)
-        api.start()
-        mark("API restarted")
+        def kill_api() -> None:
+            api.stop(kill=True)
+            time.sleep(1.0)
+            api.start()
+
+        faults: list[tuple[str, Callable[[], None]]] = [
+            ("postgres clean restart (fast stop, immediate start)", pg.restart),
+            ("postgres crash (postmaster SIGKILLed, immediate start with recovery)", pg.crash),
+            ("postgres clean restart (down 3 s)", lambda: pg.restart(down_s=3.0)),
+            ("postgres crash (down 3 s, start with recovery)", lambda: pg.crash(down_s=3.0)),
+            ("api SIGKILLed, restarted after 1 s", kill_api),
+        ]
+        for what, fault in faults:
+            time.sleep(gap_s)
+            mark(what)
+            fault()
         time.sleep(gap_s)
         tally = clients.stop()
         mark("clients stopped")
         alive_after = api.process is not None and api.process.poll() is None
         deployment_id = _deployment_pk(pg, "acme", "svc")
         counted = count_stored(pg.admin_dsn(), deployment_id, tally)
+        # The API folds deferred sums within a fraction of a second, retrying each second after a
+        # failure: wait for it, then fold what is left as every reader of rollups would.
+        pending_left = _wait_for_fold(pg, deployment_id, timeout_s=30.0)
+        folded_by_audit = 0
+        if pending_left:
+            with get_sessionmaker(pg.url)() as session:
+                folded_by_audit = fold_pending_rollups(session=session, deployment_ids=[deployment_id])
+                session.commit()
+        audit = audit_rollups(pg.admin_dsn(), [deployment_id])
+        recoveries = pg.recoveries()
+        api_log = api.log_tail(10_000_000)
     return {
         "records_lost": counted.lost,
         "records_duplicated": counted.duplicated,
+        **audit.as_dict(),
+        "faults": [what for what, _ in faults],
+        "postgres_crash_recoveries": recoveries,
+        "pending_after_api_fold_wait": pending_left,
+        "folded_by_audit": folded_by_audit,
+        "api_fold_failures_logged": api_log.count("rollup fold failed"),
         "acknowledged": counted.acknowledged,
         "stored": counted.stored,
         "sent": len(tally.sent),
         "abandoned": len(tally.abandoned),
         "refused": len(tally.refused),
         "attempts": tally.attempts,
+        "failed_attempts_total": sum(tally.failures.values()),
         "failed_attempts": dict(tally.failures.most_common(10)),
         "api_alive_at_end": alive_after,
         "timeline": timeline,
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+def _wait_for_fold(pg: PrivatePostgres, deployment_id: int, timeout_s: float) -> int:
+    """Wait until no record of the deployment waits for the rollup fold; returns how many still do."""
+    import psycopg
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with psycopg.connect(pg.admin_dsn()) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM acceptance_rollup_pending WHERE deployment_id = %s", (deployment_id,)
+            ).fetchone()
+        pending = int(row[0]) if row else 0
+        if pending == 0 or time.monotonic() > deadline:
+            return pending
+        time.sleep(0.5)
 
 
 def _deployment_pk(pg: PrivatePostgres, account: str, name: str) -> int:
@@ -389,9 +448,53 @@ def _deployment_pk(pg: PrivatePostgres, account: str, name: str) -> int:
 # 5. poisoned requests -----------------------------------------------------------------------------
 
 
-def poison_values() -> list[tuple[str, dict[str, Any]]]:
-    """(what, fields that override a valid record) for every out-of-range value in the list."""
-    return [
+# A record the poisoning account stores before the run: the conflict case re-sends its id with
+# other content, the retry case with the same.
+STORED_BEFORE: dict[str, Any] = {
+    "request_id": "stored-before",
+    "drafted_tokens": 8,
+    "accepted_tokens": 5,
+    "verify_steps": 2,
+    "generated_tokens": 7,
+    "accepted_per_position": [2, 2, 1, 0],
+    "k": 4,
+    "total_ms": 50.0,
+}
+# Rules the bench's database holds and the parser cannot know (as an operator's constraint or a
+# newer schema revision would be): values that pass every check of the API and fail at the shared
+# write. Categories are registered in a table of known ones (a foreign key); one registered
+# category is refused by a check on the records, another by a check on the rollup rows.
+KNOWN_CATEGORIES = ("code", "prose", "refused-by-check", "refused-in-rollup", "é" * 100)
+DATABASE_RULES = """
+ALTER TABLE acceptance_records ADD CONSTRAINT bench_known_category
+    FOREIGN KEY (category) REFERENCES bench_known_categories (name);
+ALTER TABLE acceptance_records ADD CONSTRAINT bench_refused_category
+    CHECK (category IS DISTINCT FROM 'refused-by-check');
+ALTER TABLE acceptance_rollups ADD CONSTRAINT bench_refused_rollup
+    CHECK (category <> 'refused-in-rollup');
+"""
+LARGEST = 2**31 - 1  # the INTEGER columns' largest value
+
+
+@dataclass(frozen=True)
+class PoisonCase:
+    """One poisoned batch: ``batch`` records of the poisoning account, the last one overridden by
+    ``override``; ``fails_at`` says where it must fail ("parser", "database", "rollup fold", or
+    "" for a value that must be stored) and ``expected`` the status the whole request must get.
+    A ``race`` case is sent twice at once, the second copy's poisoned record with other content
+    under the same request id: one must be stored and the other answered 409."""
+
+    what: str
+    fails_at: str
+    expected: int
+    override: dict[str, Any]
+    batch: int = 5
+    race: bool = False
+
+
+def poison_values() -> list[PoisonCase]:
+    """Every poisoned batch the poisoning account sends, in turn."""
+    parser = [
         ("drafted_tokens 2^40", {"drafted_tokens": 2**40, "accepted_tokens": 1}),
         ("accepted_tokens 2^40", {"accepted_tokens": 2**40}),
         ("generated_tokens 2^40", {"generated_tokens": 2**40}),
@@ -412,19 +515,115 @@ def poison_values() -> list[tuple[str, dict[str, Any]]]:
         ("inter_token_ms -1e307", {"inter_token_ms": -1e307}),
         ("category with NUL", {"category": "x\x00y"}),
     ]
+    return [
+        *(PoisonCase(what, "parser", 422, override) for what, override in parser),
+        PoisonCase(
+            "request id stored before, other content", "database", 409, {**STORED_BEFORE, "total_ms": 51.0}
+        ),
+        PoisonCase("request id sent twice at once, other content", "database", 409, {}, race=True),
+        PoisonCase(
+            "check constraint the parser does not know", "database", 422, {"category": "refused-by-check"}
+        ),
+        PoisonCase(
+            "check constraint the parser does not know, 100 records (COPY)",
+            "database",
+            422,
+            {"category": "refused-by-check"},
+            batch=100,
+        ),
+        PoisonCase("foreign key the parser does not know", "database", 422, {"category": "unregistered"}),
+        PoisonCase(
+            "rollup row the database refuses (deferred to the fold)",
+            "rollup fold",
+            200,
+            {"category": "refused-in-rollup"},
+        ),
+        PoisonCase(
+            "rollup row the database refuses, 100 records (summed in place)",
+            "database",
+            422,
+            {"category": "refused-in-rollup"},
+            batch=100,
+        ),
+        PoisonCase("a true retry of a stored record beside new ones", "", 200, dict(STORED_BEFORE)),
+        PoisonCase("the other account's request ids", "", 200, {}),
+        PoisonCase(
+            "every column at its largest storable value",
+            "",
+            200,
+            {
+                "request_id": "\U0001f600" * 200,
+                "drafted_tokens": LARGEST,
+                "accepted_tokens": LARGEST,
+                "verify_steps": LARGEST,
+                "generated_tokens": LARGEST,
+                "prompt_tokens": LARGEST,
+                "accepted_per_position": [LARGEST],
+                "k": 1,
+                "arm": f"canary:{LARGEST}",
+                "total_ms": 86_400_000.0,
+                "ttft_ms": 86_400_000.0,
+                "inter_token_ms": 86_400_000.0,
+                "created_at": "2099-12-31T23:59:59.999999+00:00",
+                "category": "é" * 100,
+            },
+        ),
+        PoisonCase(
+            "k 64, 64 positions",
+            "",
+            200,
+            {
+                "drafted_tokens": 64,
+                "accepted_tokens": 64,
+                "verify_steps": 1,
+                "generated_tokens": 65,
+                "accepted_per_position": [1] * 64,
+                "k": 64,
+            },
+        ),
+    ]
 
 
 def run_poison(quick: bool) -> dict[str, Any]:
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psycopg
+
+    from tests.fleet.rollup_audit import audit_rollups
+
     duration_s = 10.0 if quick else 40.0
+    cases = poison_values()
     with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
+        with psycopg.connect(pg.admin_dsn()) as conn:
+            conn.execute("CREATE TABLE bench_known_categories (name varchar(100) PRIMARY KEY)")
+            conn.execute(
+                "INSERT INTO bench_known_categories SELECT unnest(%s::text[])", (list(KNOWN_CATEGORIES),)
+            )
+            conn.execute(DATABASE_RULES)
         good, bad = new_tenant(pg, "good"), new_tenant(pg, "bad")
         create_deployment(api, good, "svc")
         create_deployment(api, bad, "svc")
         good_url = f"{api.url}/v1/accounts/good/deployments/svc/acceptance"
         bad_url = f"{api.url}/v1/accounts/bad/deployments/svc/acceptance"
+        stored_before = api.api(
+            "POST",
+            "/v1/accounts/bad/deployments/svc/acceptance",
+            {"records": [STORED_BEFORE]},
+            key=bad.keys[Role.ingest],
+        )
+        if stored_before.status_code != 200:
+            raise RuntimeError(
+                f"storing the record to conflict with: {stored_before.status_code} {stored_before.text}"
+            )
         stop = threading.Event()
         good_outcomes: Counter[str] = Counter()
+        good_acknowledged: set[str] = set()
         bad_outcomes: dict[str, Counter[int]] = {}
+        # Ids of the poisoning account's requests answered 200, and of those answered otherwise.
+        bad_acknowledged: set[str] = {STORED_BEFORE["request_id"]}
+        bad_refused: set[str] = set()
+        race_pairs: Counter[str] = Counter()
         lock = threading.Lock()
 
         def good_client(n: int) -> None:
@@ -434,34 +633,67 @@ def run_poison(quick: bool) -> dict[str, Any]:
                 timeout=30, headers={"Authorization": f"Bearer {good.keys[Role.ingest]}"}
             ) as http:
                 while not stop.is_set():
-                    body = {"records": [acceptance_record(f"g{n}-{sequence + i}", rng) for i in range(5)]}
+                    ids = [f"g{n}-{sequence + i}" for i in range(5)]
                     sequence += 5
+                    body = {"records": [acceptance_record(i, rng, categories=("code", "prose")) for i in ids]}
                     try:
                         status = str(http.post(good_url, json=body).status_code)
                     except httpx.HTTPError as exc:
                         status = type(exc).__name__
                     with lock:
                         good_outcomes[status] += 1
+                        if status == "200":
+                            good_acknowledged.update(ids)
+
+        def batch_of(
+            case: PoisonCase, prefix: str, rng: random.Random, n: int, sent: int
+        ) -> list[dict[str, Any]]:
+            records = [acceptance_record(f"{prefix}-{i}", rng) for i in range(case.batch)]
+            override = dict(case.override)
+            if case.what == "the other account's request ids":
+                override["request_id"] = f"g{n}-{sent}"  # the id the good account's client n sends
+            elif case.what == "every column at its largest storable value":
+                override["request_id"] = override["request_id"][:-12] + f"{n:03d}{sent:09d}"
+            records[-1].update(override)
+            if override.get("request_id") == STORED_BEFORE["request_id"]:
+                del records[-1]["created_at"]  # as stored: the server stamped it
+            return records
 
         def bad_client(n: int) -> None:
             rng = random.Random(100 + n)
             sequence = 0
-            values = poison_values()
-            with httpx.Client(
-                timeout=30, headers={"Authorization": f"Bearer {bad.keys[Role.ingest]}"}
-            ) as http:
+            sent_of: Counter[str] = Counter()
+            with (
+                httpx.Client(
+                    timeout=30, headers={"Authorization": f"Bearer {bad.keys[Role.ingest]}"}
+                ) as http,
+                ThreadPoolExecutor(2) as pair,
+            ):
+
+                def post(records: list[dict[str, Any]]) -> int:
+                    try:
+                        return http.post(bad_url, json={"records": records}).status_code
+                    except httpx.HTTPError:
+                        return -1
+
                 while not stop.is_set():
-                    for what, override in values:
-                        # The poison rides in a batch of valid records: one bad value, many good ones.
-                        records = [acceptance_record(f"b{n}-{sequence + i}", rng) for i in range(4)]
-                        records.append({**acceptance_record(f"b{n}-{sequence + 4}", rng), **override})
-                        sequence += 5
-                        try:
-                            status = http.post(bad_url, json={"records": records}).status_code
-                        except httpx.HTTPError:
-                            status = -1
+                    for case in cases:
+                        bodies = [batch_of(case, f"b{n}-{sequence}", rng, n, sent_of[case.what])]
+                        if case.race:
+                            twin = batch_of(case, f"b{n}-{sequence}-twin", rng, n, sent_of[case.what])
+                            bodies[0][-1]["request_id"] = twin[-1]["request_id"] = f"race-{n}-{sequence}"
+                            twin[-1]["total_ms"] = bodies[0][-1]["total_ms"] + 1.0
+                            bodies.append(twin)
+                        sequence += 1
+                        sent_of[case.what] += 1
+                        statuses = list(pair.map(post, bodies))
                         with lock:
-                            bad_outcomes.setdefault(what, Counter())[status] += 1
+                            for records, status in zip(bodies, statuses, strict=True):
+                                bad_outcomes.setdefault(case.what, Counter())[status] += 1
+                                ids = {str(r["request_id"]) for r in records}
+                                (bad_acknowledged if status == 200 else bad_refused).update(ids)
+                            if case.race:
+                                race_pairs["+".join(map(str, sorted(statuses)))] += 1
                         if stop.is_set():
                             return
 
@@ -473,18 +705,74 @@ def run_poison(quick: bool) -> dict[str, Any]:
         stop.set()
         for thread in threads:
             thread.join(60)
+        good_id, bad_id = _deployment_pk(pg, "good", "svc"), _deployment_pk(pg, "bad", "svc")
+        _wait_for_fold(pg, good_id, timeout_s=30.0)
+        _wait_for_fold(pg, bad_id, timeout_s=30.0)
+        with psycopg.connect(pg.admin_dsn()) as conn:
+            stored = {
+                deployment_id: {
+                    row[0]
+                    for row in conn.execute(
+                        "SELECT request_id FROM acceptance_records WHERE deployment_id = %s", (deployment_id,)
+                    )
+                }
+                for deployment_id in (good_id, bad_id)
+            }
+        good_audit = audit_rollups(pg.admin_dsn(), [good_id])
+        bad_audit = audit_rollups(pg.admin_dsn(), [bad_id])
+        api_log = api.log_tail(10_000_000)
     good_total = sum(good_outcomes.values())
     collateral = sum(n for status, n in good_outcomes.items() if status != "200")
+    by_where: Counter[str] = Counter()
+    unexpected: dict[str, dict[str, int]] = {}
+    for case in cases:
+        outcomes = bad_outcomes.get(case.what, Counter())
+        by_where[case.fails_at or "stored"] += sum(outcomes.values())
+        if case.race:  # judged by pair: one stored, the other a conflict
+            wrong = {pair: n for pair, n in race_pairs.items() if pair != "200+409"}
+        else:
+            wrong = {str(status): n for status, n in outcomes.items() if status != case.expected}
+        if wrong:
+            unexpected[case.what] = wrong
+    # A refused request's ids that some acknowledged request did not also carry (the race's shared
+    # id, the retried record) must not be stored: all or nothing per request.
+    partial = bad_refused - bad_acknowledged
+    # The poisoning account has at most four requests in flight (two clients, a race sends two at
+    # once): a failed flush of more requests held the other account's too.
+    split_sizes = [int(n) for n in re.findall(r"a flush of (\d+) requests failed", api_log)]
     return {
         "poisoned_requests_collateral": collateral,
         "good_requests": good_total,
         "good_outcomes": dict(good_outcomes),
+        "good_records_lost": len(good_acknowledged - stored[good_id]),
+        "good_records_stored_unacknowledged": len(stored[good_id] - good_acknowledged),
+        "good_rollup_double_counted_records": good_audit.double_counted_records,
+        "good_rollup_missing_records": good_audit.missing_records,
+        "good_rollup_mismatched_buckets": good_audit.mismatched_buckets,
         "bad_requests": sum(sum(c.values()) for c in bad_outcomes.values()),
+        "bad_requests_by_where_they_fail": dict(by_where),
         "bad_outcomes": {what: {str(k): v for k, v in c.items()} for what, c in bad_outcomes.items()},
+        "bad_unexpected_outcomes": unexpected,
         "bad_server_errors": sum(
             n for c in bad_outcomes.values() for status, n in c.items() if status >= 500
         ),
-        "bad_accepted": {what: c[200] for what, c in bad_outcomes.items() if c.get(200)},
+        "bad_race_pairs": dict(race_pairs),
+        "bad_records_stored_of_refused_requests": len(partial & stored[bad_id]),
+        "bad_records_lost": len(bad_acknowledged - stored[bad_id]),
+        "bad_rollup_double_counted_records": bad_audit.double_counted_records,
+        "bad_rollup_missing_records": bad_audit.missing_records,
+        "bad_rollup_quarantined_records": bad_audit.quarantined_records,
+        "shared_flushes_split_apart": len(split_sizes),
+        "shared_flushes_split_apart_holding_the_other_account": sum(1 for n in split_sizes if n > 4),
+        "largest_flush_split_apart": max(split_sizes, default=0),
+        "folds_retried_record_by_record": api_log.count("folding record by record"),
+        "semantics": (
+            "all or nothing per request: a batch with one record the parser or the database refuses "
+            "is answered 422 (409 for a request id stored with other content) and none of its "
+            "records, the valid ones included, is stored; a record whose rollup row the database "
+            "refuses in the deferred fold is stored and acknowledged, and set aside from the rollups "
+            "(quarantined_rollup_records)"
+        ),
     }
 
 
@@ -534,6 +822,8 @@ FIGURES = [
     ("tenants", "cross_tenant_leaks", "0"),
     ("ingest", "records_lost", "0"),
     ("ingest", "records_duplicated", "0"),
+    ("ingest", "rollup_double_counted_records", "0"),
+    ("ingest", "rollup_missing_records", "0"),
     ("loop", "promotions_per_loop", "1"),
     ("loop", "stalled_events", "0"),
     ("poison", "poisoned_requests_collateral", "0"),

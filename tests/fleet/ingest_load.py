@@ -1,6 +1,7 @@
 """Ingest clients that retry as a careful serving fleet would (the same request ids until the
 control plane answers 2xx), and the count of what a database then holds against what they sent:
-the measure behind the fault tests' and the reliability bench's records_lost / records_duplicated."""
+the measure behind the fault tests' and the reliability bench's records_lost / records_duplicated
+(whether the rollups hold each record once is tests/fleet/rollup_audit.py's to say)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -16,11 +18,13 @@ import httpx
 import psycopg
 
 
-def acceptance_record(request_id: str, rng: random.Random, k: int = 4) -> dict[str, Any]:
-    """One served request's native record, stamped now."""
+def acceptance_record(
+    request_id: str, rng: random.Random, k: int = 4, categories: Sequence[str] = ()
+) -> dict[str, Any]:
+    """One served request's native record, stamped now (in one of ``categories`` or none)."""
     steps = rng.randint(3, 10)
     per_step = [min(k, int(rng.expovariate(0.6))) for _ in range(steps)]
-    return {
+    record: dict[str, Any] = {
         "request_id": request_id,
         "drafted_tokens": steps * k,
         "accepted_tokens": sum(per_step),
@@ -31,6 +35,9 @@ def acceptance_record(request_id: str, rng: random.Random, k: int = 4) -> dict[s
         "total_ms": rng.uniform(20, 200),
         "created_at": datetime.now(UTC).isoformat(),
     }
+    if categories:
+        record["category"] = rng.choice([*categories, None])
+    return record
 
 
 @dataclass
@@ -49,7 +56,9 @@ class IngestTally:
 
 class RetryingIngestClients:
     """``clients`` threads, each posting batches of ``batch`` new records to ``url`` as fast as the
-    API answers, retrying a batch (same ids, same body) on a connection error or a 5xx."""
+    API answers, retrying a batch (same ids, same body) on a connection error or a 5xx. A
+    sequence ``batch`` gives client n batches of ``batch[n % len(batch)]`` records; records carry
+    one of ``categories`` or none."""
 
     def __init__(
         self,
@@ -57,16 +66,18 @@ class RetryingIngestClients:
         key: str,
         *,
         clients: int = 4,
-        batch: int = 5,
+        batch: int | Sequence[int] = 5,
         prefix: str = "r",
+        categories: Sequence[str] = (),
         pause_s: float = 0.0,
         give_up_after_s: float = 90.0,
     ) -> None:
         self.url = url
         self.headers = {"Authorization": f"Bearer {key}"}
         self.clients = clients
-        self.batch = batch
+        self.batches = [batch] if isinstance(batch, int) else list(batch)
         self.prefix = prefix
+        self.categories = tuple(categories)
         self.pause_s = pause_s
         self.give_up_after_s = give_up_after_s
         self.tally = IngestTally()
@@ -95,11 +106,12 @@ class RetryingIngestClients:
     def _run(self, client: int) -> None:
         rng = random.Random(client)
         sequence = 0
+        size = self.batches[client % len(self.batches)]
         with httpx.Client(timeout=10.0, headers=self.headers) as http:
             while not self._stopping.is_set():
-                ids = [f"{self.prefix}-{client}-{sequence + i}" for i in range(self.batch)]
-                sequence += self.batch
-                body = {"records": [acceptance_record(i, rng) for i in ids]}
+                ids = [f"{self.prefix}-{client}-{sequence + i}" for i in range(size)]
+                sequence += size
+                body = {"records": [acceptance_record(i, rng, categories=self.categories) for i in ids]}
                 with self._lock:
                     self.tally.sent.update(ids)
                 self._deliver(http, ids, body)
