@@ -199,6 +199,12 @@ _OTHER_SEPARATOR = re.compile(r"[^\d.]", re.ASCII)
 _DOTTED_QUAD = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}", re.ASCII)  # addresses, netmasks, versions
 
 
+def _is_dotted_quad(candidate: str) -> bool:
+    """An address, a netmask or a version: four dotted groups of at most 255 (12.367.99.58 is a
+    phone number written with dots)."""
+    return _DOTTED_QUAD.fullmatch(candidate) is not None and all(int(g) <= 255 for g in candidate.split("."))
+
+
 _VALIDATIONS_BASE: Final = 64
 _CHARACTERS_PER_VALIDATION: Final = 256
 
@@ -233,7 +239,7 @@ def phone_spans(text: str, *, phone_word_before: Any = None) -> list[Span]:
         if not 7 <= sum(char.isdigit() for char in candidate) <= 15:
             continue
         international = candidate.startswith(("+", "00"))
-        if not international and (_DATE_LIKE.search(candidate) or _DOTTED_QUAD.fullmatch(candidate)):
+        if not international and (_DATE_LIKE.search(candidate) or _is_dotted_quad(candidate)):
             continue
         if candidate.count(".") == 1 and not _OTHER_SEPARATOR.search(candidate):
             continue  # a decimal number: 86087.7578
@@ -290,6 +296,7 @@ _SECRET_PLUGINS: Final = (
 _DELIMITERS: Final = " \t\r\n=:\"'"
 # Plugins whose first group is the credential (elsewhere groups only pick a prefix such as ghp).
 _VALUE_IN_GROUP_PLUGINS: Final = (aws.AWSKeyDetector, npm.NpmDetector)
+_TOKEN_CHARACTERS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=_-")
 _JWT_CHARACTERS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.+/=")
 
 
@@ -356,6 +363,10 @@ def secret_spans(text: str) -> list[Span]:
                 start += 1
             while end > start and text[end - 1] in _DELIMITERS:
                 end -= 1
+            # Fixed-length patterns (Azure's 88 characters) stop inside a longer token: the token
+            # goes whole (base64 padding included), or its tail would be left in the text.
+            while end > start and end < len(text) and text[end] in _TOKEN_CHARACTERS:
+                end += 1
             if end > start:
                 spans.append((start, end, Kind.secret))
     return spans

@@ -1,44 +1,57 @@
-"""Personal-data scrubbing of trace text: typed placeholders instead of the personal data itself.
+"""Personal-data scrubbing of trace text: surrogates of the same shape instead of the personal data.
 
-Owns ``scrub(text) -> Scrubbed``, the only gate between caller-supplied text and the ``traces``
-table, and this project's own recognizers (regular expressions compiled once at import). The
-library recognizers (Presidio's pattern recognizers, ``phonenumbers``, detect-secrets' plugins)
-live in ``controlplane.traces.recognizers``; nothing here or there does I/O.
+Owns ``scrub_trace(texts) -> [Scrubbed]`` (a trace's prompt, completion and category together) and
+``scrub(text)``, the only gate between caller-supplied text and the ``traces`` table, and this
+project's own recognizers (regular expressions compiled once at import). The library recognizers
+(Presidio's pattern recognizers, ``phonenumbers``, detect-secrets' plugins) live in
+``controlplane.traces.recognizers``; the surrogates in ``controlplane.traces.surrogates``; nothing
+here or there does I/O.
 
-What is replaced, in this order (each stage sees the text the earlier ones left; placeholders
-hold no digits, ``@`` or token characters, so no later stage re-matches them):
+Each entity found is replaced by a fake value of the same shape (a fake address for an address,
+a card number in the same grouping that passes Luhn, a phone number in the same format), the same
+fake value for the same real one everywhere in the trace: a drafter trained on scrubbed traces
+learns the form of what the target writes, which a ``<EMAIL>`` placeholder hid, without seeing
+the real values. ``Scrubbed.replacements`` says where each entity was in the original text.
 
-1. ``<SECRET>`` (ours): PEM private-key blocks; the ``user:password`` of URLs; the secret in the
+What is found, in this order (each stage sees the text with what the earlier ones found masked,
+at the same length so that offsets stay those of the original; a mask holds no digits, letters,
+``@`` or token characters, so no later stage re-matches it; overlapping finds merge):
+
+1. secrets (ours): PEM private-key blocks; the ``user:password`` of URLs, and a token as a
+   URL's user (``https://ghp_...@github.com``: 12+ characters with a letter and a digit); the secret in the
    path of webhook URLs (``hooks.slack.com/services/...``, ``discord.com/api/webhooks/...``,
    ``.../webhookb2/...``, ``.../hooks/catch/...``; the host stays); tokens with a known vendor
    prefix (OpenAI/Anthropic ``sk-``, Stripe, GitHub, GitLab, Slack, AWS, Google, Hugging Face,
    npm, PyPI, SendGrid) and JWTs; the credential after ``Bearer``/``Basic``/``Token``; the value
    of a secret-named assignment (``password=...``, ``"api_key": "..."``, quoted values may hold
    spaces) and of environment variables that glue the word to a prefix (``PGPASSWORD=``,
-   ``MYSQL_PWD=``, ``REDISCLI_AUTH=``); passphrases (``passphrase: a few words``), passwords in
+   ``MYSQL_PWD=``, ``REDISCLI_AUTH=``, ``AWS_SECRET_ACCESS_KEY=``; an unquoted value runs to the
+   next space, brackets included); passphrases (``passphrase: a few words``), passwords in
    prose (``the password is Tr0ub4dor&3``, ``password is "two words"``); ``user:password``
    outside URLs after a credential word (``curl -u``, ``login``, ``creds``) or when the password
    mixes a digit and a symbol. Scheme words, key names and hosts stay: the text keeps its shape.
-2. ``<SECRET>`` (detect-secrets): what its vendor plugins' patterns find that ours did not
+2. secrets (detect-secrets): what its vendor plugins' patterns find that ours did not
    (Twilio, Telegram and Discord bot tokens, Azure storage keys, Square, Mailchimp, ...).
-3. ``<EMAIL>``, ``<IBAN>``, ``<NATIONAL_ID>`` (Presidio): e-mail addresses, internationalised
+3. e-mail addresses, IBANs, national ids (Presidio): e-mail addresses, internationalised
    domains included; IBANs (checksum-validated, spaced or not); US SSNs, UK NINOs, Spanish
    NIF/NIE, Italian codici fiscali and Finnish henkilötunnus.
-4. ``<EMAIL>`` (ours): addresses Presidio's suffix check rejects (``ops@corp.internal``).
-5. ``<IP_ADDRESS>`` (ours): IPv6 (validated by ``ipaddress``) and IPv4 addresses.
-6. ``<CREDIT_CARD>`` (ours): 13-19 digits, optionally grouped by one kind of space (also
+4. e-mail addresses (ours): addresses Presidio's suffix check rejects (``ops@corp.internal``).
+5. IP addresses (ours): IPv6 (validated by ``ipaddress``) and IPv4 addresses.
+6. payment cards (ours): 13-19 digits, optionally grouped by one kind of space (also
    no-break), dash or dot, that pass the Luhn check and start with 2-6 (every major network;
-   this keeps epoch-millisecond timestamps, which start with 1, out).
-7. ``<PHONE>`` (ours): ``+``/``00`` international numbers (8-15 digits); North American
+   this keeps epoch-millisecond timestamps, which start with 1, out); groups of 3-6 digits, or
+   of four with a shorter last one (``4106 0762 3823 8``).
+7. phone numbers (ours): ``+``/``00`` international numbers (8-15 digits); North American
    ``(415) 555-2671``/``415-555-2671``/``1-800-555-0199``; trunk-``0`` national numbers with
    separators (``020 7946 0958``, ``06 12 34 56 78``, ``030 1234567``); and any 7-15 digit number
-   right after a phone word (``tel:``, ``phone``, ``call me at``, ...). Groups may be separated
+   right after a phone word (``tel:``, ``phone``, ``call me at``, ``Telefon``, ``téléphone``,
+   ``teléfono``, ``celular``, ``kontakt``, ...). Groups may be separated
    by spaces, no-break and thin spaces, hyphens, en dashes or dots.
-8. ``<PHONE>`` (phonenumbers): whole runs of digit groups our rules left that ``phonenumbers``
+8. phone numbers (phonenumbers): whole runs of digit groups our rules left that ``phonenumbers``
    validates for a region, chosen by how the number starts (``+``: any; trunk ``0``: GB, DE, FR,
    IN, JP, AU, BR, KR, IT, ES, NL; ``(``: US, BR, AU, GB, DE; else US, IN, BR, IT, ES), such as
    ``(11) 98765-4321`` or ``03-1234-5678``.
-9. ``<SECRET>`` (ours): any other long token (>= 20 chars) of lower, upper case and digits that
+9. secrets (ours): any other long token (>= 20 chars) of lower, upper case and digits that
    reads as random rather than as words (class changes between neighbours, distinct characters).
 
 Ours come first where they do better than the libraries: they keep key names and hosts (the
@@ -52,13 +65,12 @@ Decided near misses, kept verbatim (the unit-test table pins each one):
   with context (``api_key=...``, ``Bearer ...``);
 * version numbers, dates, times, decimal numbers, order ids and other bare digit runs; four-part
   versions written after ``version``/``v``/``release``/``build``/``section``;
-* e-mail addresses at domains reserved for documentation and testing (``@example.com``,
-  ``.org`` and ``.net``, and the ``.example``, ``.test``, ``.invalid`` and ``.localhost`` names):
-  nobody's mailbox, and what code and examples are full of;
 * loopback, unspecified, broadcast addresses and netmasks (``127.0.0.1``, ``0.0.0.0``, ``::1``,
   ``255.255.255.0``), and the blocks reserved for documentation (``192.0.2.0/24``,
   ``198.51.100.0/24``, ``203.0.113.0/24``, ``2001:db8::/32``): nobody's address, and what
-  examples are full of, like the reserved domains; MAC addresses (not in scope);
+  examples are full of; MAC addresses (not in scope); a dotted quad after a version word
+  (``version``, ``build``, ``upgraded ... from``, ``1.2.3 to``) or an image or package name
+  (``app:1.2.3.4``); numbers named as product or book ids (``ISBN``, ``EAN``, ``barcode``);
 * card-length numbers that fail Luhn (and Luhn-valid ones starting with 0, 1, 7, 8, 9);
 * unseparated national numbers without a phone word (``4155552671``: indistinguishable from a
   code constant such as ``2147483647``), also when ``phonenumbers`` calls them valid;
@@ -86,19 +98,21 @@ Speed (CPU time, one core): ~0.7 ms for a typical 1 KB trace (0.3 ms before the 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import ipaddress
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from controlplane.traces.recognizers import Kind, phone_spans, presidio_spans, secret_spans
+from controlplane.traces.surrogates import Surrogates
 
 
 class Entity(enum.StrEnum):
-    """A kind of personal data; its placeholder is its upper-cased name in angle brackets."""
+    """A kind of personal data."""
 
     email = "email"
     phone = "phone"
@@ -108,17 +122,27 @@ class Entity(enum.StrEnum):
     iban = "iban"
     national_id = "national_id"
 
-    @property
-    def placeholder(self) -> str:
-        return f"<{self.value.upper()}>"
+
+@dataclass(frozen=True, slots=True)
+class Replacement:
+    """One entity found in a text: its span of the original text, its kind, the real value and
+    the surrogate written in its place."""
+
+    start: int
+    end: int
+    entity: Entity
+    value: str
+    surrogate: str
 
 
 @dataclass(frozen=True, slots=True)
 class Scrubbed:
-    """Scrubbed text and how many entities of each kind were replaced (kinds found only)."""
+    """Scrubbed text, how many entities of each kind were replaced (kinds found only), and each
+    replacement with its span in the original text."""
 
     text: str
     counts: dict[Entity, int]
+    replacements: tuple[Replacement, ...] = ()
 
 
 _A = re.ASCII
@@ -141,6 +165,9 @@ _PEM = re.compile(
 )
 # scheme://user:password@host: the credentials pair (the user may be empty: redis://:pw@host).
 _URL_CREDENTIALS = re.compile(r"://(?P<value>[^\s/:@]*:[^\s/@]+)@", _A)
+# A user name of 12+ characters with a letter and a digit is a token (https://TOKEN@github.com/):
+# people's and services' user names (git, deploy, admin) are short or plain words.
+_URL_TOKEN_USER = re.compile(r"://(?P<value>(?=[^\s/:@]*\d)(?=[^\s/:@]*[A-Za-z])[^\s/:@]{12,})@", _A)
 _VENDOR_TOKEN = re.compile(
     r"[sprwgxAhnSe](?<![A-Za-z0-9_-].)(?:"  # first letter by class (fast scan), then by prefix
     r"(?<=s)k-[A-Za-z0-9_-]{20,}"  # OpenAI (sk-, sk-proj-), Anthropic (sk-ant-)
@@ -192,7 +219,7 @@ _NOT_SECRET_VALUES: Final = frozenset(
         "str", "string", "bytes", "int", "bool", "any", "secretstr", "redacted",
     }
 )  # fmt: skip
-_PLACEHOLDER_VALUE = re.compile(r"[$%{<]|[*x.\u2022]+$|\.\.\.", _AI)
+_PLACEHOLDER_VALUE = re.compile(r"\$[A-Za-z_{(]|%[A-Za-z_(]|[{<]|[*x.\u2022]+$|\.\.\.", _AI)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", _A)
 _DOTTED_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+", _A)
 _PLAIN_WORD = re.compile(r"[A-Za-z_]+", _A)
@@ -202,11 +229,15 @@ _SECRET_WORD = re.compile(r"pass|pwd|secret|token|key|cred", _AI)
 # upper case, the word at the end of the name, then '='.
 _ENV_SECRET = re.compile(
     r"[A-Z](?<![A-Za-z0-9_].)[A-Z0-9_]*?"
-    r"(?:PASSWORD|PASSWD|PASSPHRASE|PWD|_PASS|SECRET|TOKEN|APIKEY|_AUTH|CREDENTIALS?)"
+    r"(?:PASSWORD|PASSWD|PASSPHRASE|PWD|_PASS|SECRET|TOKEN|APIKEY|_AUTH|CREDENTIALS?"
+    r"|(?:ACCESS|PRIVATE|SIGNING|ENCRYPTION|MASTER)_KEY)"
     r"(?P<sep>\s*=\s*)"
-    r"(?:(?P<q>[\"'])(?P<quoted>[^\"'\n]{3,200})(?P=q)|(?P<bare>[^\s\"'`,;&()\[\]{}<>]{3,200}))",
+    # Unquoted values run to the next space: a password may hold brackets (3FHj!dXw(b#8m).
+    r"(?:(?P<q>[\"'])(?P<quoted>[^\"'\n]{3,200})(?P=q)|(?P<bare>[^\s\"'`,;&]{3,200}))",
     _A,
 )
+_CALL = re.compile(r"[\w.]+\(.*\)[)\]}]*", _A)
+_OPENING: Final = {")": "(", "]": "[", "}": "{", ">": "<"}
 # "the password is X", "passphrase: a few plain words": prose and notes rather than code.
 _PASSWORD_IS = re.compile(
     r"[PpSs](?<![A-Za-z0-9].)"  # first letter by class (fast scan), then the word by that letter
@@ -253,11 +284,6 @@ _WEBHOOK = re.compile(
 _EMAIL_DOMAIN = re.compile(
     r"@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}(?![A-Za-z0-9-])", _A
 )
-# Domains reserved for documentation and testing (RFC 2606, RFC 6761): no mailbox there belongs to
-# a person, and code and examples use them constantly.
-_RESERVED_EMAIL_DOMAIN = re.compile(
-    r"[@.](?:example\.(?:com|net|org)|[A-Za-z0-9-]+\.(?:example|test|invalid|localhost))$", _A | re.I
-)
 # Local parts may be non-ASCII (müller@example.de): a partial match would leak the first letters.
 _EMAIL_LOCAL_BEFORE = re.compile(r"(?<![\w.%+-])\w[\w.%+-]{0,63}$")
 _IPV6_CANDIDATE = re.compile(
@@ -273,8 +299,22 @@ _DOCUMENTATION_V4: Final = frozenset({(192, 0, 2), (198, 51, 100), (203, 0, 113)
 _DOCUMENTATION_V6: Final = ipaddress.IPv6Network("2001:db8::/32")
 # A dotted quad right after one of these words is a version or a section number.
 _VERSION_BEFORE = re.compile(
-    r"(?:\bv|\bversions?|\bver\.?|\brelease|\bbuild|\bsection|\bchapter|\bstep|\u00a7)\s*[:=#]?\s*$", _AI
+    r"(?:\bv|\bversions?|\bver\.?|\brelease|\bbuild|\bsection|\bchapter|\bstep|\u00a7)\s*[:=#]?\s*$"
+    # "upgraded the service from 1.2.3.4", "bump to 1.2.3.4", "from 1.2.3 to 1.2.3.4"
+    r"|\b(?:upgrad|bump|downgrad)\w*\b[^\n.;]{0,30}?\b(?:from|to)\s+$"
+    r"|\d+(?:\.\d+)+\s+(?:to|->|\u2192)\s+$",
+    _AI,
 )
+# name:tag right before a dotted quad is an image tag or a package pin (app:1.2.3.4), unless the
+# name says address (ip:10.0.0.5, host:..., from:...).
+_TAG_BEFORE = re.compile(r"(?<![\w.-])(?P<name>[A-Za-z][\w.-]*):$", _A)
+_ADDRESS_NAMES: Final = frozenset(
+    {
+        "ip", "ipv4", "addr", "address", "host", "hostname", "server", "client", "remote", "src", "dst",
+        "source", "destination", "peer", "gateway", "gw", "dns", "nameserver", "from", "to", "inet", "via",
+        "proxy", "origin", "upstream", "endpoint", "node", "target",
+    }
+)  # fmt: skip
 
 # ---- card and phone numbers: searched only inside runs of 7+ digits ---------------------------
 
@@ -283,6 +323,13 @@ _SEP = " .\u00a0\u2009\u202f\u2010\u2011\u2013-"
 _NUMBER_RUN = re.compile(rf"\d(?:[+(){_SEP}]{{0,2}}\d){{6,}}+", _A)
 _CARD = re.compile(rf"[2-6](?<![\w.+-].)\d{{3}}(?:[{_SEP}]?\d){{9,15}}(?![\w-])(?!\.\d)", _A)
 _CARD_SEPARATOR = re.compile(rf"[{_SEP}]", _A)
+# A number named as a product or book identifier is not a card or a phone number, even when it
+# passes Luhn (an EAN-13's own checksum does about one time in ten) or reads as a trunk number.
+_PRODUCT_ID_BEFORE = re.compile(
+    r"\b(?:ISBN(?:-?1[03])?|ISSN|EAN(?:-?8|-?13)?|GTIN(?:-?\d\d?)?|UPC(?:-?A)?|barcode|ASIN|SKU)"
+    r"[\"']?\s*[:=#]?\s*[\"']?$",
+    _AI,
+)
 
 # Phone rules share their edges: never inside a word, a decimal or a longer run of digit groups
 # (a card number with one bad digit must not come out as a phone number). A '+' or '(' marks a
@@ -305,8 +352,12 @@ _PHONE_TRUNK = re.compile(
 _PHONE_AFTER_WORD = re.compile(_PHONE_START + rf"\+?\d(?:[(){_SEP}]{{0,2}}\d){{6,14}}" + _PHONE_END, _A)
 _PHONE_WORD_BEFORE = re.compile(
     r"\b(?:phone|telephone|tel|mobile|cell|fax|whatsapp|sms"
-    r"|call(?:\s+me)?(?:\s+(?:at|on))?|text(?:\s+me)?(?:\s+(?:at|on))?)"
-    r"(?:\s*(?:no\.?|number|nr\.?|#))?\s*[:.]?\s*$",
+    r"|call(?:\s+me)?(?:\s+(?:at|on))?|text(?:\s+me)?(?:\s+(?:at|on))?"
+    # other languages: Telefon, téléphone, teléfono, telefone, tlf, puhelin, Handy, móvil, celular,
+    # cellulare, portable, kontakt, contacto, ring (Scandinavian)
+    r"|t[e\u00e9]l[e\u00e9](?:fono?|fone|phone)|telefon|tlf|puh(?:elin)?|handy|mobil|m[o\u00f3]vil"
+    r"|celular|cellulare|portable|kontakt|contacto?|ring)"
+    r"(?:\s*(?:no\.?|number|nr\.?|#|numer|n[u\u00fa]mero|num[e\u00e9]ro|nummer|n[\u00ba\u00b0]))?\s*[:.]?\s*$",
     _AI,
 )
 
@@ -323,6 +374,9 @@ _LOWER_RUN = re.compile(r"[a-z]{3,}", _A)
 _CAMEL_WORD = re.compile(r"[A-Z]?[a-z]{2,}", _A)
 
 _DIGIT = re.compile(r"\d", _A)
+# Found spans are masked with '<' + this + '>' of the same length, so later stages see offsets of
+# the original text and no rule matches inside a mask (no digit, letter, '@' or token character).
+_MASK_CHAR: Final = "\u2588"
 _UPPER = re.compile(r"[A-Z]", _A)
 _LOWER = re.compile(r"[a-z]", _A)
 
@@ -383,21 +437,16 @@ def luhn_ok(digits: str) -> bool:
 
 # ---- per-match decisions: the span to replace and its replacement, or None to keep the text ----
 
-_Span = tuple[int, int, str]
+_Span = tuple[int, int]
 _Decide = Callable[[re.Match[str]], _Span | None]
 
 
-def _whole(entity: Entity) -> _Decide:
-    placeholder = entity.placeholder
-
-    def decide(match: re.Match[str]) -> _Span:
-        return match.start(), match.end(), placeholder
-
-    return decide
+def _whole(match: re.Match[str]) -> _Span:
+    return match.start(), match.end()
 
 
 def _value_only(match: re.Match[str]) -> _Span:
-    return match.start("value"), match.end("value"), Entity.secret.placeholder
+    return match.start("value"), match.end("value")
 
 
 def _auth_scheme(match: re.Match[str]) -> _Span | None:
@@ -434,7 +483,7 @@ def _assignment(match: re.Match[str]) -> _Span | None:
         group = "quoted"
         if not _is_secret_value(match["quoted"], word=word, spaced_or_colon=spaced_or_colon, quoted=True):
             return None
-        return match.start(group), match.end(group), Entity.secret.placeholder
+        return match.start(group), match.end(group)
     bare = match["bare"]
     after = match.string[match.end("bare") : match.end("bare") + 1]
     if after in ("(", "["):
@@ -445,12 +494,20 @@ def _assignment(match: re.Match[str]) -> _Span | None:
     if not _is_secret_value(value, word=word, spaced_or_colon=spaced_or_colon, quoted=False):
         return None
     start = match.start("bare")
-    return start, start + len(value), Entity.secret.placeholder
+    return start, start + len(value)
 
 
 def _env_secret(match: re.Match[str]) -> _Span | None:
     group = "quoted" if match["quoted"] is not None else "bare"
     value = match[group] if group == "quoted" else match[group].rstrip(".")
+    if group == "bare":
+        if _CALL.fullmatch(value):
+            return None  # a call in code: TOKEN=get_token()
+        # A bracket the value did not open belongs to the code around it: f(TOKEN=abc123xyz)
+        while value and value[-1] in _OPENING and value.count(value[-1]) > value.count(_OPENING[value[-1]]):
+            value = value[:-1]
+        if len(value) < 3:
+            return None
     if _NUMBERS_ONLY.fullmatch(value):
         return None  # versions, OIDs, counts: SERVER_AUTH = "1.3.6.1.5.5.7.3.1"
     if match["sep"].strip() != match["sep"] and _PLAIN_WORD.fullmatch(value):
@@ -458,7 +515,7 @@ def _env_secret(match: re.Match[str]) -> _Span | None:
     if not _is_secret_value(value, word="", spaced_or_colon=False, quoted=group == "quoted"):
         return None
     start = match.start(group)
-    return start, start + len(value), Entity.secret.placeholder
+    return start, start + len(value)
 
 
 def _password_is(match: re.Match[str]) -> _Span | None:
@@ -474,7 +531,7 @@ def _password_is(match: re.Match[str]) -> _Span | None:
         if value.lower() in _NOT_SECRET_VALUES or _PLACEHOLDER_VALUE.match(value):
             return None
     start = match.start(group)
-    return start, start + len(value), Entity.secret.placeholder
+    return start, start + len(value)
 
 
 def _passphrase(match: re.Match[str]) -> _Span | None:
@@ -493,7 +550,7 @@ def _passphrase(match: re.Match[str]) -> _Span | None:
     if value.lower() in _NOT_SECRET_VALUES or _PLACEHOLDER_VALUE.match(value) or "(" in value:
         return None
     start = match.start("value")
-    return start, start + len(value), Entity.secret.placeholder
+    return start, start + len(value)
 
 
 def _user_password(match: re.Match[str]) -> _Span | None:
@@ -506,7 +563,7 @@ def _user_password(match: re.Match[str]) -> _Span | None:
         return None
     start = found.start()
     if _CREDENTIAL_WORD_BEFORE.search(match.string, max(0, start - 24), start):
-        return start, match.end(), Entity.secret.placeholder
+        return start, match.end()
     if match.string[start - 1 : start] in ("[", "("):
         return None  # a slice or a call: a[index:index+2]
     if _EXPRESSION.fullmatch(password):
@@ -520,7 +577,7 @@ def _user_password(match: re.Match[str]) -> _Span | None:
         and not _PASSWORD_SYMBOL.match(password)
         and "=" not in password
     ):
-        return start, match.end(), Entity.secret.placeholder
+        return start, match.end()
     return None
 
 
@@ -529,7 +586,7 @@ def _webhook(match: re.Match[str]) -> _Span | None:
     if len(value) < 12 or not _DIGIT.search(value):
         return None  # documentation paths such as /webhooks/creating-webhooks
     start = match.start("value")
-    return start, start + len(value), Entity.secret.placeholder
+    return start, start + len(value)
 
 
 def _email(match: re.Match[str]) -> _Span | None:
@@ -537,9 +594,7 @@ def _email(match: re.Match[str]) -> _Span | None:
     local = _EMAIL_LOCAL_BEFORE.search(match.string, max(0, at - 64), at)
     if local is None:
         return None
-    if _RESERVED_EMAIL_DOMAIN.search(match.group()):
-        return None  # a documentation or test address cannot be anyone's: keep its shape for training
-    return local.start(), match.end(), Entity.email.placeholder
+    return local.start(), match.end()
 
 
 def _ipv6(match: re.Match[str]) -> _Span | None:
@@ -555,7 +610,7 @@ def _ipv6(match: re.Match[str]) -> _Span | None:
         return None  # times 12:30:45, MAC addresses
     if address.is_loopback or address.is_unspecified or address in _DOCUMENTATION_V6:
         return None
-    return match.start(), match.end(), Entity.ip_address.placeholder
+    return match.start(), match.end()
 
 
 def _ipv4(match: re.Match[str]) -> _Span | None:
@@ -569,9 +624,12 @@ def _ipv4(match: re.Match[str]) -> _Span | None:
     if octets[0] == 255 and inverted & (inverted + 1) == 0:
         return None  # a netmask (255.255.255.0) or the broadcast address
     start = match.start()
-    if _VERSION_BEFORE.search(match.string, max(0, start - 16), start):
+    if _VERSION_BEFORE.search(match.string, max(0, start - 48), start):
         return None
-    return start, match.end(), Entity.ip_address.placeholder
+    tag = _TAG_BEFORE.search(match.string, max(0, start - 32), start)
+    if tag is not None and tag["name"].lower().rstrip("_-") not in _ADDRESS_NAMES:
+        return None
+    return start, match.end()
 
 
 def _card(match: re.Match[str]) -> _Span | None:
@@ -583,9 +641,13 @@ def _card(match: re.Match[str]) -> _Span | None:
     if separators:
         groups = _CARD_SEPARATOR.split(text)
         # Cards are grouped 4-4-4-4(-3), 4-6-5 or 4-6-4, with one kind of separator.
-        if len(separators) > 1 or len(groups[0]) != 4 or any(not 3 <= len(g) <= 6 for g in groups):
+        # ... or chunked by four with a shorter last group, as people type them (4106 0762 3823 8).
+        chunked_by_four = all(len(g) == 4 for g in groups[:-1])
+        if len(separators) > 1 or len(groups[0]) != 4:
             return None
-    return match.start(), match.end(), Entity.credit_card.placeholder
+        if any(not 3 <= len(g) <= 6 for g in groups) and not chunked_by_four:
+            return None
+    return match.start(), match.end()
 
 
 def _digit_count(text: str) -> int:
@@ -601,14 +663,14 @@ def _phone_international(match: re.Match[str]) -> _Span | None:
         return None
     if match["prefix"] == "00" and not _CARD_SEPARATOR.search(text) and "(" not in text:
         return None  # 0044207946... without any grouping reads as a constant, not a number
-    return match.start(), match.end(), Entity.phone.placeholder
+    return match.start(), match.end()
 
 
 def _phone_trunk(match: re.Match[str]) -> _Span | None:
     text = match.group()
     if not 9 <= _digit_count(text) <= 12 or text.isdigit():
         return None
-    return match.start(), match.end(), Entity.phone.placeholder
+    return match.start(), match.end()
 
 
 def _phone_after_word(match: re.Match[str]) -> _Span | None:
@@ -617,13 +679,13 @@ def _phone_after_word(match: re.Match[str]) -> _Span | None:
         return None
     if not _PHONE_WORD_BEFORE.search(match.string, max(0, start - 40), start):
         return None
-    return start, match.end(), Entity.phone.placeholder
+    return start, match.end()
 
 
 def _long_token(match: re.Match[str]) -> _Span | None:
     if not looks_random(match.group()):
         return None
-    return match.start(), match.end(), Entity.secret.placeholder
+    return match.start(), match.end()
 
 
 @dataclass(frozen=True, slots=True)
@@ -639,10 +701,11 @@ class _Rule:
 
 
 _SECRET_RULES: Final = (
-    _Rule(Entity.secret, _PEM, _whole(Entity.secret), hints=("PRIVATE KEY",)),
+    _Rule(Entity.secret, _PEM, _whole, hints=("PRIVATE KEY",)),
     _Rule(Entity.secret, _URL_CREDENTIALS, _value_only, hints=("://",)),
+    _Rule(Entity.secret, _URL_TOKEN_USER, _value_only, hints=("://",)),
     _Rule(Entity.secret, _WEBHOOK, _webhook, hints=("hook", "services/", "trigger", "incoming", "catch/")),
-    _Rule(Entity.secret, _VENDOR_TOKEN, _whole(Entity.secret), hints=_VENDOR_HINTS),
+    _Rule(Entity.secret, _VENDOR_TOKEN, _whole, hints=_VENDOR_HINTS),
     _Rule(Entity.secret, _AUTH_SCHEME, _auth_scheme, hints=("bearer", "basic", "token"), fold=True),
     _Rule(Entity.secret, _ASSIGNMENT, _assignment, hints=_ASSIGNMENT_HINTS, fold=True),
     _Rule(
@@ -674,7 +737,11 @@ class _NumberRule:
     lead: re.Pattern[str] | None = None
 
 
-_PHONE_WORD_NEAR = re.compile(r"phone|tel|mobile|cell|fax|whatsapp|sms|call|text", _AI)
+_PHONE_WORD_NEAR = re.compile(
+    r"phone|t[e\u00e9]l|mobil|cell|fax|whatsapp|sms|call|text|fono|fone|tlf|puh|handy|m[o\u00f3]vil|celular"
+    r"|portable|kontakt|contact|ring",
+    _AI,
+)
 # Searched inside each run of 7+ digits, in priority order: a span taken by an earlier rule is
 # not available to a later one.
 _NUMBER_RULES: Final = (
@@ -683,49 +750,59 @@ _NUMBER_RULES: Final = (
         Entity.phone, _PHONE_INTERNATIONAL, _phone_international, min_digits=8, lead=re.compile(r"\+|00", _A)
     ),
     _NumberRule(Entity.phone, _PHONE_AFTER_WORD, _phone_after_word, min_digits=7, lead=_PHONE_WORD_NEAR),
-    _NumberRule(Entity.phone, _PHONE_NANP, _whole(Entity.phone), min_digits=10),
+    _NumberRule(Entity.phone, _PHONE_NANP, _whole, min_digits=10),
     _NumberRule(Entity.phone, _PHONE_TRUNK, _phone_trunk, min_digits=9),
 )
 _LEAD_WINDOW: Final = 42  # "Telephone number: " plus a little
 
 
-def _splice(text: str, spans: list[tuple[int, int, str, Entity]], counts: dict[Entity, int]) -> str:
-    """Replace non-overlapping spans (sorted by start); a span overlapping an earlier one is dropped."""
+_Found = list[tuple[int, int, Entity]]
+
+
+def _mask(length: int) -> str:
+    return "<" + _MASK_CHAR * (length - 2) + ">" if length >= 2 else _MASK_CHAR
+
+
+def _splice(text: str, spans: _Found, found: _Found) -> str:
+    """Mask non-overlapping spans (sorted by start) and record them in ``found``; a span
+    overlapping an earlier one is dropped."""
     pieces: list[str] = []
     last = 0
-    for start, end, replacement, entity in spans:
+    for start, end, entity in spans:
         if start < last:
             continue
         pieces.append(text[last:start])
-        pieces.append(replacement)
+        pieces.append(_mask(end - start))
         last = end
-        counts[entity] = counts.get(entity, 0) + 1
+        found.append((start, end, entity))
     if not pieces:
         return text
     pieces.append(text[last:])
     return "".join(pieces)
 
 
-def _apply(rule: _Rule, text: str, counts: dict[Entity, int]) -> str:
+def _apply(rule: _Rule, text: str, found: _Found) -> str:
     spans = []
     for match in rule.pattern.finditer(text):
         hit = rule.decide(match)
         if hit is not None:
             spans.append((*hit, rule.entity))
-    return _splice(text, spans, counts) if spans else text
+    return _splice(text, spans, found) if spans else text
 
 
-def _apply_numbers(text: str, counts: dict[Entity, int]) -> str:
-    spans: list[tuple[int, int, str, Entity]] = []
+def _apply_numbers(text: str, found: _Found) -> str:
+    spans: _Found = []
     floor = 0
     for run in _NUMBER_RUN.finditer(text):
         # Two characters either side: a leading '+' or '(' and what the end lookaheads inspect.
         low, high = max(floor, run.start() - 2), min(len(text), run.end() + 2)
         floor = run.end()
+        if _product_id_before(text, run.start()):
+            continue
         digits = _digit_count(run.group())
         # Kept sorted by start, so the overlap test is two neighbours, not the whole list: a run
         # can hold thousands of matches ("4111111111111111 " * 4000).
-        taken: list[tuple[int, int, str, Entity]] = []
+        taken: _Found = []
         for rule in _NUMBER_RULES:
             if digits < rule.min_digits:
                 continue
@@ -742,7 +819,7 @@ def _apply_numbers(text: str, counts: dict[Entity, int]) -> str:
                     continue
                 taken.insert(at, (*hit, rule.entity))
         spans.extend(taken)
-    return _splice(text, spans, counts) if spans else text
+    return _splice(text, spans, found) if spans else text
 
 
 _LIBRARY_KINDS: Final = {
@@ -754,16 +831,15 @@ _LIBRARY_KINDS: Final = {
 }
 
 
-def _apply_library(spans: list[tuple[int, int, Kind]], text: str, counts: dict[Entity, int]) -> str:
-    kept = []
-    for start, end, kind in spans:
-        if kind is Kind.email and _RESERVED_EMAIL_DOMAIN.search(text, start, end):
-            continue  # a documentation or test address: kept, as by the e-mail rule
-        entity = _LIBRARY_KINDS[kind]
-        kept.append((start, end, entity.placeholder, entity))
+def _apply_library(spans: list[tuple[int, int, Kind]], text: str, found: _Found) -> str:
+    kept = [(start, end, _LIBRARY_KINDS[kind]) for start, end, kind in spans]
     # Longest first among spans starting together; a span overlapping an earlier one is dropped.
     kept.sort(key=lambda span: (span[0], -span[1]))
-    return _splice(text, kept, counts) if kept else text
+    return _splice(text, kept, found) if kept else text
+
+
+def _product_id_before(text: str, start: int) -> bool:
+    return _PRODUCT_ID_BEFORE.search(text, max(0, start - 16), start) is not None
 
 
 def _phone_word_before(text: str, start: int) -> bool:
@@ -776,7 +852,7 @@ def _run(
     original: str,
     folded: str,
     has_digit: bool,
-    counts: dict[Entity, int],
+    found: _Found,
 ) -> str:
     for rule in rules:
         if rule.needs_digit and not has_digit:
@@ -784,22 +860,68 @@ def _run(
         haystack = folded if rule.fold else original
         if rule.hints and not any(hint in haystack for hint in rule.hints):
             continue
-        text = _apply(rule, text, counts)
+        text = _apply(rule, text, found)
     return text
 
 
-def scrub(text: str) -> Scrubbed:
-    """Replace personal data in ``text`` with typed placeholders; count what was replaced."""
-    counts: dict[Entity, int] = {}
+def find_entities(text: str) -> list[Replacement]:
+    """The personal data in ``text``: disjoint spans of the original text, in order, each with
+    its entity (the ``surrogate`` field is left empty)."""
+    found: _Found = []
     has_digit = _DIGIT.search(text) is not None
-    # Hints are looked up in the original text: replacements only ever remove candidates.
+    # Hints are looked up in the original text: masking only ever removes candidates.
     original, folded = text, text.lower()
-    text = _run(_SECRET_RULES, text, original, folded, has_digit, counts)
-    text = _apply_library(secret_spans(text), text, counts)
-    text = _apply_library(presidio_spans(text), text, counts)
-    text = _run(_TEXT_RULES, text, original, folded, has_digit, counts)
+    text = _run(_SECRET_RULES, text, original, folded, has_digit, found)
+    text = _apply_library(secret_spans(text), text, found)
+    text = _apply_library(presidio_spans(text), text, found)
+    text = _run(_TEXT_RULES, text, original, folded, has_digit, found)
     if has_digit:
-        text = _apply_numbers(text, counts)
-        text = _apply_library(phone_spans(text, phone_word_before=_phone_word_before), text, counts)
-        text = _apply(_LONG_TOKEN_RULE, text, counts)
-    return Scrubbed(text, counts)
+        text = _apply_numbers(text, found)
+        phones = phone_spans(text, phone_word_before=_phone_word_before)
+        phones = [span for span in phones if not _product_id_before(text, span[0])]
+        text = _apply_library(phones, text, found)
+        text = _apply(_LONG_TOKEN_RULE, text, found)
+    # A later rule's negated character class can run over an earlier mask (a passphrase holding
+    # an address): overlapping spans merge, keeping the earlier rule's entity.
+    merged: list[list[Any]] = []
+    for order, (start, end, entity) in sorted(enumerate(found), key=lambda item: (item[1][0], item[0])):
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+            if order < merged[-1][3]:
+                merged[-1][2], merged[-1][3] = entity, order
+        else:
+            merged.append([start, end, entity, order])
+    return [Replacement(start, end, entity, original[start:end], "") for start, end, entity, _ in merged]
+
+
+def scrub_trace(texts: Sequence[str], *, key: bytes | None = None) -> list[Scrubbed]:
+    """Replace the personal data in the texts of one trace (prompt, completion, ...) with
+    surrogates of the same shape: the same value gets the same surrogate in every text.
+
+    ``key`` seeds the surrogates (``controlplane.traces.surrogates``); a fresh random key is
+    drawn when none is given, so that surrogates are unlinkable across traces.
+    """
+    found = [find_entities(text) for text in texts]
+    surrogates = Surrogates(
+        texts=texts, real_values={entity.value for spans in found for entity in spans}, key=key
+    )
+    results = []
+    for text, spans in zip(texts, found, strict=True):
+        pieces: list[str] = []
+        replaced: list[Replacement] = []
+        counts: dict[Entity, int] = {}
+        last = 0
+        for span in spans:
+            surrogate = surrogates.surrogate(span.entity.value, span.value)
+            pieces += [text[last : span.start], surrogate]
+            replaced.append(dataclasses.replace(span, surrogate=surrogate))
+            counts[span.entity] = counts.get(span.entity, 0) + 1
+            last = span.end
+        pieces.append(text[last:])
+        results.append(Scrubbed("".join(pieces) if spans else text, counts, tuple(replaced)))
+    return results
+
+
+def scrub(text: str, *, key: bytes | None = None) -> Scrubbed:
+    """Replace personal data in one text with surrogates of the same shape; count what was replaced."""
+    return scrub_trace([text], key=key)[0]

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from controlplane.db.models import Deployment, Trace, TraceSource
 from controlplane.timestamps import as_utc, utcnow
 from controlplane.traces.formats import MAX_CATEGORY_CHARS, MAX_TRACE_RETENTION_DAYS, TraceInput
-from controlplane.traces.scrub import Entity, scrub
+from controlplane.traces.scrub import Entity, scrub_trace
 
 MAX_PAGE_SIZE: Final = 1_000
 # Rows per INSERT statement: large enough to amortise round trips, small enough for SQLite's
@@ -67,24 +67,24 @@ def store_traces(
     totals = dict.fromkeys((entity.value for entity in Entity), 0)
     rows: list[dict[str, Any]] = []
 
-    def scrubbed(text: str) -> str:
-        result = scrub(text)
-        for entity, count in result.counts.items():
-            totals[entity.value] += count
-        return result.text
-
     for item in items:
-        category = scrubbed(item.category) if item.category is not None else None
+        # One trace's texts together: a value gets the same surrogate in prompt and completion.
+        texts = [item.prompt, item.completion] + ([item.category] if item.category is not None else [])
+        results = scrub_trace(texts)
+        for result in results:
+            for entity, count in result.counts.items():
+                totals[entity.value] += count
+        category = results[2].text if item.category is not None else None
         rows.append(
             {
                 "deployment_id": deployment_id,
                 "created_at": created_at,
                 "source": source,
                 "dataset_name": dataset_name,
-                # A placeholder can be longer than what it replaced; the column is not.
+                # A surrogate can be longer than what it replaced; the column is not.
                 "category": category[:MAX_CATEGORY_CHARS] if category is not None else None,
-                "prompt": scrubbed(item.prompt),
-                "completion": scrubbed(item.completion),
+                "prompt": results[0].text,
+                "completion": results[1].text,
             }
         )
     for start in range(0, len(rows), _INSERT_CHUNK):

@@ -168,7 +168,7 @@ EMAIL_CONTEXTS = [
     "From: Jane <{v}>\nSubject: invoice overdue",
     'user = User(name="Ana", email="{v}")',
     "INSERT INTO customers (name, email) VALUES ('Ana', '{v}');",
-    "notify:\n  - {v}\n  - ops@example.com",
+    "notify:\n  - {v}\n  - '#ops-alerts'",
     "2024-03-02T10:11:12Z WARN mail bounced for {v} (550 mailbox full)",
     '{{"contact": "{v}", "plan": "pro"}}',
     "git config user.email {v}",
@@ -402,6 +402,22 @@ UNSEEN: list[tuple[str, list[tuple[str, str]]]] = [
 
 # ---- negative snippets: clean code, config, logs and prose ------------------------------------
 
+# Addresses at documentation and test domains: once kept as nobody's mailbox, now replaced like
+# any other, because a surrogate of the same shape costs a drafter nothing that a real one teaches.
+RESERVED_DOMAIN_ADDRESSES: list[tuple[str, list[tuple[str, str]]]] = [
+    (
+        "send_mail('Welcome', body, 'noreply@example.com', ['ana.lopez@example.com'])\n",
+        [("email", "noreply@example.com"), ("email", "ana.lopez@example.com")],
+    ),
+    ("INSERT INTO customers (email) VALUES ('test.user@example.org');", [("email", "test.user@example.org")]),
+    ('{"email": "user@example.com", "verified": true}', [("email", "user@example.com")]),
+    (
+        "Email support@example.com or visit https://example.com/help for assistance.",
+        [("email", "support@example.com")],
+    ),
+    ("Our docs use jane@example.com and 192.0.2.1 style placeholders.", [("email", "jane@example.com")]),
+]
+
 NEGATIVES: list[str] = [
     # Python
     "def add(a: int, b: int) -> int:\n    return a + b\n",
@@ -429,7 +445,6 @@ NEGATIVES: list[str] = [
     "x = torch.randn(32, 128, 768)\nattn = softmax(q @ k.transpose(-2, -1) / math.sqrt(64), dim=-1)\n",
     "self.assertEqual(parse_version('1.2.3'), (1, 2, 3))\n",
     "EMAIL_RE = re.compile(r'[^@]+@[^@]+\\.[^@]+')\n",
-    "send_mail('Welcome', body, 'noreply@example.com', ['ana.lopez@example.com'])\n",
     "requests.get('http://localhost:8000/healthz', timeout=5)\n",
     "server = HTTPServer(('127.0.0.1', 8080), Handler)\n",
     "sock.bind(('0.0.0.0', 5432))\n",
@@ -441,7 +456,6 @@ NEGATIVES: list[str] = [
     "SELECT id, name, created_at FROM users WHERE created_at > '2024-01-01' ORDER BY id LIMIT 50;",
     "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, total NUMERIC(10, 2), placed_at TIMESTAMPTZ);",
     "UPDATE accounts SET balance = balance - 100.00 WHERE id = 42;",
-    "INSERT INTO customers (email) VALUES ('test.user@example.org');",
     "SELECT count(*) FROM events WHERE ts BETWEEN 1700000000 AND 1700086400;",
     "ALTER TABLE users ADD COLUMN password_hash TEXT NOT NULL DEFAULT '';",
     "SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY latency_ms) FROM requests;",
@@ -456,7 +470,6 @@ NEGATIVES: list[str] = [
     '{"request_id": "9b2f4c1e-7d3a-4f5b-8e6c-1a2b3c4d5e6f", "latency": 0.123}',
     '{"lat": 48.8566, "lon": 2.3522, "zoom": 12}',
     '{"password": null, "password_min_length": 12, "token_ttl_seconds": 3600}',
-    '{"email": "user@example.com", "verified": true}',
     '{"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 512, "temperature": 0.7}',
     '{"metrics": {"p50": 12, "p95": 48, "p99": 120}, "window": "5m"}',
     # YAML and config
@@ -527,7 +540,6 @@ NEGATIVES: list[str] = [
     "The meeting is at 10:30 in room 4.12; bring the Q3 numbers.",
     "Speculative decoding drafts 4 to 8 tokens ahead and verifies them in one pass.",
     "Population grew from 1,234,567 to 1,301,442 between 2010 and 2020.",
-    "Email support@example.com or visit https://example.com/help for assistance.",
     "The secret to good bread is patience and a hot oven.",
     "Each token is a subword; the vocabulary has 151,936 entries.",
     "Temperatures ranged from -5 to 12 degrees, with 3.2 mm of rain.",
@@ -562,7 +574,6 @@ NEGATIVES: list[str] = [
     "He scored 98.6 on the test, up from 91.2 last term.",
     "Please send the report to the team by Friday.",
     "Connect to the database at localhost:5432 with the credentials from the vault.",
-    "Our docs use jane@example.com and 192.0.2.1 style placeholders.",
     "allow 203.0.113.0/24 and 198.51.100.7 in the example firewall; IPv6 docs use 2001:db8::1.",
     "Step 4: set secret: ${{ secrets.DEPLOY_KEY }} in the workflow file.",
     "The UUID 550e8400-e29b-41d4-a716-446655440000 identifies the tenant.",
@@ -606,7 +617,7 @@ def build() -> list[dict[str, object]]:
             cases.append(_positive(text, [(kind, value)]))
     for text, value in SECRETS:
         cases.append(_positive(text, [("secret", value)]))
-    for text, entities in MIXED + UNSEEN:
+    for text, entities in MIXED + UNSEEN + RESERVED_DOMAIN_ADDRESSES:
         cases.append(_positive(text, entities))
     for text in NEGATIVES:
         cases.append({"text": text, "entities": []})

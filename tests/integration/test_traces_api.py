@@ -6,6 +6,7 @@ Roles and other-account 404s for these routes are covered by test_access_control
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,6 +16,7 @@ from sqlalchemy import func, select, update
 
 from controlplane.db.models import Deployment, Role, Trace
 from controlplane.traces.formats import MAX_DATASET_BYTES, MAX_TEXT_BYTES, TraceInput
+from controlplane.traces.scrub import luhn_ok
 from controlplane.traces.service import apply_retention, store_traces
 from tests.conftest import Database, Tenant
 
@@ -57,7 +59,7 @@ def test_batch_is_stored_scrubbed(client: TestClient, tenants: tuple[Tenant, Ten
     traces = [
         {
             "prompt": "My email is jane.doe@mailbox.org and my card 4111 1111 1111 1111.",
-            "completion": "Thanks Jane, I will call +1 415 555 2671.",
+            "completion": "Thanks Jane, I will call +1 415 555 2671 or write to jane.doe@mailbox.org.",
             "category": "support",
         },
         {"prompt": "def connect():\n    password = 'hunter22'\n", "completion": "    return db(password)"},
@@ -69,7 +71,7 @@ def test_batch_is_stored_scrubbed(client: TestClient, tenants: tuple[Tenant, Ten
     body = response.json()
     assert body["stored"] == 4
     assert body["scrubbed"] == {
-        "email": 1,
+        "email": 2,
         "credit_card": 1,
         "phone": 1,
         "secret": 2,
@@ -80,13 +82,26 @@ def test_batch_is_stored_scrubbed(client: TestClient, tenants: tuple[Tenant, Ten
     assert body["sample_rate"] == 0.1
 
     rows = _rows(db)
-    assert [r.prompt for r in rows] == [
-        "My email is <EMAIL> and my card <CREDIT_CARD>.",
-        "def connect():\n    password = '<SECRET>'\n",
-        "server <IP_ADDRESS> and <SECRET>",
-        "version 1.2.3 released 2024-01-15",
-    ]
-    assert rows[0].completion == "Thanks Jane, I will call <PHONE>."
+    # Surrogates of the same shape replace the values; the same address gets the same surrogate in
+    # the prompt and the completion of a trace.
+    first = re.fullmatch(
+        r"My email is (\w+\.\w+@\w+\.org) and my card (4\d{3} \d{4} \d{4} \d{4})\.", rows[0].prompt
+    )
+    assert first is not None, rows[0].prompt
+    email, card = first.groups()
+    assert (
+        email != "jane.doe@mailbox.org" and card != "4111 1111 1111 1111" and luhn_ok(card.replace(" ", ""))
+    )
+    reply = re.fullmatch(
+        r"Thanks Jane, I will call (\+1 \d{3} \d{3} \d{4}) or write to (\S+)\.", rows[0].completion
+    )
+    assert reply is not None and reply[1] != "+1 415 555 2671" and reply[2] == email, rows[0].completion
+    password = re.fullmatch(r"def connect\(\):\n    password = '(\w{8})'\n", rows[1].prompt)
+    assert password is not None and password[1] != "hunter22", rows[1].prompt
+    server = re.fullmatch(r"server (\d+\.\d+\.\d+\.\d+) and (sk-proj-\w{30})", rows[2].prompt)
+    assert server is not None and server[1] != "81.2.69.142", rows[2].prompt
+    assert server[2] != "sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC"
+    assert rows[3].prompt == "version 1.2.3 released 2024-01-15"
     assert rows[3].completion == "order #123456789"
     assert [r.category for r in rows] == ["support", None, None, None]
     assert {r.source.value for r in rows} == {"sampled"}
@@ -202,6 +217,9 @@ def test_dataset_upload_in_every_line_shape(
         },
     }
     rows = _rows(db)
+    surrogate = re.search(r"Mail (\S+@\S+) the report", rows[2].prompt)
+    assert surrogate is not None and surrogate[1] != "bob@mailbox.org"
+    rows[2].prompt = rows[2].prompt.replace(surrogate[1], "<EMAIL>")
     assert [(r.prompt, r.completion, r.category) for r in rows] == [
         ("2+2=", "4", "math"),
         ("Hi", "Hello!", None),
