@@ -10,7 +10,8 @@ step is sent ``interval`` real seconds after minute m, so a step's offered load 
 
 Capacity: the load is stepped. After ``WARMUP_MINUTES`` unmeasured minutes (the first windows
 fill and freeze every detector's reference window), each step sends ``--step-minutes`` minutes at
-one interval, then waits for the pipeline to drain. Coarse steps halve the interval (double the
+one interval (fewer, never under two, where that would take over ``STEP_BUDGET_S``), then waits
+for the pipeline to drain. Coarse steps halve the interval (double the
 load) from ``--interval`` until a step fails (or double it while the first steps fail); then
 ``--refine`` steps bisect (geometrically) between the highest passing and lowest failing load. A
 step passes when its windows' lag p99 is at most ``LAG_LIMIT_S``: a window's lag runs from when it
@@ -107,6 +108,8 @@ LAG_LIMIT_S = 10.0
 OBSERVE_S = 30.0
 # How long the pipeline gets to work off a step's backlog before the next step starts.
 DRAIN_S = 180.0
+# A step at a long interval sends fewer minutes (never under two), so that slow steps stay short.
+STEP_BUDGET_S = 240.0
 # The simulated clock starts this long ago: every window of a run must have ended before now.
 SIMULATED_HOURS_BACK = 3
 # (t0, s0..s3) per request, summed into the window's x = (s0..s3, t0..t3) with t_{i+1} = s_i.
@@ -638,6 +641,7 @@ class Posted:
     window_id: int | None = None
     error: str | None = None
     finished: bool = False
+    posted_at: float | None = None  # when the API answered 200
 
 
 @dataclass
@@ -650,6 +654,9 @@ class StepResult:
     windows: int
     lag_p50_s: float | None
     lag_p99_s: float | None
+    # Where the lag goes: due to accepted by the API, and accepted to consumed by every shard.
+    ingest_p99_s: float | None
+    consume_p99_s: float | None
     unconsumed_windows: int
     post_errors: int
     monitor_cycle_p50_s: float | None
@@ -659,7 +666,7 @@ class StepResult:
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
-        for key in ("lag_p50_s", "lag_p99_s"):  # JSON has no infinity: None beside the count
+        for key in ("lag_p50_s", "lag_p99_s", "consume_p99_s"):  # JSON has no infinity: None
             value = out[key]
             out[key] = None if value is None or math.isinf(value) else round(value, 3)
         out["lag_infinite"] = self.lag_p99_s is not None and math.isinf(self.lag_p99_s)
@@ -710,6 +717,7 @@ class Fleet:
             )
             if response.status_code == 200:
                 record.window_id = int(response.json()["edge_window_id"])
+                record.posted_at = time.time()
             else:
                 record.error = f"{response.status_code} {response.text[:200]}"
         except httpx.HTTPError as exc:
@@ -783,7 +791,14 @@ def run_step(
             continue
         due[r.window_id] = r.due
         needed[r.window_id] = fleet.needed_by_edge[r.edge]
-    lags.extend(window_lags(due, consumed, needed, observe_until).values())
+    by_window = window_lags(due, consumed, needed, observe_until)
+    lags.extend(by_window.values())
+    ingest = [r.posted_at - r.due for r in records if r.posted_at is not None]
+    consume = [
+        by_window[r.window_id] - (r.posted_at - r.due)
+        for r in records
+        if r.window_id is not None and r.posted_at is not None
+    ]
     drain_started = time.time()
     drained = settle(fleet.posted, collector, fleet.needed_by_edge, drain_started + DRAIN_S)
     # Quiet monitors: the last pass before the next step has reported.
@@ -802,6 +817,8 @@ def run_step(
         windows=len(records),
         lag_p50_s=percentile(lags, 0.50),
         lag_p99_s=p99,
+        ingest_p99_s=round(percentile(ingest, 0.99) or 0.0, 3) if ingest else None,
+        consume_p99_s=percentile(consume, 0.99),
         unconsumed_windows=sum(math.isinf(v) for v in lags),
         post_errors=sum(r.error is not None for r in records),
         monitor_cycle_p50_s=percentile(cycles, 0.50),
@@ -810,16 +827,24 @@ def run_step(
         passed=p99 is not None and p99 <= LAG_LIMIT_S,
     )
     shown = "inf" if p99 is None or math.isinf(p99) else f"{p99:.1f} s"
+    cycle_shown = "-" if result.monitor_cycle_p99_s is None else f"{result.monitor_cycle_p99_s:.1f}"
     print(
         f"  step {number}: interval {interval:.2f} s, "
         f"offered {result.offered_requests_per_s:,.0f} requests/s "
-        f"({result.offered_aggregates_per_s:,.0f} aggregates/s; built in {built_s:.0f} s): lag p99 {shown}, "
+        f"({result.offered_aggregates_per_s:,.0f} aggregates/s; built in {built_s:.0f} s): lag p99 {shown} "
+        f"(ingest p99 {result.ingest_p99_s} s, pass cycle p99 {cycle_shown} s), "
         f"{result.unconsumed_windows} of {len(records)} windows late past {OBSERVE_S:.0f} s -> "
         f"{'pass' if result.passed else 'FAIL'}"
         + ("" if drained else f"; backlog not drained in {DRAIN_S:.0f} s"),
         flush=True,
     )
     return result
+
+
+def step_minutes(interval: float, most: int) -> int:
+    """Simulated minutes of a step at ``interval``: ``most``, fewer where that would outlast
+    STEP_BUDGET_S of sending, never under two (a lag needs a window sent behind another)."""
+    return max(2, min(most, int(STEP_BUDGET_S // interval)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -838,7 +863,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--step-minutes", type=int, default=3, help="simulated minutes per load step")
     parser.add_argument("--refine", type=int, default=3, help="bisection steps after the coarse ones")
-    parser.add_argument("--build-processes", type=int, default=1, help="processes drawing the traffic")
+    parser.add_argument(
+        "--build-processes",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="processes drawing a step's traffic before it starts (not while it runs)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="1,000 deployments, 2-minute steps from 15 s, 2 refinements"
     )
@@ -875,7 +905,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.start()
     collector = PassCollector(passes)
     collector.start()
-    search = LoadSearch(start=args.interval, refine=args.refine)
+    # Backing off stops at four times the first interval: a lag that does not shrink as the load
+    # halves is the pipeline's floor on this machine, not its capacity.
+    search = LoadSearch(start=args.interval, refine=args.refine, max_interval=4 * args.interval)
     steps: list[StepResult] = []
     max_minutes = SIMULATED_HOURS_BACK * 60 - 5
     run_started = time.time()
@@ -885,10 +917,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         warmup = run_step(fleet, collector, 0, args.interval, WARMUP_MINUTES)
         while (interval := search.next_interval()) is not None:
-            if fleet.next_minute + args.step_minutes > max_minutes:
+            if fleet.next_minute + step_minutes(interval, args.step_minutes) > max_minutes:
                 print("  simulated clock would pass the present: search stopped", flush=True)
                 break
-            result = run_step(fleet, collector, len(steps) + 1, interval, args.step_minutes)
+            minutes = step_minutes(interval, args.step_minutes)
+            result = run_step(fleet, collector, len(steps) + 1, interval, minutes)
             steps.append(result)
             search.record(interval, result.passed)
     finally:
