@@ -526,7 +526,7 @@ def _trace_texts(inputs: realign_job.RealignInputs) -> tuple[list[Any], list[Any
     from workers.training.realign import TraceText
 
     def texts(traces: Any) -> list[Any]:
-        return [TraceText(t.key, t.prompt, t.completion, t.category) for t in traces]
+        return [TraceText(t.key, t.prompt, t.completion, t.category, t.document) for t in traces]
 
     return texts(inputs.recent), texts(inputs.older)
 

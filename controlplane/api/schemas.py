@@ -238,6 +238,7 @@ class Trace(Reply):
     source: TraceSource
     dataset_name: str | None
     category: str | None
+    document: str | None = Field(description="the source document the client named (null: none)")
     prompt: str
     completion: str
 

@@ -67,6 +67,14 @@ _BATCH_BODY = {
                                 "prompt": {"type": "string", "description": "at most 64 KiB UTF-8"},
                                 "completion": {"type": "string", "description": "at most 64 KiB UTF-8"},
                                 "category": {"type": "string", "maxLength": 100, "nullable": True},
+                                "document": {
+                                    "type": "string",
+                                    "maxLength": 200,
+                                    "nullable": True,
+                                    "description": "the source document the prompt was cut from: "
+                                    "held-out evaluation keeps all of one document's prompts apart "
+                                    "from training",
+                                },
                             },
                         },
                     }

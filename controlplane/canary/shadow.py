@@ -2,6 +2,12 @@
 replay (which models, which held-out requests, at which k and length), and record the result on
 the canary. The worker (``workers.canary_tasks``) holds no SQL; it replays between these calls.
 
+The replayed requests are held out by content: none shares its normalised prompt or its source
+document with a trace the candidate may have trained on
+(``controlplane.jobs.realign.trained_content``), whether it came after the training window or
+from the window's held-out share. How the selection came out, with that overlap counted, is kept
+on the canary as ``shadow_selection``.
+
 A redelivered replay simply runs again: recording a result is conditional on the canary still
 being in its shadow phase. A replay whose message was lost, or whose worker died, is found by
 ``sweep_overdue_replays`` (called by the judge's beat task): its message is sent again, up to a cap,
@@ -40,11 +46,12 @@ from controlplane.deployments.lookup import lock_deployment
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.drafters.service import location_of_version
 from controlplane.drafters.serving import incumbent_location, target_location
+from controlplane.jobs.realign import holdout_of, trained_content
 from controlplane.jobs.service import fail_job, finish_job, start_job
 from controlplane.jobs.states import TERMINAL
 from controlplane.models.location import ModelLocation
 from controlplane.timestamps import as_utc, utcnow
-from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, content_key, is_held_out
+from controlplane.traces.holdout import content_key, content_of, is_held_out, overlap_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +72,8 @@ class ReplayPlan:
     # the candidate must beat what actually serves.
     incumbent_speculation: str = SpeculationMode.draft_model.value
     ngram_length: int = 3
+    # How the requests were chosen (HeldOutRequests.figures), with their overlap with training.
+    selection: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +84,27 @@ class ReplayClaim:
     plan: ReplayPlan | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class HeldOutRequests:
+    """The requests to replay (prompt, served completion), newest first, and how they were chosen:
+    ``fresh`` (after the training window) and ``window_held_out`` (the window's held-out share)
+    replayed, ``skipped_as_trained`` (either kind, skipped because its prompt or document may have
+    been trained on) and ``heldout_prompt_overlap``, the replayed requests whose prompt or document
+    is among those trained on, counted (0 by construction)."""
+
+    requests: list[tuple[str, str]]
+    figures: dict[str, int]
+
+
 def held_out_requests(
     *, session: Session, deployment_id: int, candidate: DrafterVersion, n: int
-) -> list[tuple[str, str]]:
-    """Recent requests (prompt, served completion) the candidate never trained on: traces after its
-    traffic window, then the window's held-out share (the trainer's own hash split), newest first."""
-    seed = int((candidate.training_metrics or {}).get("seed", 0))
+) -> HeldOutRequests:
+    """Recent requests the candidate never trained on: traces after its traffic window, then the
+    window's held-out share (the trainer's own content split), newest first; either kind only if
+    neither its normalised prompt nor its document occurs among the traces it may have trained on
+    (a verbatim repeat of a trained prompt after the window is not held out)."""
+    seed, share = holdout_of(candidate)
+    trained = trained_content(session=session, version=candidate)
     rows = list(
         session.scalars(
             select(Trace).where(Trace.deployment_id == deployment_id).order_by(Trace.id.desc()).limit(20 * n)
@@ -88,10 +112,29 @@ def held_out_requests(
     )
     end = as_utc(candidate.traffic_window_end)
     fresh = [t for t in rows if end is not None and as_utc(t.created_at) > end]
+    fresh_ids = {t.id for t in fresh}
     held = [
-        t for t in rows if t not in fresh and is_held_out(content_key(t.prompt), seed, REALIGN_HOLDOUT_SHARE)
+        t
+        for t in rows
+        if t.id not in fresh_ids and is_held_out(content_key(t.prompt, t.document), seed, share)
     ]
-    return [(t.prompt, t.completion) for t in (fresh + held)[:n]]
+    chosen: list[Trace] = []
+    skipped = 0
+    for trace in fresh + held:
+        if len(chosen) == n:
+            break
+        if trained.overlaps(content_of(trace.prompt, trace.document)):
+            skipped += 1
+            continue
+        chosen.append(trace)
+    figures = {
+        "requests": len(chosen),
+        "fresh": sum(1 for t in chosen if t.id in fresh_ids),
+        "window_held_out": sum(1 for t in chosen if t.id not in fresh_ids),
+        "skipped_as_trained": skipped,
+        "heldout_prompt_overlap": overlap_count((content_of(t.prompt, t.document) for t in chosen), trained),
+    }
+    return HeldOutRequests([(t.prompt, t.completion) for t in chosen], figures)
 
 
 def claim_replay(*, session: Session, job_id: int, delivery_id: str | None) -> ReplayClaim:
@@ -114,6 +157,10 @@ def claim_replay(*, session: Session, job_id: int, delivery_id: str | None) -> R
     config = speculation_of(deployment)
     incumbent = incumbent_location(session=session, deployment=deployment)
     speculation = incumbent_speculation(config.mode, has_drafter=incumbent is not None)
+    held_out = held_out_requests(
+        session=session, deployment_id=deployment.id, candidate=candidate, n=policy.shadow_prompts
+    )
+    canary.arms = {**canary.arms, "shadow_selection": held_out.figures}
     return ReplayClaim(
         None,
         ReplayPlan(
@@ -122,12 +169,11 @@ def claim_replay(*, session: Session, job_id: int, delivery_id: str | None) -> R
             candidate=location_of_version(candidate),
             incumbent=incumbent if speculation == SpeculationMode.draft_model.value else None,
             k=int(canary.arms.get("k") or config.effective_draft_token_count or DEFAULT_DRAFT_TOKEN_COUNT),
-            requests=held_out_requests(
-                session=session, deployment_id=deployment.id, candidate=candidate, n=policy.shadow_prompts
-            ),
+            requests=held_out.requests,
             new_tokens=policy.shadow_new_tokens,
             incumbent_speculation=speculation,
             ngram_length=deployment.ngram_speculation_length or 3,
+            selection=held_out.figures,
         ),
     )
 

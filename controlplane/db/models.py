@@ -520,6 +520,9 @@ class Trace(Base):
     source: Mapped[TraceSource] = mapped_column(_enum(TraceSource, "trace_source"))
     dataset_name: Mapped[str | None] = mapped_column(String(200))
     category: Mapped[str | None] = mapped_column(String(100))
+    # The source document the prompt was cut from, as the client named it (None: not given): the
+    # held-out split keeps every prompt of one document on one side (controlplane.traces.holdout).
+    document: Mapped[str | None] = mapped_column(String(200))
     prompt: Mapped[str] = mapped_column(Text)
     completion: Mapped[str] = mapped_column(Text)
 

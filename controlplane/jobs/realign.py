@@ -1,6 +1,8 @@
 """The realign job's reads and writes, for the worker that runs it: claim the job, find the traffic
 it trains on (since the drift point), and register what it trained as a candidate and hand it to
-its canary. The worker (``workers.tasks``) holds no SQL; it trains between these calls.
+its canary. The worker (``workers.tasks``) holds no SQL; it trains between these calls. Afterwards,
+``trained_content`` reads back which prompts and documents a version may have trained on, so that
+nothing presented as held out shares one with them.
 
 Every function runs in the caller's unit of work and is safe to call again for the same job: a
 redelivered message finds the version already registered and never registers a second one.
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from controlplane.canary.service import start_canary
@@ -34,7 +36,13 @@ from controlplane.messaging import SHADOW_REPLAY, TaskMessage
 from controlplane.models.location import ModelLocation
 from controlplane.models.service import default_drafter_of, find_model, location_of
 from controlplane.timestamps import as_utc, parse_utc, utcnow
-from controlplane.traces.holdout import content_key
+from controlplane.traces.holdout import (
+    REALIGN_HOLDOUT_SHARE,
+    TrainedContent,
+    content_key,
+    content_of,
+    is_held_out,
+)
 
 # Traces from a little before the alarm count as post-drift: detection lags the change itself.
 DRIFT_LOOKBACK = timedelta(minutes=15)
@@ -164,6 +172,9 @@ class TrainingTrace:
     # The request's category (None: the client gave none): the trainer sizes its replay of older
     # traffic per category, by how much of each the recent window still carries.
     category: str | None = None
+    # The source document the prompt was cut from (None: not given): the held-out split keeps all
+    # of one document's prompts on one side.
+    document: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +199,60 @@ class RealignInputs:
 
 
 def _training_traces(rows: list[Trace]) -> list[TrainingTrace]:
-    return [TrainingTrace(content_key(t.prompt), t.prompt, t.completion, t.category) for t in rows]
+    return [
+        TrainingTrace(content_key(t.prompt, t.document), t.prompt, t.completion, t.category, t.document)
+        for t in rows
+    ]
+
+
+def _older_traffic(deployment_id: int, before: datetime) -> Select[Trace]:
+    """The traffic a job replays against forgetting: the newest ``MAX_REPLAY_TRACES`` before its
+    window's start."""
+    return (
+        select(Trace)
+        .where(Trace.deployment_id == deployment_id, Trace.created_at < before)
+        .order_by(Trace.id.desc())
+        .limit(MAX_REPLAY_TRACES)
+    )
+
+
+def trained_content(*, session: Session, version: DrafterVersion) -> TrainedContent:
+    """The prompts and documents ``version`` may have trained on: every trace of its training
+    window and of the older traffic its job could replay that the seed's split did not hold out.
+
+    A superset of the rows it trained on (the replay takes a share of that pool, and the trainer
+    drops held-out traces that share a prompt or document with these), so a prompt outside it
+    never reached the version's training. A version whose job is gone is reckoned against the
+    ``MAX_REPLAY_TRACES`` traces before its window as well; one with no window trained on none.
+    """
+    end = version.traffic_window_end
+    if end is None:
+        return TrainedContent()
+    seed, share = holdout_of(version)
+    start = version.traffic_window_start
+    window = select(Trace.prompt, Trace.document).where(
+        Trace.deployment_id == version.deployment_id, Trace.created_at <= end
+    )
+    if start is not None:
+        window = window.where(Trace.created_at >= start)
+    job = session.get(Job, version.training_job_id) if version.training_job_id is not None else None
+    since = traffic_since(session, job) if job is not None else start
+    rows = [(prompt, document) for prompt, document in session.execute(window)]
+    if since is not None:
+        older = _older_traffic(version.deployment_id, since).subquery()
+        rows += [tuple(row) for row in session.execute(select(older.c.prompt, older.c.document))]
+    return TrainedContent.of(
+        content_of(prompt, document)
+        for prompt, document in rows
+        if not is_held_out(content_key(prompt, document), seed, share)
+    )
+
+
+def holdout_of(version: DrafterVersion) -> tuple[int, float]:
+    """The seed and held-out share the version's training split by (from its training metrics)."""
+    metrics = version.training_metrics or {}
+    share = (metrics.get("config") or {}).get("holdout_share")
+    return int(metrics.get("seed", 0)), float(share) if share is not None else REALIGN_HOLDOUT_SHARE
 
 
 def last_drafter_location(*, session: Session, deployment: Deployment) -> ModelLocation | None:
@@ -220,14 +284,7 @@ def realign_inputs(*, session: Session, job_id: int) -> RealignInputs:
     recent = list(session.scalars(recent_q.order_by(Trace.id.desc()).limit(limit)))[::-1]
     older: list[Trace] = []
     if since is not None:
-        older = list(
-            session.scalars(
-                select(Trace)
-                .where(Trace.deployment_id == deployment.id, Trace.created_at < since)
-                .order_by(Trace.id.desc())
-                .limit(MAX_REPLAY_TRACES)
-            )
-        )[::-1]
+        older = list(session.scalars(_older_traffic(deployment.id, since)))[::-1]
     active = drafters.active_drafter(session=session, deployment_id=deployment.id)
     incumbent = incumbent_location(session=session, deployment=deployment)
     if incumbent is None:

@@ -16,8 +16,11 @@ agrees) is also sent as a raw record, marked ``counted_in_aggregate``.
 
 The router adds ``x-request-id`` and ``x-speculation-arm`` (the arm that served) to replies, tells a
 ``follower`` backend which arm to serve with the same header, and strips the non-standard
-``category`` field before forwarding (some engines refuse unknown fields). Client errors (4xx)
-from a backend are the client's to see and are never retried.
+``category`` and ``document`` fields before forwarding (some engines refuse unknown fields); the
+trace carries both (``document``: the source document the prompt was cut from, which held-out
+evaluation keeps apart from training; a malformed one is the client's 400, as the control plane
+would refuse the whole trace batch for it). Client errors (4xx) from a backend are the client's to
+see and are never retried.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from controlplane.router.follower import DEFAULT, FollowedConfig, ServingConfigF
 from controlplane.router.pools import Attempt, BackendState, CircuitBreakers, Pools
 from controlplane.router.reporter import ControlPlaneReporter
 from controlplane.router.spool import DiskSpool
+from controlplane.traces.formats import MAX_DOCUMENT_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +250,9 @@ class Router:
             if isinstance(body.get("category"), str)
             else headers.get("x-traffic-category")
         )
+        document = body.get("document") if "document" in body else headers.get("x-traffic-document")
+        if (problem := document_problem(document)) is not None:
+            return await _error(send, 400, f"document: {problem}", "invalid_request_error", "document")
         payload = _forwarded_body(raw, body, state.routes.backend_model)
         now = time.monotonic()
         attempts = state.pools.attempts(
@@ -277,6 +284,7 @@ class Router:
             time.perf_counter(),
             raw_record,
             followed.draft_positions,
+            document,
         )
         await self._forward(send, path, payload, forwarded, attempts, call, stream=body.get("stream") is True)
 
@@ -450,7 +458,7 @@ class Router:
         if call.body is not None:
             prompt = prompt_text(call.body)
             if prompt is not None and text:
-                self.reporter.trace(call.deployment, prompt, text, call.category)
+                self.reporter.trace(call.deployment, prompt, text, call.category, call.document)
 
     # ------------------------------------------------------------------------------- the rest
     async def models(self, send: Send) -> None:
@@ -587,13 +595,33 @@ class ServedCall:
     started: float
     raw_record: bool  # sent as a raw record too (always, without aggregate windows)
     draft_positions: int | None  # the most draft positions the deployment's arms draft
+    document: str | None = None  # the source document the client named, for the trace
+
+
+def document_problem(document: Any) -> str | None:
+    """Why a request's ``document`` cannot be traced (None: absent, or a usable label).
+
+    >>> document_problem(None), document_problem("structured:doc-1"), document_problem(7)
+    (None, None, 'must be a string or null, got int')
+    """
+    if document is None:
+        return None
+    if not isinstance(document, str):
+        return f"must be a string or null, got {type(document).__name__}"
+    if not document.strip() or len(document) > MAX_DOCUMENT_CHARS or "\x00" in document:
+        return f"must be 1 to {MAX_DOCUMENT_CHARS} characters, not only space, without NUL"
+    return None
+
+
+# Fields only the router and the reference server read: an engine may refuse unknown ones.
+_ROUTER_ONLY_FIELDS = frozenset({"category", "document"})
 
 
 def _forwarded_body(raw: bytes, body: dict[str, Any], backend_model: str | None) -> bytes:
-    """The body as the backend gets it: the engine's own model name, no ``category``."""
-    if "category" not in body and (backend_model is None or backend_model == body.get("model")):
+    """The body as the backend gets it: the engine's own model name, no ``category`` or ``document``."""
+    if _ROUTER_ONLY_FIELDS.isdisjoint(body) and (backend_model is None or backend_model == body.get("model")):
         return raw
-    out = {k: v for k, v in body.items() if k != "category"}
+    out = {k: v for k, v in body.items() if k not in _ROUTER_ONLY_FIELDS}
     if backend_model is not None:
         out["model"] = backend_model
     return orjson.dumps(out)

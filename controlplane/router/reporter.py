@@ -113,10 +113,14 @@ class ControlPlaneReporter:
         assert self.windows is not None
         self.windows.add(deployment, record, positions, time.time())
 
-    def trace(self, deployment: str, prompt: str, completion: str, category: str | None) -> None:
+    def trace(
+        self, deployment: str, prompt: str, completion: str, category: str | None, document: str | None = None
+    ) -> None:
         item: dict[str, Any] = {"prompt": prompt, "completion": completion}
         if category is not None:
             item["category"] = category
+        if document is not None:
+            item["document"] = document
         self._pending[(deployment, "traces")].append(item)
 
     @property

@@ -10,7 +10,8 @@ Dataset lines take three shapes: ``{"prompt", "completion"}``, the aliases ``{"i
 message and the prompt is every message before it, one ``role: content`` line each (messages
 after the last assistant message have no completion to pair with and are dropped). Unknown keys
 are ignored in datasets (exports carry ids and metadata) and refused in batches (a typo such as
-"completon" would otherwise store an empty completion).
+"completon" would otherwise store an empty completion). Either shape may name the request's
+``category`` and the ``document`` its prompt was cut from (the held-out split's unit).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import orjson
 MAX_TRACES_PER_BATCH: Final = 1_000
 MAX_TEXT_BYTES: Final = 64 * 1024  # per prompt and per completion, UTF-8
 MAX_CATEGORY_CHARS: Final = 100  # the traces.category column
+MAX_DOCUMENT_CHARS: Final = 200  # the traces.document column
 MAX_DATASET_BYTES: Final = 50 * 1024 * 1024
 MAX_DATASET_LINES: Final = 100_000
 # A deployment keeps its traces between 1 day and ten years; the hourly cleanup computes
@@ -32,7 +34,7 @@ MAX_TRACE_RETENTION_DAYS: Final = 3_650
 # A reply listing every bad line of a 100,000-line file would itself be huge.
 MAX_REPORTED_PROBLEMS: Final = 100
 
-_BATCH_ITEM_KEYS: Final = frozenset({"prompt", "completion", "category"})
+_BATCH_ITEM_KEYS: Final = frozenset({"prompt", "completion", "category", "document"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class TraceInput:
     prompt: str
     completion: str
     category: str | None = None
+    document: str | None = None  # the source document's label, as the client named it
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,20 +125,30 @@ def _check_text(value: Any, place: int, field: str, problems: _Problems) -> str 
     return value
 
 
-def _check_category(value: Any, place: int, problems: _Problems) -> str | None:
+def _check_label(value: Any, place: int, field: str, limit: int, problems: _Problems) -> str | None:
+    """An optional short label (``category``, ``document``): a non-empty string within its column."""
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        problems.add(place, "category", "must be a non-empty string or null")
+        problems.add(place, field, "must be a non-empty string or null")
         return None
-    if len(value) > MAX_CATEGORY_CHARS or "\x00" in value:
-        problems.add(place, "category", f"must be at most {MAX_CATEGORY_CHARS} characters, without NUL")
+    if len(value) > limit or "\x00" in value:
+        problems.add(place, field, f"must be at most {limit} characters, without NUL")
         return None
     return value
 
 
+def _check_category(value: Any, place: int, problems: _Problems) -> str | None:
+    return _check_label(value, place, "category", MAX_CATEGORY_CHARS, problems)
+
+
+def _check_document(value: Any, place: int, problems: _Problems) -> str | None:
+    return _check_label(value, place, "document", MAX_DOCUMENT_CHARS, problems)
+
+
 def parse_trace_batch(body: bytes) -> list[TraceInput]:
-    """``{"traces": [{"prompt", "completion", "category"?}, ...]}`` into inputs, or every problem."""
+    """``{"traces": [{"prompt", "completion", "category"?, "document"?}, ...]}`` into inputs, or
+    every problem."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -170,12 +183,13 @@ def parse_trace_batch(body: bytes) -> list[TraceInput]:
             problems.add(index, "", "each trace must be a JSON object")
             continue
         for key in sorted(set(raw) - _BATCH_ITEM_KEYS):
-            problems.add(index, key, "unknown field (expected prompt, completion, category)")
+            problems.add(index, key, "unknown field (expected prompt, completion, category, document)")
         prompt = _check_text(raw.get("prompt"), index, "prompt", problems)
         completion = _check_text(raw.get("completion"), index, "completion", problems)
         category = _check_category(raw.get("category"), index, problems)
+        document = _check_document(raw.get("document"), index, problems)
         if prompt is not None and completion is not None:
-            items.append(TraceInput(prompt, completion, category))
+            items.append(TraceInput(prompt, completion, category, document))
     problems.raise_if_any("index")
     return items
 
@@ -268,8 +282,9 @@ def parse_dataset(body: bytes) -> list[TraceInput]:
         prompt = _check_text(raw_prompt, number, "prompt", problems)
         completion = _check_text(raw_completion, number, "completion", problems)
         category = _check_category(obj.get("category"), number, problems)
+        document = _check_document(obj.get("document"), number, problems)
         if prompt is not None and completion is not None:
-            items.append(TraceInput(prompt, completion, category))
+            items.append(TraceInput(prompt, completion, category, document))
     if records == 0:
         problems.add(None, "", "file holds no records")
     problems.raise_if_any("line")

@@ -6,6 +6,12 @@ The split hashes a trace's *content key* with the training seed, so the trainer 
 and the replay's prompt selection (in the control plane) agree without sharing any state, and two
 requests with the same normalised prompt, or from the same source document, always fall on the
 same side: a repeated prompt can never be trained on under one id and scored under another.
+
+The key is one value (the document when there is one), so a prompt sent from two documents, or
+once with a document and once without, could still hash to both sides. Hence the second rule, the
+one every held-out figure rests on: a held-out trace whose prompt hash or document occurs among
+the traces trained on (``TrainedContent``) is dropped from the held-out side, and the overlap of
+what is kept is counted (``overlap_count``), never assumed to be 0.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 # The share of a realignment's recent traces held out for scoring (and so for the replay).
 REALIGN_HOLDOUT_SHARE = 0.1
@@ -55,3 +63,58 @@ def is_held_out(key: str, seed: int, share: float) -> bool:
     """
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+@dataclass(frozen=True, slots=True)
+class Content:
+    """What a trace is compared by for overlap: its normalised prompt's hash and its source
+    document (None: the traffic named none)."""
+
+    prompt_hash: str
+    document: str | None = None
+
+
+def content_of(prompt: str, document: str | None = None) -> Content:
+    """A trace's ``Content`` (an empty document counts as none).
+
+    >>> content_of("Hi  there", "") == content_of("hi there")
+    True
+    """
+    return Content(prompt_hash(prompt), document or None)
+
+
+@dataclass(slots=True)
+class TrainedContent:
+    """The prompt hashes and source documents of the traces a drafter trained on.
+
+    >>> seen = TrainedContent.of([content_of("a b", "doc-1")])
+    >>> [seen.overlaps(content_of(*c)) for c in [("A  B",), ("c", "doc-1"), ("c",)]]
+    [True, True, False]
+    """
+
+    prompt_hashes: set[str] = field(default_factory=set)
+    documents: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, contents: Iterable[Content]) -> TrainedContent:
+        seen = cls()
+        for content in contents:
+            seen.add(content)
+        return seen
+
+    def add(self, content: Content) -> None:
+        self.prompt_hashes.add(content.prompt_hash)
+        if content.document is not None:
+            self.documents.add(content.document)
+
+    def overlaps(self, content: Content) -> bool:
+        """Whether the trace's prompt, or its document, reached training."""
+        return content.prompt_hash in self.prompt_hashes or (
+            content.document is not None and content.document in self.documents
+        )
+
+
+def overlap_count(held_out: Iterable[Content], trained: TrainedContent) -> int:
+    """How many held-out traces share a prompt or a document with the traces trained on (the
+    figure published as ``heldout_prompt_overlap``: 0 when the split holds)."""
+    return sum(1 for content in held_out if trained.overlaps(content))

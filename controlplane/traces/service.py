@@ -8,6 +8,7 @@ transaction, which is what makes a batch or a file all or nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session
 from controlplane.db.models import Deployment, Trace, TraceSource
 from controlplane.timestamps import as_utc, utcnow
 from controlplane.traces.formats import MAX_CATEGORY_CHARS, MAX_TRACE_RETENTION_DAYS, TraceInput
-from controlplane.traces.scrub import Entity, scrub_trace
+from controlplane.traces.scrub import Entity, scrub, scrub_trace
 
 MAX_PAGE_SIZE: Final = 1_000
 # Rows per INSERT statement: large enough to amortise round trips, small enough for SQLite's
@@ -67,6 +68,16 @@ def store_traces(
     totals = dict.fromkeys((entity.value for entity in Entity), 0)
     rows: list[dict[str, Any]] = []
 
+    def stored_document(label: str) -> str:
+        # A document label is an identity, not text to read: the held-out split compares it to
+        # keep all of one document's prompts on one side. A label holding personal data is stored
+        # as its digest, which keeps that identity without the value (a surrogate drawn per trace
+        # would make one document many).
+        counts = scrub(label).counts
+        for entity, count in counts.items():
+            totals[entity.value] += count
+        return "sha256:" + hashlib.sha256(label.encode()).hexdigest() if any(counts.values()) else label
+
     for item in items:
         # One trace's texts together: a value gets the same surrogate in prompt and completion.
         texts = [item.prompt, item.completion] + ([item.category] if item.category is not None else [])
@@ -83,6 +94,7 @@ def store_traces(
                 "dataset_name": dataset_name,
                 # A surrogate can be longer than what it replaced; the column is not.
                 "category": category[:MAX_CATEGORY_CHARS] if category is not None else None,
+                "document": stored_document(item.document) if item.document is not None else None,
                 "prompt": results[0].text,
                 "completion": results[1].text,
             }
@@ -149,6 +161,7 @@ def describe_trace(trace: Trace) -> dict[str, Any]:
         "source": trace.source.value,
         "dataset_name": trace.dataset_name,
         "category": trace.category,
+        "document": trace.document,
         "prompt": trace.prompt,
         "completion": trace.completion,
     }

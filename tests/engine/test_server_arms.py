@@ -160,12 +160,12 @@ def test_requests_are_served_by_their_arm_and_records_say_which(folders: dict[st
     config = three_arms(folders["target"], folders["drafter"], folders["canary"])
     config["trace_sample_rate"] = 0.5
     records: list[tuple[str, dict[str, Any]]] = []
-    traces: list[tuple[str, str, str, str | None]] = []
+    traces: list[tuple[str, str, str, str | None, str | None]] = []
     app = create_app(
         ServerConfig(
             serving_config={"svc": config},
             on_record=lambda m, r: records.append((m, r)),
-            on_trace=lambda m, p, c, cat: traces.append((m, p, c, cat)),
+            on_trace=lambda m, p, c, cat, doc: traces.append((m, p, c, cat, doc)),
         )
     )
     plan = ServingPlan.parse("svc", config)
@@ -182,6 +182,7 @@ def test_requests_are_served_by_their_arm_and_records_say_which(folders: dict[st
                     "temperature": 0,
                     "perf_metrics_in_response": True,
                     "category": "code",
+                    "document": f"code:doc-{rid}",
                 },
                 headers={"x-request-id": rid},
             )
@@ -203,6 +204,30 @@ def test_requests_are_served_by_their_arm_and_records_say_which(folders: dict[st
     sampled = [rid for rid in ids if unit_interval("trace:" + rid) < 0.5]
     assert 5 < len(sampled) < 35 and len(traces) == len(sampled)
     assert all(t[0] == "svc" and t[1] == PROMPT and t[2] and t[3] == "code" for t in traces)
+    assert sorted(t[4] for t in traces) == sorted(f"code:doc-{rid}" for rid in sampled)
+    assert all("document" not in r for _, r in records)  # a trace's field, not an acceptance record's
+
+
+@pytest.mark.parametrize("document", ["", "   ", "x" * 201, 7, ["doc"], "doc\x00"])
+def test_a_malformed_document_is_the_clients_400(folders: dict[str, str], document: Any) -> None:
+    entry = {"target_path": folders["target"], "speculation": "disabled"}
+    traces: list[Any] = []
+    app = create_app(
+        ServerConfig(serving_config={"m": entry}, on_trace=lambda *t: traces.append(t), trace_sample_rate=1.0)
+    )
+    with TestClient(app) as client:
+        for path, body in (
+            ("/v1/completions", {"prompt": PROMPT}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            resp = client.post(path, json={"model": "m", "max_tokens": 2, "document": document, **body})
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"]["param"] == "document"
+        resp = client.post(
+            "/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 2, "document": "d" * 200}
+        )
+        assert resp.status_code == 200, resp.text
+    assert [t[4] for t in traces] == ["d" * 200]
 
 
 def test_trace_rate_falls_back_to_the_server_default(folders: dict[str, str]) -> None:
@@ -214,7 +239,7 @@ def test_trace_rate_falls_back_to_the_server_default(folders: dict[str, str]) ->
     with TestClient(app) as client:
         for _ in range(3):
             client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 4})
-    assert len(traces) == 3 and traces[0][3] is None
+    assert len(traces) == 3 and traces[0][3] is None and traces[0][4] is None
 
 
 # ----------------------------------------------------------------------------- control-plane links
@@ -270,6 +295,7 @@ def test_reporter_batches_records_and_traces_per_deployment() -> None:
         reporter.record("svc", {"request_id": f"r{i}"})
     reporter.record("other", {"request_id": "o1"})
     reporter.trace("svc", "p", "c", "prose")
+    reporter.trace("svc", "p2", "c2", None, "structured:doc-9")
     assert reporter.flush(10)
     reporter.close()
     paths = Counter(p for p, _, _ in fake.posts)
@@ -278,9 +304,16 @@ def test_reporter_batches_records_and_traces_per_deployment() -> None:
     sent = [r["request_id"] for p, b, _ in fake.posts if p.endswith("svc/acceptance") for r in b["records"]]
     assert sent == [f"r{i}" for i in range(7)]
     trace_bodies = [b for p, b, _ in fake.posts if p.endswith("/traces")]
-    assert trace_bodies == [{"traces": [{"prompt": "p", "completion": "c", "category": "prose"}]}]
+    assert trace_bodies == [
+        {
+            "traces": [
+                {"prompt": "p", "completion": "c", "category": "prose"},
+                {"prompt": "p2", "completion": "c2", "document": "structured:doc-9"},
+            ]
+        }
+    ]
     assert all(auth == "Bearer sekret" for _, _, auth in fake.posts)
-    assert reporter.stats.posted == {"acceptance": 8, "traces": 1} and reporter.stats.dropped_failed == 0
+    assert reporter.stats.posted == {"acceptance": 8, "traces": 2} and reporter.stats.dropped_failed == 0
 
 
 def test_reporter_retries_server_errors_and_drops_refused_batches() -> None:

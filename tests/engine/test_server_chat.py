@@ -76,11 +76,11 @@ def live(folders: dict[str, str]) -> Iterator[dict[str, Any]]:
         },
     }  # fmt: skip
     records: list[tuple[str, dict[str, Any]]] = []
-    traces: list[tuple[str, str, str, str | None]] = []
+    traces: list[tuple[str, str, str, str | None, str | None]] = []
     config = ServerConfig(
         serving_config=entries,
         on_record=lambda m, r: records.append((m, r)),
-        on_trace=lambda m, p, c, cat: traces.append((m, p, c, cat)),
+        on_trace=lambda m, p, c, cat, doc: traces.append((m, p, c, cat, doc)),
     )
     with live_server(config) as base_url:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
@@ -177,7 +177,7 @@ def test_records_and_traces_carry_the_arm_and_the_rendered_prompt(live: dict[str
             messages=MESSAGES,
             max_tokens=6,
             temperature=0,
-            extra_body={"category": "code"},
+            extra_body={"category": "code", "document": "code:add"},
             extra_headers={"x-request-id": rid},
         )
     assert [(m, r["request_id"], r["arm"]) for m, r in records] == [
@@ -189,6 +189,7 @@ def test_records_and_traces_carry_the_arm_and_the_rendered_prompt(live: dict[str
     assert by_arm["baseline"]["drafted_tokens"] == 0
     rendered = "system: You write Python.\nuser: def add(a, b):\nassistant: "
     assert len(traces) == len(ids) and all(t[1] == rendered and t[3] == "code" for t in traces)
+    assert all(t[4] == "code:add" for t in traces)
 
 
 def _error(exc: Any) -> dict[str, Any]:

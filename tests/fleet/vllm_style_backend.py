@@ -124,7 +124,7 @@ class Backend:
             )
             return
         request = json.loads(body or b"{}")
-        if "category" in request or "perf_metrics_in_response" in request:
+        if {"category", "document", "perf_metrics_in_response"} & set(request):
             # vLLM-style strictness here keeps the router honest about what it forwards.
             await _json(send, 400, {"error": {"message": "unknown field", "type": "invalid_request_error"}})
             return

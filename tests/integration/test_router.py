@@ -145,6 +145,38 @@ def test_streamed_chat_through_the_router_with_the_openai_client(fleet: Fleet) -
         assert drafted > 0 and accepted <= drafted and version == (1 if arm == "canary:1" else None)
 
 
+def test_a_document_reaches_the_trace_and_never_the_backend(fleet: Fleet) -> None:
+    # The stub backends refuse a body that still holds ``document``: every 200 below was stripped.
+    for bad in (7, "", "x" * 201):
+        response = httpx.post(
+            f"{fleet.router_url}/v1/completions",
+            json={"model": "chat", "prompt": "Hi", "document": bad},
+            timeout=10,
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "document"
+    assert fleet.cp.api("PATCH", f"{DEPLOYMENTS}/chat", {"trace_sample_rate": 1.0}).status_code == 200
+    try:
+        document = f"structured:doc-{uuid.uuid4().hex[:8]}"
+        traced: list[tuple[str, str]] = []
+        deadline = time.monotonic() + 30
+        while not traced and time.monotonic() < deadline:  # until the router follows the new rate
+            response = httpx.post(
+                f"{fleet.router_url}/v1/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "Hi"}], "document": document},
+                timeout=10,
+            )
+            assert response.status_code == 200, response.text
+            fleet.drained()
+            with sqlite3.connect(fleet.database) as conn:
+                traced = conn.execute(
+                    "SELECT prompt, document FROM traces WHERE document = ?", (document,)
+                ).fetchall()
+        assert traced and all(prompt == "user: Hi\nassistant: " for prompt, _ in traced)
+    finally:
+        fleet.cp.api("PATCH", f"{DEPLOYMENTS}/chat", {"trace_sample_rate": 0.1})
+
+
 def test_every_arm_is_served_by_its_pool_and_recorded_under_its_version(fleet: Fleet) -> None:
     tag = uuid.uuid4().hex[:8]
     served: dict[str, int] = {}

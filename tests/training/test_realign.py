@@ -5,7 +5,9 @@ reproduce, cancellation, the artifact; and the ``realign.run`` task against a re
 from __future__ import annotations
 
 import json
+import random
 import shutil
+from collections import Counter
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +34,14 @@ from controlplane.jobs.realign import realign_inputs
 from controlplane.jobs.service import cancel_job, request_realign
 from controlplane.models.service import ModelSource, register_model
 from controlplane.timestamps import utcnow
+from controlplane.traces.holdout import (
+    TrainedContent,
+    content_key,
+    content_of,
+    is_held_out,
+    overlap_count,
+    prompt_hash,
+)
 from tests.conftest import TEST_SECRET, Database, add_deployment, make_tenant
 from workers.engine.hf_io import load_hf_folder, save_hf_folder
 from workers.engine.model import ModelConfig, Transformer, build_model
@@ -114,7 +124,9 @@ def traces(n: int, prefix: str = "r") -> list[TraceText]:
     out = []
     for i in range(n):
         a, b = LINES[i % len(LINES)], LINES[(i * 5 + 1) % len(LINES)]
-        out.append(TraceText(f"{prefix}{i}", a + f"# {i}\n", b + LINES[(i + 2) % len(LINES)]))
+        # The prefix is in the prompt too: older traffic that repeated a recent prompt verbatim
+        # would (rightly) keep that prompt out of the held-out rows.
+        out.append(TraceText(f"{prefix}{i}", a + f"# {prefix}{i}\n", b + LINES[(i + 2) % len(LINES)]))
     return out
 
 
@@ -145,6 +157,79 @@ def test_dataset_holds_out_by_request_and_replays_a_share(tokenizer: Tokenizer) 
     assert all(s >= 1 and len(t) > s for t, s in zip(data.train.ids, data.train.starts, strict=True))
     again = build_dataset(recent, older, tokenizer, cfg, max_len=256)
     assert again.train.keys == data.train.keys  # the split and the replay choice follow the seed
+
+
+def _variant(text: str, j: int) -> str:
+    """The ``j``-th spelling of ``text`` that normalises to the same prompt: cases and spacing."""
+    cased = (text.upper(), text.lower(), text.title())[j % 3]
+    return " " * (j // 3) + cased.replace(" ", " " + "\t" * (j % 2) + " " * (j // 6)) + "\n" * (j % 4)
+
+
+def _content_traffic(n: int, seed: int, prefix: str) -> list[TraceText]:
+    """Traffic that repeats: prompts drawn from a pool of 100 (each repeat spelled differently),
+    each cut from its own one of 40 documents, except that one request in eight names another
+    document or none."""
+    rng = random.Random(seed)
+    spelled: Counter[str] = Counter()
+    out = []
+    for i in range(n):
+        question = rng.randrange(100)
+        base = f"{prefix} question {question} about the report"
+        document: str | None = f"{prefix}:doc-{question % 40}"
+        if rng.random() < 1 / 8:
+            document = rng.choice([None, f"{prefix}:doc-{rng.randrange(40)}"])
+        prompt = _variant(base, spelled[base])
+        spelled[base] += 1
+        completion = LINES[i % len(LINES)] + LINES[(i + 3) % len(LINES)]
+        out.append(TraceText(content_key(prompt, document), prompt, completion, None, document))
+    return out
+
+
+def _sides(data: Any, traffic: list[TraceText], tokenizer: Tokenizer) -> dict[str, list[TraceText]]:
+    """The traces behind each side's rows, found by decoding each row's prompt tokens."""
+    by_prompt = {t.prompt: t for t in traffic}
+    assert len(by_prompt) == len(traffic)  # every spelling is unique, so decoding finds its trace
+    return {
+        side: [
+            by_prompt[tokenizer.decode(ids[:start].tolist())]
+            for ids, start in zip(rows.ids, rows.starts, strict=True)
+        ]
+        for side, rows in (
+            ("train", data.train),
+            ("held_out", data.held_out),
+            ("held_out_old", data.held_out_old),
+        )
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_prompt_or_document_is_on_both_sides_of_the_split(tokenizer: Tokenizer, seed: int) -> None:
+    recent, older = _content_traffic(300, seed, "new"), _content_traffic(200, seed + 10, "old")
+    # Older traffic that repeats recent prompts and documents (traffic that drifted only partly).
+    older += [replace(t, prompt=t.prompt + " ", completion=t.completion[::-1]) for t in recent[:60:3]]
+    cfg = RealignConfig(seed=seed, holdout_share=0.2, replay_share=0.5, max_holdout_rows=1000)
+    data = build_dataset(recent, older, tokenizer, cfg, max_len=256)
+    sides = _sides(data, recent + older, tokenizer)
+    trained = {prompt_hash(t.prompt) for t in sides["train"]}, {t.document for t in sides["train"]} - {None}
+    held = sides["held_out"] + sides["held_out_old"]
+    assert sides["held_out"] and sides["held_out_old"]
+    assert not {prompt_hash(t.prompt) for t in held} & trained[0]
+    assert not {t.document for t in held} & trained[1]
+    # Repeats of one prompt under several spellings, documents and none really were on both sides
+    # of the key's hash (so the check above had something to catch), and were dropped.
+    assert data.split["held_out_dropped_as_trained"] > 0
+    assert data.split["heldout_prompt_overlap"] == 0
+    assert data.split["train_rows"] == len(data.train) and data.split["held_out_rows"] == len(data.held_out)
+    # Every prompt the replay pool holds counts as trained (the replay selection reckons so too),
+    # even the ones this seed's replay did not pick.
+    pool = [t for t in older if not is_held_out(t.key, cfg.seed, cfg.holdout_share)]
+    assert not {prompt_hash(t.prompt) for t in held} & {prompt_hash(t.prompt) for t in pool}
+
+
+def test_the_overlap_is_counted_from_the_rows_not_assumed() -> None:
+    a, b = content_of("Report  one", "doc-1"), content_of("report one")
+    seen = TrainedContent.of([content_of("REPORT ONE", "doc-2"), content_of("two", "doc-1")])
+    assert overlap_count([a, b, content_of("three", "doc-3")], seen) == 2
 
 
 def test_replayed_rows_are_fitted_to_the_incumbent_and_recent_ones_to_the_target(

@@ -77,10 +77,19 @@ class ControlPlaneReporter:
     def record(self, model: str, record: dict[str, Any]) -> None:
         self._put("acceptance", model, record)
 
-    def trace(self, model: str, prompt: str, completion: str, category: str | None = None) -> None:
+    def trace(
+        self,
+        model: str,
+        prompt: str,
+        completion: str,
+        category: str | None = None,
+        document: str | None = None,
+    ) -> None:
         item: dict[str, Any] = {"prompt": prompt, "completion": completion}
         if category is not None:
             item["category"] = category
+        if document is not None:
+            item["document"] = document
         self._put("traces", model, item)
 
     def _put(self, kind: Kind, model: str, item: dict[str, Any]) -> None:

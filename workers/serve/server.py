@@ -2,7 +2,8 @@
 
 Owns `create_app(config)`: POST /v1/completions (prompt, max_tokens, temperature, top_p, seed,
 stop, stream, Fireworks' `prediction` and `perf_metrics_in_response`, and a non-standard `category`, the
-traffic label copied into the acceptance record and trace), POST /v1/chat/completions (the same
+traffic label copied into the acceptance record and trace, and `document`, the source document the
+prompt was cut from, copied into the trace), POST /v1/chat/completions (the same
 parameters around `messages`, plus `max_completion_tokens` and `stream_options.include_usage`; the
 messages are rendered into one prompt by workers.serve.chat with the target folder's chat template,
 and from there both routes share one generation path), GET /v1/models and GET /healthz, with
@@ -71,13 +72,13 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from workers.engine.decoder import GenerationResult, SpeculativeDecoder
@@ -97,8 +98,8 @@ from workers.serve.chat import InvalidMessages, TemplateError, chat_messages, re
 
 ServingConfigSource = Callable[[str], Mapping[str, Any] | None]
 RecordSink = Callable[[str, dict[str, Any]], None]
-# (model name, prompt, completion, category)
-TraceSink = Callable[[str, str, str, str | None], None]
+# (model name, prompt, completion, category, document)
+TraceSink = Callable[[str, str, str, str | None, str | None], None]
 SPECULATION_MODES = ("draft_model", "ngram", "disabled")
 METRICS_STYLES = ("fireworks", "vllm")
 ARM_HEADER = "x-speculation-arm"
@@ -114,7 +115,7 @@ class ServerConfig:
     # Called with (model name, native acceptance record) after every request, e.g. to post it to
     # the control plane's ingest API. Exceptions are swallowed: metrics must not fail a completion.
     on_record: RecordSink | None = None
-    # Called with (model name, prompt, completion, category) for the sampled requests.
+    # Called with (model name, prompt, completion, category, document) for the sampled requests.
     on_trace: TraceSink | None = None
     # Trace sample rate when the serving config does not carry `trace_sample_rate`.
     trace_sample_rate: float = 0.0
@@ -158,6 +159,18 @@ class Prediction(BaseModel):
     content: str
 
 
+def _document_label(value: str | None) -> str | None:
+    # The control plane refuses a whole trace batch for one blank label: refuse the request instead.
+    if value is not None and (not value.strip() or "\x00" in value):
+        raise ValueError("must be a non-empty string without NUL characters")
+    return value
+
+
+# Not OpenAI: the source document the prompt was cut from (at most the traces.document column's
+# 200 characters); held-out evaluation keeps every prompt of one document apart from training.
+DocumentLabel = Annotated[str | None, Field(max_length=200), AfterValidator(_document_label)]
+
+
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -176,6 +189,7 @@ class CompletionRequest(BaseModel):
     perf_metrics_in_response: bool = False
     # Not OpenAI: the traffic label (e.g. a workload domain) the acceptance record and trace carry.
     category: str | None = Field(default=None, max_length=100)
+    document: DocumentLabel = None
 
 
 class StreamOptions(BaseModel):
@@ -204,6 +218,7 @@ class ChatCompletionRequest(BaseModel):
     prediction: Prediction | None = None
     perf_metrics_in_response: bool = False
     category: str | None = Field(default=None, max_length=100)
+    document: DocumentLabel = None
 
     def as_completion(self) -> CompletionRequest:
         """The completion request the shared generation path serves (its prompt is rendered later,
@@ -221,6 +236,7 @@ class ChatCompletionRequest(BaseModel):
             stop=self.stop,
             perf_metrics_in_response=self.perf_metrics_in_response,
             category=self.category,
+            document=self.document,
         )
 
 
@@ -668,7 +684,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         if config.on_trace is not None and rate > 0.0 and unit_interval("trace:" + request_id) < rate:
             try:
                 # The stop string the reply omits is part of what the target wrote: keep it.
-                config.on_trace(req.model, prompt, res.text + (res.stop_string or ""), req.category)
+                completion = res.text + (res.stop_string or "")
+                config.on_trace(req.model, prompt, completion, req.category, req.document)
             except Exception:
                 pass
 

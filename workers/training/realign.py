@@ -8,8 +8,11 @@ reports progress; this module owns
   traces plus replayed older ones so that the traffic before the drift is not forgotten, as many
   as ``workers.training.replay`` plans from how much of the old traffic the recent window lacks
   (per category) and how well the incumbent agrees with the target on held-out old rows; a
-  held-out split *by request* (a hash of the trace key and the seed), never by position, of both
-  windows: the new drafter is scored, and its weights chosen, on recent and on older traffic;
+  held-out split *by content* (a hash of the trace key, its normalised prompt or source document,
+  and the seed; ``controlplane.traces.holdout``), never by position, of both windows, from which
+  any trace whose prompt or document also occurs among the traces that may be trained on is
+  dropped: the new drafter is scored, and its weights chosen, on recent and on older traffic whose
+  text never reached its training, and the overlap is counted (``heldout_prompt_overlap``);
 - the teacher: the target runs once over every row and its distribution is kept as the top-K
   tokens per position, so epochs cost drafter work only (the target forward dominates on a CPU).
   Its logits are computed a chunk of positions at a time within ``teacher_memory_mb`` (a batch's
@@ -54,7 +57,14 @@ from controlplane.artifacts.manifest import (
     verify_artifact_folder,
     write_manifest,
 )
-from controlplane.traces.holdout import REALIGN_HOLDOUT_SHARE, is_held_out
+from controlplane.traces.holdout import (
+    REALIGN_HOLDOUT_SHARE,
+    Content,
+    TrainedContent,
+    content_of,
+    is_held_out,
+    overlap_count,
+)
 from workers.devices import autocast_for, resolve_device
 from workers.engine.hf_io import save_hf_folder
 from workers.engine.model import DecoderLayer, Transformer
@@ -89,6 +99,12 @@ class TraceText:
     prompt: str
     completion: str
     category: str | None = None  # the request's category as the client sent it (None: not given)
+    document: str | None = None  # the source document the prompt was cut from (None: not given)
+
+    @property
+    def content(self) -> Content:
+        """What the held-out split compares: the normalised prompt's hash and the document."""
+        return content_of(self.prompt, self.document)
 
 
 @dataclass
@@ -188,6 +204,9 @@ class RealignDataset:
     # Older traffic held out by the same hash: what forgetting is measured on (may be empty).
     held_out_old: Rows = field(default_factory=lambda: Rows([], [], []))
     replay_plan: ReplayPlan | None = None
+    # How the split came out (``held_out_split`` in the metrics): rows per side, the held-out
+    # traces dropped because their prompt or document may be trained on, and the overlap left.
+    split: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -241,21 +260,36 @@ def build_dataset(
     max_len: int,
     old_agreement: Callable[[Rows], float] | None = None,
 ) -> RealignDataset:
-    """Recent traces split train/held-out by request; older traces split the same way, their
+    """Recent traces split train/held-out by content; older traces split the same way, their
     held-out part kept for measuring forgetting and the rest replayed.
+
+    A trace the key's hash holds out is kept out only if neither its normalised prompt nor its
+    document occurs among the traces that may be trained on (the recent training share and the
+    whole replay pool, as the canary's replay selection reckons them,
+    ``controlplane.canary.shadow``); else it is dropped from both sides. The overlap between the
+    held-out rows and the rows actually trained on is then counted, not assumed.
 
     The replay is ``cfg.replay_share`` of the training rows when set, else planned by
     ``plan_replay`` from the categories of both windows and ``old_agreement(held-out old rows)``
     (the incumbent's greedy agreement there; None or no held-out old rows: unscored). The replayed
     rows are a seeded choice within each category the plan names.
     """
-    train_recent = [t for t in recent if not is_held_out(t.key, cfg.seed, cfg.holdout_share)]
-    held = [t for t in recent if is_held_out(t.key, cfg.seed, cfg.holdout_share)]
+
+    def keyed_out(trace: TraceText) -> bool:
+        return is_held_out(trace.key, cfg.seed, cfg.holdout_share)
+
+    train_recent = [t for t in recent if not keyed_out(t)]
+    pool = [t for t in older if not keyed_out(t)]
+    may_train = TrainedContent.of(t.content for t in (*train_recent, *pool))
+    held_keyed = [t for t in recent if keyed_out(t)]
+    held = [t for t in held_keyed if not may_train.overlaps(t.content)]
+    held_old_keyed = [t for t in older if keyed_out(t)]
+    held_old = [t for t in held_old_keyed if not may_train.overlaps(t.content)]
+    dropped = len(held_keyed) - len(held) + len(held_old_keyed) - len(held_old)
     if not held and len(train_recent) > 1:  # tiny sets: hold out one request rather than none
-        held = [train_recent.pop()]
+        held = _hold_out_one(train_recent, pool)
     held = held[: cfg.max_holdout_rows]
-    pool = [t for t in older if not is_held_out(t.key, cfg.seed, cfg.holdout_share)]
-    held_old = [t for t in older if is_held_out(t.key, cfg.seed, cfg.holdout_share)][: cfg.max_holdout_rows]
+    held_old = held_old[: cfg.max_holdout_rows]
     train = _encode(train_recent, tokenizer, cfg, max_len)
     held_rows = _encode(held, tokenizer, cfg, max_len)
     held_old_rows = _encode(held_old, tokenizer, cfg, max_len)
@@ -280,7 +314,10 @@ def build_dataset(
             members = [i for i, t in enumerate(pool) if _category(t) == category]
             pick += [members[int(j)] for j in rng.permutation(len(members))[:n]]
         pick.sort()
-    replay = _encode([pool[i] for i in pick], tokenizer, cfg, max_len)
+    replayed = [pool[i] for i in pick]
+    replay = _encode(replayed, tokenizer, cfg, max_len)
+    trained = TrainedContent.of(t.content for t in (*train_recent, *replayed))
+    overlap = overlap_count((t.content for t in (*held, *held_old)), trained)
     train.ids += replay.ids
     train.starts += replay.starts
     train.keys += replay.keys
@@ -289,7 +326,30 @@ def build_dataset(
             f"{len(train)} usable training rows and {len(held_rows)} held out from {len(recent)} recent "
             f"traces; need at least {cfg.min_train_rows} and 1"
         )
-    return RealignDataset(train, held_rows, n_recent, len(replay), held_old_rows, plan)
+    split = {
+        "train_rows": len(train),
+        "held_out_rows": len(held_rows),
+        "held_out_old_rows": len(held_old_rows),
+        "held_out_dropped_as_trained": dropped,
+        # Held-out traces whose prompt or document is among the traces trained on (0 by construction).
+        "heldout_prompt_overlap": overlap,
+    }
+    return RealignDataset(train, held_rows, n_recent, len(replay), held_old_rows, plan, split)
+
+
+def _hold_out_one(train_recent: list[TraceText], pool: Sequence[TraceText]) -> list[TraceText]:
+    """The newest recent trace whose prompt and document no other trainable trace shares, moved
+    out of ``train_recent`` (none such: nothing is held out)."""
+    contents = [t.content for t in (*train_recent, *pool)]
+    prompts = Counter(c.prompt_hash for c in contents)
+    documents = Counter(c.document for c in contents if c.document is not None)
+    for i in reversed(range(len(train_recent))):
+        content = contents[i]
+        if prompts[content.prompt_hash] == 1 and (
+            content.document is None or documents[content.document] == 1
+        ):
+            return [train_recent.pop(i)]
+    return []
 
 
 def _category(trace: TraceText) -> str:
@@ -880,6 +940,8 @@ def _train(
         "recent_rows": data.recent_rows,
         "replay_rows": data.replay_rows,
         "held_out_rows": len(data.held_out),
+        "held_out_split": data.split,
+        "heldout_prompt_overlap": data.split.get("heldout_prompt_overlap"),
         "train_completion_tokens": train_tokens,
         "tokens_trained": tokens,
         "steps_planned": total,
