@@ -242,7 +242,9 @@ def test_a_failing_receiver_is_retried_with_backoff_until_it_answers(
     receiver.fail_next = 2
     assert client.post(f"{BASE}/drafter-versions/1:promote", headers=admin).status_code == 200
 
+    before = utcnow()
     first = _deliver_due(db, settings)
+    after = utcnow()
     assert [d["state"] for d in first] == ["pending"]
     delivery_id = first[0]["delivery_id"]
     assert _deliver_due(db, settings) == []  # not due again before its backoff
@@ -250,7 +252,9 @@ def test_a_failing_receiver_is_retried_with_backoff_until_it_answers(
         row = session.get_one(ActuatorDelivery, delivery_id)
         due = as_utc(row.next_attempt_at)
         assert (row.attempts, row.last_status) == (1, 500) and "HTTP 500" in (row.last_error or "")
-    assert timedelta(seconds=9) < due - utcnow() <= timedelta(seconds=10)
+    # Deterministic: the first backoff (10 s) counts from the attempt, which happened between
+    # `before` and `after`, however long a loaded machine took over it.
+    assert before + timedelta(seconds=10) <= due <= after + timedelta(seconds=10)
     assert [d["state"] for d in _deliver_due(db, settings, now=due)] == ["pending"]
     with db.new_session() as session:
         row = session.get_one(ActuatorDelivery, delivery_id)

@@ -1048,13 +1048,16 @@ def test_a_body_of_unknown_keys_is_answered_fast_with_a_capped_list() -> None:
     import time
 
     record = {**native(), **{f"unknown_key_{i}": i for i in range(100_000)}}
-    started = time.perf_counter()
+    started = time.process_time()
     with pytest.raises(BatchValidationError) as info:
         parse_batch({"records": [record] * 10 + [{"x": 1}] * 2000})
     with pytest.raises(BatchValidationError) as top:
         parse_batch({"records": [], **{f"top_level_{i}": i for i in range(100_000)}})
-    elapsed = time.perf_counter() - started
-    assert elapsed < 5.0, elapsed  # a suggestion per key took minutes
+    cpu_s = time.process_time() - started
+    # CPU time, not wall time: a loaded machine stretches the wall clock (0.8 s wall for 0.14 s of
+    # CPU measured beside other test runs) but not this. 5 s is 35x the measured cost; a suggestion
+    # per key took minutes.
+    assert cpu_s < 5.0, cpu_s
     error = info.value
     assert len(error.problems) <= 1001 and error.total == 10 * 6 + 2000
     shown = error.as_dicts()
