@@ -135,6 +135,8 @@ class RollupAudit:
     # Rows at a resolution the product does not keep.
     unknown_resolution_rows: int
     raw_records: int
+    # Requests of edge aggregates already rolled up, summed with the records.
+    aggregated_requests: int
     quarantined_records: int
     pending_records: int
     samples: list[str]
@@ -156,6 +158,7 @@ class RollupAudit:
             "mismatched_buckets": self.mismatched_buckets,
             "unknown_resolution_rows": self.unknown_resolution_rows,
             "raw_records": self.raw_records,
+            "aggregated_requests": self.aggregated_requests,
             "quarantined_records": self.quarantined_records,
             "pending_records": self.pending_records,
             "mismatch_samples": self.samples,
@@ -172,8 +175,10 @@ def audit_rollups(dsn: str, deployment_ids: Sequence[int]) -> RollupAudit:
         for row in conn.execute(_RECORD_MINUTES_SQL, ids):
             sums = _Sums(counts=[int(v) for v in row[5:11]], latency=[float(v) for v in row[11:16]])
             _merge(minutes, _key(row), sums)
+        aggregated = 0
         for row in conn.execute(_AGGREGATE_MINUTES_SQL, ids):
             _merge(minutes, _key(row), _Sums(counts=[int(v) for v in row[5:11]], from_aggregates=True))
+            aggregated += int(row[5])
         for sql in (_RECORD_POSITIONS_SQL, _AGGREGATE_POSITIONS_SQL):
             for row in conn.execute(sql, ids):
                 _merge(minutes, _key(row), _Sums(positions={int(row[5]): int(row[6])}))
@@ -226,6 +231,7 @@ def audit_rollups(dsn: str, deployment_ids: Sequence[int]) -> RollupAudit:
         mismatched_buckets=mismatched,
         unknown_resolution_rows=unknown,
         raw_records=int(set_aside[0]),
+        aggregated_requests=aggregated,
         quarantined_records=int(set_aside[1]),
         pending_records=int(set_aside[2]),
         samples=samples,

@@ -39,6 +39,7 @@ from tests.conftest import (
     prepare_database,
     recreate_pg_database,
 )
+from tests.fleet.rollup_audit import audit_rollups
 
 # Refuses one request id the way a database refuses a value: a check violation, raised by the
 # database inside the shared transaction (the value passes every check of the API).
@@ -117,7 +118,8 @@ def _two_accounts(url: str) -> tuple[int, int]:
 
 
 def _stored(url: str, deployment_id: int) -> tuple[int, int]:
-    """(records stored, requests the minute rollups count) of one deployment, after a fold."""
+    """(records stored, requests the minute rollups count) of one deployment, after a fold; on
+    PostgreSQL every rollup tier is also audited against the raw records it sums."""
     with get_sessionmaker(url)() as session:
         fold_pending_rollups(session=session)
         session.commit()
@@ -128,6 +130,11 @@ def _stored(url: str, deployment_id: int) -> tuple[int, int]:
             select(func.coalesce(func.sum(AcceptanceRollup.requests), 0)).where(
                 AcceptanceRollup.deployment_id == deployment_id
             )
+        )
+    if get_engine(url).dialect.name == "postgresql":
+        audit = audit_rollups(url.replace("postgresql+psycopg://", "postgresql://"), [deployment_id])
+        assert (audit.double_counted_records, audit.missing_records, audit.mismatched_buckets) == (0, 0, 0), (
+            audit.samples
         )
     return int(records or 0), int(counted or 0)
 

@@ -15,13 +15,17 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
+from controlplane.db.models import Deployment
 from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.ingest.aggregate_rollups import fold_aggregate_rollups
+from controlplane.ingest.aggregate_store import store_edge_window
+from controlplane.ingest.aggregates import parse_edge_window
 from controlplane.ingest.batcher import IngestBatcher
 from controlplane.ingest.formats import parse_batch
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.service import IngestResult, fold_pending_rollups
 from tests.conftest import add_deployment, prepare_database, recreate_pg_database
-from tests.fleet.ingest_load import acceptance_record
+from tests.fleet.ingest_load import acceptance_record, edge_window_body
 from tests.fleet.rollup_audit import RESOLUTIONS, audit_rollups
 from tests.fleet.services import PrivatePostgres
 
@@ -168,6 +172,41 @@ def test_the_audit_finds_tokens_summed_wrong_where_request_counts_agree(audited_
     audit = audit_rollups(_dsn(audited_url), [deployment_id])
     assert (audit.double_counted_records, audit.missing_records, audit.mismatched_buckets) == (0, 0, 1)
     assert "drafted_tokens" in audit.samples[0] and ", 86400, " in audit.samples[0]
+
+
+def test_edge_aggregates_are_audited_with_the_records_and_a_window_folded_twice_is_found(
+    audited_url: str,
+) -> None:
+    deployment_id = _clean_deployment(audited_url, "with-edges")
+    rng = random.Random(8)
+    first = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(days=2)
+    # The deployment's own account sends the windows: aggregates name deployments within it.
+    with get_sessionmaker(audited_url)() as session:
+        account_id = session.get_one(Deployment, deployment_id).account_id
+        for n in range(6):
+            body = edge_window_body("edge-a", first + timedelta(minutes=n), "d", rng)
+            store_edge_window(
+                session=session, account_id=account_id, window=parse_edge_window(body), from_serving_key=False
+            )
+        session.commit()
+    with get_sessionmaker(audited_url)() as session:
+        assert fold_aggregate_rollups(session=session).windows == 6
+        session.commit()
+    audit = audit_rollups(_dsn(audited_url), [deployment_id])
+    assert audit.aggregated_requests == 6 * 20
+    assert (audit.double_counted_records, audit.missing_records, audit.mismatched_buckets) == (0, 0, 0)
+    # One window folded again, as a fold that forgot its mark would.
+    _execute(
+        audited_url,
+        "UPDATE edge_windows SET rolled_up_at = NULL WHERE id = (SELECT min(w.id) FROM edge_windows w"
+        " JOIN acceptance_aggregates a ON a.edge_window_id = w.id WHERE a.deployment_id = :d) RETURNING id",
+        deployment_id,
+    )
+    with get_sessionmaker(audited_url)() as session:
+        assert fold_aggregate_rollups(session=session).windows == 1
+        session.commit()
+    twice = audit_rollups(_dsn(audited_url), [deployment_id])
+    assert twice.double_counted_by_resolution == dict.fromkeys(RESOLUTIONS, 20)
 
 
 def test_a_crashed_private_postgres_recovers_every_committed_row() -> None:
