@@ -17,11 +17,13 @@ cluster and a Redis of the bench's own, tests/fleet/services.py). Writes bench/r
    10 records, whose rollup sums the API defers to its fold, and of 100, stored by COPY and summed
    in place) against the API on PostgreSQL while PostgreSQL is restarted cleanly twice (once at
    once, once down for 3 s), crashed twice (postmaster and its children SIGKILLed, then started
-   with crash recovery, at once and after 3 s) and the API is SIGKILLed and restarted once. Lost:
-   acknowledged ids not stored (records_duplicated, ids stored twice or never sent, is kept; the
-   unique key makes it 0 by construction). Then, once the fold has caught up, every rollup tier
-   against the stored raw records (tests/fleet/rollup_audit.py): requests a bucket counts beyond
-   its records are double counted, fewer are missing (the worst tier of each is the figure).
+   with crash recovery, at once and after 3 s) and the API is SIGKILLed and restarted once; two
+   edges meanwhile send windows of aggregates of the same deployment, folded into the same
+   rollups by a thread standing in for the beat task. Lost: acknowledged ids not stored
+   (records_duplicated, ids stored twice or never sent, is kept; the unique key makes it 0 by
+   construction). Then, once both folds have caught up, every rollup tier against the stored raw
+   records and rolled-up aggregates (tests/fleet/rollup_audit.py): requests a bucket counts beyond
+   them are double counted, fewer are missing (the worst tier of each is the figure).
 4. promotions_per_loop / stalled_events: the whole loop (as `controlplane demo --fast` drives it)
    on private PostgreSQL and Redis, with the gpu worker SIGKILLed once while the realign job runs
    and once while the canary's shadow replay runs (each restarted at once), and Redis restarted
@@ -332,7 +334,10 @@ def _examples(operation: Any, pinned: dict[str, str], count: int) -> list[Any]:
 
 
 def run_ingest(quick: bool) -> dict[str, Any]:
+    from datetime import timedelta
+
     from controlplane.ingest.service import fold_pending_rollups
+    from tests.fleet.ingest_load import AggregateRollupFolder, RetryingEdgeClients, windows_lost
     from tests.fleet.rollup_audit import audit_rollups
 
     gap_s = 4.0 if quick else 15.0
@@ -350,6 +355,17 @@ def run_ingest(quick: bool) -> dict[str, Any]:
             categories=("code", "prose", "sql"),
             give_up_after_s=120,
         ).start()
+        # Two edges send windows of aggregates of the same deployment, summed into the same rollup
+        # rows by a fold that beat runs in production (here a thread of the bench), windows from
+        # six days back (an edge may send up to seven days late).
+        edges = RetryingEdgeClients(
+            f"{api.url}/v1/accounts/acme/aggregates",
+            tenant.keys[Role.ingest],
+            "svc",
+            first_window=datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(days=6),
+            give_up_after_s=120,
+        ).start()
+        folder = AggregateRollupFolder(pg.url).start()
         timeline: list[str] = []
         started = time.monotonic()
 
@@ -377,6 +393,8 @@ def run_ingest(quick: bool) -> dict[str, Any]:
             fault()
         time.sleep(gap_s)
         tally = clients.stop()
+        edge_tally = edges.stop()
+        folder.stop()
         mark("clients stopped")
         alive_after = api.process is not None and api.process.poll() is None
         deployment_id = _deployment_pk(pg, "acme", "svc")
@@ -389,7 +407,9 @@ def run_ingest(quick: bool) -> dict[str, Any]:
             with get_sessionmaker(pg.url)() as session:
                 folded_by_audit = fold_pending_rollups(session=session, deployment_ids=[deployment_id])
                 session.commit()
+        folder.drain()
         audit = audit_rollups(pg.admin_dsn(), [deployment_id])
+        lost_windows = windows_lost(pg.admin_dsn(), edge_tally)
         recoveries = pg.recoveries()
         api_log = api.log_tail(10_000_000)
     return {
@@ -409,6 +429,13 @@ def run_ingest(quick: bool) -> dict[str, Any]:
         "attempts": tally.attempts,
         "failed_attempts_total": sum(tally.failures.values()),
         "failed_attempts": dict(tally.failures.most_common(10)),
+        "edge_windows_lost": lost_windows,
+        "edge_windows_acknowledged": len(edge_tally.acknowledged),
+        "edge_windows_abandoned": len(edge_tally.abandoned),
+        "edge_windows_refused": len(edge_tally.refused),
+        "edge_window_failed_attempts": dict(edge_tally.failures.most_common(10)),
+        "aggregate_folds": folder.folds,
+        "aggregate_fold_failures": dict(folder.failures),
         "api_alive_at_end": alive_after,
         "timeline": timeline,
         "seconds": round(time.monotonic() - started, 1),
