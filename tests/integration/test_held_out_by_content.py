@@ -12,10 +12,11 @@ from typing import Any
 
 import orjson
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import select, update
 
-from controlplane.canary.shadow import held_out_requests
-from controlplane.db.models import Deployment, DrafterState, DrafterVersion, Role, Trace
+from controlplane.canary.service import start_canary
+from controlplane.canary.shadow import claim_replay, held_out_requests
+from controlplane.db.models import Canary, Deployment, DrafterState, DrafterVersion, Role, Trace
 from controlplane.jobs.realign import realign_inputs, trained_content
 from controlplane.jobs.service import request_realign
 from controlplane.traces.formats import MAX_DOCUMENT_CHARS, TraceInput
@@ -161,6 +162,18 @@ def test_the_replay_selects_only_requests_whose_prompt_and_document_never_reache
         session.commit()
         chosen = held_out_requests(session=session, deployment_id=deployment_id, candidate=version, n=100)
         trained = trained_content(session=session, version=version)
+        # The canary's replay plans exactly this selection and keeps its figures on the canary.
+        session.execute(
+            update(Deployment)
+            .where(Deployment.id == deployment_id)
+            .values(canary_policy={"shadow_prompts": 100})
+        )
+        canary, replay_job = start_canary(session=session, version=version)
+        session.commit()
+        plan = claim_replay(session=session, job_id=replay_job.id, delivery_id=None).plan
+        session.commit()
+        assert plan is not None and plan.requests == chosen.requests and plan.selection == chosen.figures
+        assert session.get_one(Canary, canary.id).arms["shadow_selection"] == chosen.figures
 
     prompts = {p for p, _ in chosen.requests}
     assert prompts == {f"Fresh question {i}" for i in range(5)} | {f"Held question {i}" for i in range(8)}
