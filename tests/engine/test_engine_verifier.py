@@ -70,9 +70,13 @@ def test_rejection_sampler_emits_target_distribution(deterministic: bool) -> Non
     for i in range(2):  # positions 0 and 1 have enough samples for a sharp test
         total = sum(seen[i].values())
         z = chi_square_z(seen[i], dict(enumerate(p[i].tolist())), total)
+        # Deterministic: seeded (generator 0), fails only if the code changes. With a fresh seed a
+        # correct sampler would fail with P(Z > 4) = 3.2e-5 per position (Wilson-Hilferty normal).
         assert z < 4.0, f"position {i}: z = {z:.1f}"
     # Acceptance at position 0 is sum_x min(p, q) (1 - TV) for a sampled drafter, p(d) otherwise.
     alpha0 = float(torch.minimum(p[0], q[0]).sum()) if not deterministic else float(p[0, 2])
+    # Deterministic: seeded. Fresh: the rate's sd is at most sqrt(0.25 / 20,000) = 0.0035, so 0.02 is
+    # 5.7 sd (two-sided 1.5e-8).
     assert abs(sum(seen[1].values()) / n - alpha0) < 0.02
 
 
@@ -81,6 +85,7 @@ def test_a_wrong_sampler_fails_the_same_test() -> None:
     g = torch.Generator().manual_seed(1)
     p, q = _random_dists(2, 6, g), _random_dists(1, 6, g)
     seen: Counter[int] = Counter(int(torch.multinomial(q[0], 1, generator=g)) for _ in range(5000))
+    # Deterministic: seeded (generator 1); the power check fails only if the code changes.
     assert chi_square_z(seen, dict(enumerate(p[0].tolist())), 5000) > 4.0
 
 
@@ -140,4 +145,5 @@ def test_speculative_sampling_matches_target_joint_distribution(
     assert 0 < accepted < drafted
     if kind == "draft-confident":
         assert drafted < 3 * steps  # some rounds did stop early
+    # Deterministic: seeded (generator 123, model seed 12). Fresh: P(Z > 4) = 3.2e-5 for an exact sampler.
     assert chi_square_z(counts, exact, n) < 4.0

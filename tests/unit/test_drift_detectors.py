@@ -104,6 +104,8 @@ def test_mixture_sr_exact_detection_index() -> None:
     requests = stream(11, 1_700, 0.7, change_at=1_500, p_after=0.6)
     # The arithmetic at the Pollak bound (the simulated threshold has tests of its own).
     detector = MixtureSR(reference_size=1_000, threshold="bound")
+    # Deterministic: stream() draws from default_rng(seed), so every index and bound in these
+    # detector tests fails only if the code changes.
     assert first_alarm(detector, requests) == 1508
     e = detector.evidence()
     assert e.records_examined == 509 and e.statistic >= e.threshold == pytest.approx(math.log(10_000))
@@ -114,11 +116,14 @@ def test_mixture_sr_exact_detection_index() -> None:
 def test_mixture_sr_one_position_drop_names_the_position() -> None:
     requests = stream(12, 2_500, 0.7, change_at=1_500, p_after=0.45, position=1)
     detector = MixtureSR(reference_size=1_000, threshold="bound")
+    # Deterministic: seeded (12).
     assert first_alarm(detector, requests) == 1505
     assert detector.evidence().position_most_affected == 1
 
 
 def test_mixture_sr_null_and_small_drop_do_not_fire() -> None:
+    # Deterministic: seeded (13, 14). Fresh: at the Pollak bound (ARL0 1e4) a false alarm within
+    # 5,000 requests has probability up to about 0.4, which is why these streams stay seeded.
     assert first_alarm(MixtureSR(reference_size=1_000, threshold="bound"), stream(13, 6_000, 0.7)) is None
     # A drop of 1 point sits below half the minimum effect size (5 points): no component targets it.
     small = stream(14, 3_000, 0.7, change_at=1_000, p_after=0.69)
@@ -158,6 +163,7 @@ def test_pure_mix_shift_does_not_fire_the_risk_adjusted_detector() -> None:
     requests = stream(17, 5_000, 0.0, change_at=1_500, categories=cats, share_after=0.7)
     # At ARL0 = 1e6 a false alarm within 3,500 requests is improbable (at 1e4, with a threshold
     # calibrated to the requested ARL0, about one stream in three would have one).
+    # Deterministic: seeded (17); fresh, a false alarm within 3,500 requests at ARL0 1e6 is <= 3.5e-3.
     assert first_alarm(MixtureSR(reference_size=1_000, arl0=1e6), requests) is None
     # Without the per-category baseline the same stream looks like a drafter drop, at once.
     unadjusted = first_alarm(MixtureSR(reference_size=1_000, arl0=1e6, risk_adjust=False), requests)
@@ -231,6 +237,7 @@ def test_thin_category_baseline_is_tempered_more() -> None:
     assert kernel is not None and {"a", "b"} <= set(kernel.groups)
     wa, wb = kernel.W[kernel.groups["a"]], kernel.W[kernel.groups["b"]]
     smallest_all = kernel.labels.index(next(label for label in kernel.labels if label.startswith("all")))
+    # Deterministic: seeded (21).
     assert np.linalg.norm(wb[smallest_all]) < np.linalg.norm(wa[smallest_all])
 
 
