@@ -14,13 +14,18 @@ only watches the API.
    arm (whatever the check switched to) and once to the no-speculation arm, in alternating order,
    one request at a time. Each request is pinned to its arm through the router's own rule (a
    ``user`` key whose hash lands on that arm's slice of the serving config), and the arm the
-   reply names is checked.
+   reply names is checked. Half of this traffic is the no-speculation arm's, so the check may
+   act again during it (k=1 found slower falls back to n-gram lookup): pairs are kept per
+   serving config version, pairs a change fell into are dropped, each version is warmed up
+   before it is measured, and the headline is the version in force at the end (every version's
+   figures are listed).
 
 Figures: ``unprofitable_detected_requests`` (requests sent until the check's action appeared;
 target <= 2,000) and ``after_action_speedup_vs_nospec`` (target >= 1.0): client-side ms per
 completion token of the no-speculation arm over the live arm's, both summed over the same
 interleaved prompts, with a bootstrap 95 % interval over prompts and the quartiles of the
-per-prompt ratios. The speed-up before the action compares the two arms of phase 2 (the
+per-prompt ratios; beside it the same pairs timed by the server, decoding after the first
+token and the prefill apart (where a client figure below 1.0 comes from). The speed-up before the action compares the two arms of phase 2 (the
 hash split, so different prompts, and only the 5 % share on the no-speculation side). When the
 check turned speculation off, both measured arms serve without it and the figure says so
 (``after_action_live_speculation``). Run as a script it writes bench/results/drafters_pays.json.
@@ -39,8 +44,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -197,18 +202,92 @@ def _arm_requests(report: PhaseReport, arm: str) -> int:
     return group.requests if group is not None else 0
 
 
+@dataclass(frozen=True)
+class Served:
+    """One reply: client latency and completion tokens, the server's own time to the first token
+    and in all (the engine's record; None when the reply has none), and its draft counts."""
+
+    latency_s: float
+    tokens: int
+    ttft_ms: float | None
+    total_ms: float | None
+    drafted: int = 0
+    accepted: int = 0
+
+
+def split_pairs(pairs: Sequence[tuple[Served, Served]]) -> dict[str, list[PairTiming]]:
+    """(no speculation, live) replies as pair timings three ways: the client's whole request;
+    the server's decoding after the first token (prefill and transport left out); and the
+    server's time to the first token (one "token" per request: the ratio of mean prefill)."""
+    client = [PairTiming(b.latency_s, b.tokens, a.latency_s, a.tokens) for b, a in pairs]
+    decode: list[PairTiming] = []
+    prefill: list[PairTiming] = []
+    for b, a in pairs:
+        if b.ttft_ms is None or b.total_ms is None or a.ttft_ms is None or a.total_ms is None:
+            continue
+        if min(b.tokens, a.tokens) > 1:
+            decode_b, decode_a = (b.total_ms - b.ttft_ms) / 1000, (a.total_ms - a.ttft_ms) / 1000
+            decode.append(PairTiming(decode_b, b.tokens - 1, decode_a, a.tokens - 1))
+            prefill.append(PairTiming(b.ttft_ms / 1000, 1, a.ttft_ms / 1000, 1))
+    return {"client": client, "server_decode": decode, "server_prefill": prefill}
+
+
+@dataclass
+class ServingState:
+    """One serving config version seen during the measurement: its arms, the user keys that pin
+    them, and the pairs measured wholly under it."""
+
+    version: str
+    live: dict[str, Any]
+    nospec: str
+    keys: dict[str, str]
+    replies: list[tuple[Served, Served]] = field(default_factory=list)
+    warm_left: int = 0
+
+    @classmethod
+    def of(cls, config: dict[str, Any], warmup: int) -> ServingState:
+        """The state of a serving config: the no-speculation arm is the standing share, else the
+        live arm itself when it stopped speculating."""
+        by_name = {raw["arm"]: raw for raw in config.get("arms") or []}
+        live = by_name.get("live", {})
+        nospec = next(
+            (name for name, raw in by_name.items() if name != "live" and raw.get("speculation") == NOSPEC),
+            "live" if live.get("speculation") == NOSPEC else None,
+        )
+        if nospec is None:
+            raise RuntimeError(f"the serving config has no arm without speculation: {sorted(by_name)}")
+        keys = pin_keys(parse_serving_config(config, time.time()).arms, ["live", nospec])
+        return cls(str(config.get("config_version")), live, nospec, keys, warm_left=warmup)
+
+    def figures(self) -> dict[str, Any]:
+        parts = split_pairs(self.replies)
+        drafted = sum(live.drafted for _, live in self.replies)
+        accepted = sum(live.accepted for _, live in self.replies)
+        return {
+            **interleaved_speedup(parts["client"]),
+            # Why the client figure is what it is: the same pairs, decoding alone and prefill alone.
+            "server_decode": interleaved_speedup(parts["server_decode"]),
+            "server_prefill": interleaved_speedup(parts["server_prefill"]),
+            "live_speculation": self.live.get("speculation"),
+            "live_k": self.live.get("k"),
+            "nospec_arm": self.nospec,
+            "live_hit_rate": round(accepted / drafted, 4) if drafted else None,
+            "config_version": self.version,
+        }
+
+
 class ArmClient:
     """Sends one request at a time through the router, pinned to an arm by its ``user`` key."""
 
-    def __init__(self, url: str, keys: dict[str, str], run_id: str) -> None:
+    def __init__(self, url: str, run_id: str) -> None:
         self.http = httpx.Client(base_url=url, timeout=120)
-        self.keys, self.run_id = keys, run_id
+        self.run_id = run_id
+        self.keys: dict[str, str] = {}
         self.sent = 0
         self.misrouted = 0
-        self.drafted = self.accepted = 0
 
-    def send(self, arm: str, prompt: str, category: str) -> tuple[float, int] | None:
-        """(latency s, completion tokens) of the reply, None when it failed or another arm served."""
+    def send(self, arm: str, prompt: str, category: str) -> Served | None:
+        """What the client and the server timed, None when it failed or another arm served."""
         self.sent += 1
         body = {
             "model": NAME,
@@ -231,61 +310,76 @@ class ArmClient:
             return None
         data = response.json()
         record = data.get("speculation_record") or {}
-        if arm == "live":
-            self.drafted += int(record.get("drafted_tokens") or 0)
-            self.accepted += int(record.get("accepted_tokens") or 0)
-        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
-        return latency, tokens
+        return Served(
+            latency,
+            int((data.get("usage") or {}).get("completion_tokens") or 0),
+            record.get("ttft_ms"),
+            record.get("total_ms"),
+            int(record.get("drafted_tokens") or 0),
+            int(record.get("accepted_tokens") or 0),
+        )
 
     def close(self) -> None:
         self.http.close()
 
 
 def measure_interleaved(
-    url: str, config: dict[str, Any], *, warmup: int, pairs: int, run_id: str, say: Any = print
+    url: str,
+    read_config: Callable[[], dict[str, Any]],
+    *,
+    warmup: int,
+    pairs: int,
+    max_pairs: int,
+    run_id: str,
+    say: Any = print,
 ) -> dict[str, Any]:
     """The live arm against no speculation on the same prompts, alternating which goes first,
-    after ``warmup`` unmeasured requests on each arm (see the module docstring)."""
-    followed = parse_serving_config(config, time.time())
-    by_name = {raw["arm"]: raw for raw in config.get("arms") or []}
-    live_mode = by_name.get("live", {}).get("speculation")
-    # The no-speculation arm: the standing share, else the live arm itself when it stopped speculating.
-    nospec = next(
-        (name for name, raw in by_name.items() if name != "live" and raw.get("speculation") == NOSPEC),
-        "live" if live_mode == NOSPEC else None,
-    )
-    if nospec is None:
-        raise RuntimeError(f"the serving config has no arm without speculation: {sorted(by_name)}")
-    keys = pin_keys(followed.arms, ["live", nospec])
-    client = ArmClient(url, keys, run_id)
-    planned = plan_requests(_phase("after the action", warmup + pairs, seed=2))
-    timings: list[PairTiming] = []
+    until the serving config in force has ``pairs`` pairs (or ``max_pairs`` were sent). The
+    check may act again on this traffic (half of it is the no-speculation arm's): pairs are
+    kept per config version, a pair the version changed under is dropped, and each new version
+    gets ``warmup`` unmeasured pairs first. The headline is the version in force at the end."""
+    client = ArmClient(url, run_id)
+    planned = plan_requests(_phase("after the action", max_pairs, seed=2))
+    states: dict[str, ServingState] = {}
+    current: ServingState | None = None
+    dropped = 0
     try:
-        for i in range(warmup + pairs):
+        for i in range(max_pairs):
+            config = read_config()
+            version = str(config.get("config_version"))
+            if current is None or version != current.version:
+                current = states.get(version) or states.setdefault(version, ServingState.of(config, warmup))
+                client.keys = current.keys
+                say(f"  serving {version}: live {current.live.get('speculation')} k={current.live.get('k')}")
+            if len(current.replies) >= pairs:
+                break
             req = next(planned)
-            order = ("live", nospec) if i % 2 == 0 else (nospec, "live")
+            order = ("live", current.nospec) if i % 2 == 0 else (current.nospec, "live")
             served = [client.send(arm, req.prompt, req.category) for arm in order]
-            if i < warmup:
+            if str(read_config().get("config_version")) != version:
+                dropped += 1
+                continue
+            if current.warm_left > 0:
+                current.warm_left -= 1
                 continue
             # By position, not by name: with speculation off both requests go to "live".
             live, base = served[order.index("live")], served[1 - order.index("live")]
             if live is not None and base is not None:
-                timings.append(PairTiming(base[0], base[1], live[0], live[1]))
-            if (i - warmup + 1) % 20 == 0 and timings:
-                say(f"  {i - warmup + 1}/{pairs} interleaved pairs; {_pooled(timings):.3f}x so far")
+                current.replies.append((base, live))
+            if len(current.replies) % 20 == 0 and current.replies:
+                so_far = _pooled(split_pairs(current.replies)["client"])
+                say(f"  {len(current.replies)}/{pairs} interleaved pairs; {so_far:.3f}x so far")
     finally:
         client.close()
-    out = interleaved_speedup(timings)
-    out.update(
-        live_speculation=live_mode,
-        live_k=by_name.get("live", {}).get("k"),
-        nospec_arm=nospec,
-        warmup_requests_per_arm=warmup,
-        requests_sent=client.sent,
-        requests_misrouted=client.misrouted,
-        live_hit_rate=round(client.accepted / client.drafted, 4) if client.drafted else None,
-    )
-    return out
+    assert current is not None
+    return {
+        **current.figures(),
+        "states": [state.figures() for state in states.values()],
+        "pairs_dropped_at_a_change": dropped,
+        "warmup_pairs_per_state": warmup,
+        "requests_sent": client.sent,
+        "requests_misrouted": client.misrouted,
+    }
 
 
 def measure(quick: bool = False) -> dict[str, Any]:
@@ -415,22 +509,16 @@ def measure(quick: bool = False) -> dict[str, Any]:
             # The router follows serving-config every second and the reference server caches it
             # for a second or two: let both see the action before pinning requests to its arms.
             time.sleep(3.0)
-            config = call("GET", f"{prefix}/serving-config")
-            say(
-                "pays: 3/3 after the action, interleaved: "
-                + ", ".join(
-                    f"{a['arm']} {a['speculation']} k={a.get('k')} w={a['weight']}" for a in config["arms"]
-                )
-            )
+            say("pays: 3/3 after the action, interleaved")
             after = measure_interleaved(
                 serve_url,
-                config,
+                lambda: call("GET", f"{prefix}/serving-config"),
                 warmup=warmup_requests,
                 pairs=after_pairs,
+                max_pairs=3 * after_pairs,
                 run_id=f"pays-{stamp}-2",
                 say=say,
             )
-            config_after = call("GET", f"{prefix}/serving-config")
             watcher.poll()
             summary.update(
                 {
@@ -445,10 +533,18 @@ def measure(quick: bool = False) -> dict[str, Any]:
                     "after_action_live_speculation": after["live_speculation"],
                     "after_action_live_k": after["live_k"],
                     "after_action_nospec_arm": after["nospec_arm"],
+                    # The same pairs split by the server's own timings: decoding after the first
+                    # token (where speculation acts) and the prefill (the drafter's prompt pass).
+                    "after_action_decode_speedup_vs_nospec": after["server_decode"]["speedup"],
+                    "after_action_decode_speedup_interval_95": after["server_decode"]["interval_95"],
+                    "after_action_prefill_speedup_vs_nospec": after["server_prefill"]["speedup"],
+                    "after_action_prefill_speedup_interval_95": after["server_prefill"]["interval_95"],
                     "after_action_requests_misrouted": after["requests_misrouted"],
-                    # A second action during the measurement would mix two live arms.
-                    "after_action_serving_changed_during_measurement": config_after.get("config_version")
-                    != config.get("config_version"),
+                    # The check may act again on the measurement's own traffic: every version
+                    # measured, the headline being the one in force at the end.
+                    "after_action_serving_changed_during_measurement": len(after["states"]) > 1,
+                    "after_action_states": after["states"],
+                    "after_action_pairs_dropped_at_a_change": after["pairs_dropped_at_a_change"],
                     "after_action_method": "interleaved pairs through the router, same prompt both arms, "
                     "alternating order, one request at a time, greedy, warm (unmeasured requests first); "
                     "client ms per completion token, no speculation over live; bootstrap over prompts",

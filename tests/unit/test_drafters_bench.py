@@ -262,3 +262,23 @@ def test_the_threshold_gain_is_reported_only_where_a_threshold_was_chosen() -> N
     figures = threshold.gain_figures(cases)
     assert figures["tuned_threshold_must_choose_case_chose"] is True
     assert figures[f"tuned_threshold_speedup_gain_{threshold.MUST_CHOOSE}"] == 0.97
+
+
+def test_the_no_speculation_arm_is_the_standing_share_or_the_live_arm_once_speculation_is_off() -> None:
+    pays = _load_part("drafters_pays")
+    live = {"arm": "live", "weight": 0.95, "speculation": "draft_model", "k": 1, "drafter_version": 2}
+    baseline = {"arm": "baseline", "weight": 0.05, "speculation": "disabled", "k": 0}
+    state = pays.ServingState.of({"config_version": "v1", "arms": [live, baseline]}, warmup=3)
+    assert state.nospec == "baseline" and set(state.keys) == {"live", "baseline"} and state.warm_left == 3
+    off = {**live, "speculation": "disabled", "k": 0, "weight": 1.0, "drafter_version": None}
+    alone = pays.ServingState.of({"config_version": "v2", "arms": [off]}, warmup=0)
+    assert alone.nospec == "live" and set(alone.keys) == {"live"}
+    with pytest.raises(RuntimeError, match="no arm without speculation"):
+        pays.ServingState.of({"config_version": "v3", "arms": [live]}, warmup=0)
+    # Server timings split a pair into decoding after the first token and the prefill.
+    base_reply = pays.Served(1.0, 16, 200.0, 900.0)
+    live_reply = pays.Served(0.9, 16, 260.0, 760.0, drafted=15, accepted=9)
+    parts = pays.split_pairs([(base_reply, live_reply)])
+    assert parts["server_decode"][0].ratio == pytest.approx(700.0 / 500.0)
+    assert parts["server_prefill"][0].ratio == pytest.approx(200.0 / 260.0)
+    assert pays.split_pairs([(pays.Served(1.0, 16, None, None), live_reply)])["server_decode"] == []
