@@ -25,8 +25,9 @@ target <= 2,000) and ``after_action_speedup_vs_nospec`` (target >= 1.0): client-
 completion token of the no-speculation arm over the live arm's, both summed over the same
 interleaved prompts, with a bootstrap 95 % interval over prompts and the quartiles of the
 per-prompt ratios; beside it the same pairs timed by the server, decoding after the first
-token and the prefill apart (where a client figure below 1.0 comes from). The speed-up before the action compares the two arms of phase 2 (the
-hash split, so different prompts, and only the 5 % share on the no-speculation side). When the
+token and the prefill apart (where a client figure below 1.0 comes from). The speed-up before
+the action compares the two arms of phase 2 (the hash split, so different prompts, and only the
+5 % share on the no-speculation side). When the
 check turned speculation off, both measured arms serve without it and the figure says so
 (``after_action_live_speculation``). Run as a script it writes bench/results/drafters_pays.json.
 
