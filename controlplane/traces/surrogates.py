@@ -17,8 +17,10 @@ groups of four, a phone number in its country's format), which a typed placehold
 * IBAN: the same country, length and spacing, fresh account characters and valid check digits;
 * IP address: an IPv4 address in the same kind of block (private stays private), an IPv6 address
   with the same groups and zone;
-* secret and national id: every letter another of the same case, every digit another digit;
-  vendor prefixes (``sk-proj-``, ``ghp_``, ``AKIA``, ``eyJ``) and PEM armour lines stay.
+* national id: the same format (US SSN, UK NINO, Spanish NIF/NIE, Italian codice fiscale,
+  Finnish henkilötunnus) with a valid check character where the format has one;
+* secret: every letter another of the same case, every digit another digit; vendor prefixes
+  (``sk-proj-``, ``ghp_``, ``AKIA``, ``eyJ``) and PEM armour lines stay.
 
 Each surrogate is drawn from a generator seeded by HMAC-SHA256 of the value under the trace's
 key, so the same value always gets the same surrogate within a trace and the value cannot be
@@ -247,6 +249,123 @@ def _secret(value: str, rng: random.Random) -> str:
 
 
 # Keyed by the scrubber's entity names (``controlplane.traces.scrub.Entity`` values).
+# ---- national ids: the same format with a valid check character where the format has one --------
+
+_SSN = re.compile(r"\d{3}([- ]?)\d{2}\1\d{4}", re.ASCII)
+_NINO = re.compile(r"[A-Z]{2}( ?)\d{2}\1\d{2}\1\d{2}\1[A-D]", re.ASCII)
+_NIF = re.compile(r"\d{8}-?[A-Z]", re.ASCII)
+_NIE = re.compile(r"[XYZ]-?\d{7}-?[A-Z]", re.ASCII)
+_CODICE_FISCALE = re.compile(r"[A-Z]{6}\d{2}[A-EHLMPR-T]\d{2}[A-Z]\d{3}[A-Z]", re.ASCII)
+_HETU = re.compile(r"\d{6}[-+A-FU-Y]\d{3}[0-9A-Y]", re.ASCII)
+_DNI_LETTERS: Final = "TRWAGMYFPDXBNJZSQVHLCKE"
+_HETU_CHECKS: Final = "0123456789ABCDEFHJKLMNPRSTUVWXY"
+_NINO_FIRST: Final = "ABCEGHJKLMNOPRSTWXYZ"
+_NINO_SECOND: Final = "ABCEGHJKLMNPRSTWXYZ"
+# Italian codice fiscale check character: odd positions (1st, 3rd, ...) and even ones weigh
+# characters differently; digits weigh as the letter of the same index.
+_CF_ODD: Final = (
+    1,
+    0,
+    5,
+    7,
+    9,
+    13,
+    15,
+    17,
+    19,
+    21,
+    2,
+    4,
+    18,
+    20,
+    11,
+    3,
+    6,
+    8,
+    12,
+    14,
+    16,
+    10,
+    22,
+    25,
+    24,
+    23,
+)
+
+
+def _digits(rng: random.Random, count: int) -> str:
+    return "".join(rng.choice(_DIGITS) for _ in range(count))
+
+
+def _ssn(value: str, rng: random.Random) -> str:
+    shape = _SSN.fullmatch(value)
+    separator = shape[1] if shape else "-"
+    area = rng.choice([n for n in range(1, 900) if n != 666])
+    return f"{area:03d}{separator}{rng.randint(1, 99):02d}{separator}{rng.randint(1, 9999):04d}"
+
+
+def _nino(value: str, rng: random.Random) -> str:
+    shape = _NINO.fullmatch(value)
+    space = shape[1] if shape else ""
+    digits = _digits(rng, 6)
+    prefix = rng.choice(_NINO_FIRST) + rng.choice(_NINO_SECOND)
+    return space.join([prefix, digits[:2], digits[2:4], digits[4:], rng.choice("ABCD")])
+
+
+def _nif(value: str, rng: random.Random) -> str:
+    number = _digits(rng, 8)
+    return number + ("-" if "-" in value else "") + _DNI_LETTERS[int(number) % 23]
+
+
+def _nie(value: str, rng: random.Random) -> str:
+    first, number = rng.choice("XYZ"), _digits(rng, 7)
+    letter = _DNI_LETTERS[int(str("XYZ".index(first)) + number) % 23]
+    dash = "-" if "-" in value else ""
+    return f"{first}{dash}{number}{dash}{letter}"
+
+
+def _codice_fiscale(value: str, rng: random.Random) -> str:
+    consonants = _CONSONANTS.upper()
+    # Surname and name are coded as consonants first; the place as a cadastral letter and number.
+    body = (
+        "".join(rng.choice(consonants) + rng.choice(consonants) + rng.choice(_UPPER) for _ in range(2))
+        + _digits(rng, 2)
+        + rng.choice("ABCDEHLMPRST")
+        + f"{rng.randint(1, 28) + rng.choice((0, 40)):02d}"
+        + rng.choice("ABCDEFGHILM")
+        + str(rng.randint(1, 9))
+        + _digits(rng, 2)
+    )
+    total = 0
+    for position, char in enumerate(body):
+        index = int(char) if char.isdigit() else ord(char) - 65
+        total += _CF_ODD[index] if position % 2 == 0 else index
+    return body + chr(65 + total % 26)
+
+
+def _hetu(value: str, rng: random.Random) -> str:
+    date = f"{rng.randint(1, 28):02d}{rng.randint(1, 12):02d}{_digits(rng, 2)}"
+    serial = f"{rng.randint(2, 899):03d}"
+    return date + value[6] + serial + _HETU_CHECKS[int(date + serial) % 31]
+
+
+_NATIONAL_IDS: Final = (
+    (_SSN, _ssn),
+    (_NINO, _nino),
+    (_NIF, _nif),
+    (_NIE, _nie),
+    (_CODICE_FISCALE, _codice_fiscale),
+    (_HETU, _hetu),
+)
+
+
+def _national_id(value: str, rng: random.Random) -> str:
+    for shape, make in _NATIONAL_IDS:
+        if shape.fullmatch(value):
+            return make(value, rng)
+    return _like(value, rng)
+
+
 _MAKERS: Final[dict[str, Callable[[str, random.Random], str]]] = {
     "email": _email,
     "phone": _phone,
@@ -254,7 +373,7 @@ _MAKERS: Final[dict[str, Callable[[str, random.Random], str]]] = {
     "iban": _iban,
     "ip_address": _ip,
     "secret": _secret,
-    "national_id": _like,
+    "national_id": _national_id,
 }
 _MAX_DRAWS: Final = 64
 

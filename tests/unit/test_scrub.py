@@ -282,7 +282,7 @@ def test_surrogates_keep_the_shape() -> None:
     text = (
         "mail jane.doe@mailbox.org or ana@gmail.com, call +44 20 7946 0958 or (415) 555-2671, card "
         "4111 1111 1111 1111, IBAN GB82 WEST 1234 5698 7654 32, ip 81.2.69.142 and 10.1.2.3, "
-        "key sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC"
+        "key sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC, SSN 536-22-1234, DNI 12345678Z, CF RSSMRA85T10A562S"
     )
     result = scrub(text, key=KEY)
     surrogates = {r.value: r.surrogate for r in result.replacements}
@@ -298,7 +298,10 @@ def test_surrogates_keep_the_shape() -> None:
     assert not ipaddress.ip_address(surrogates["81.2.69.142"]).is_private
     assert ipaddress.ip_address(surrogates["10.1.2.3"]) in ipaddress.ip_network("10.0.0.0/8")
     assert re.fullmatch(r"sk-proj-[A-Za-z0-9]{30}", surrogates["sk-proj-4fJ9kL2mN8pQ1rS5tU7vW3xY6zA0bC"])
-    # The scrubber finds every surrogate again as what it replaced.
+    dni = surrogates["12345678Z"]
+    assert re.fullmatch(r"\d{8}[A-Z]", dni) and dni[-1] == "TRWAGMYFPDXBNJZSQVHLCKE"[int(dni[:8]) % 23]
+    # The scrubber finds every surrogate again as what it replaced (the codice fiscale's pattern
+    # and the DNI letter included).
     again = scrub(result.text, key=KEY)
     assert [r.entity for r in again.replacements] == [r.entity for r in result.replacements]
 
