@@ -265,10 +265,21 @@ def traffic_prompts(
     rng = random.Random(f"traffic:{domain}:{split}:{seed}:{side}")
     if domain == "structured":
         for index in itertools.count():
-            doc = generated.document(split, seed, index)
+            made = generated.document(split, seed, index)
+            doc = made.document
             if is_heldout_document(document_key(domain, doc.doc_id)) != heldout:
                 continue
-            cut = rng.choice(_cut_points(doc, 0, 0))
+            # The answered request itself is on the same side as the document: the fixed corpus's
+            # requests recur ("What is SONY trading at?"), and a held-out phase must never end
+            # with a request that another phase's prompts end with, whatever their history.
+            cuts = [
+                cut
+                for cut in _cut_points(doc, 0, 0)[made.history :]
+                if is_heldout_document(f"request:{_answered_request(doc.text, cut)}") == heldout
+            ]
+            if not cuts:
+                continue
+            cut = rng.choice(cuts)
             start = max(0, cut - max_prompt_chars)
             if start > 0:
                 nl = doc.text.find("\n", start, cut)
@@ -283,6 +294,12 @@ def traffic_prompts(
         table = tables[which]
         start, end = table.window(draw - (totals[which - 1] if which else 0))
         yield _prompt(table.doc, start, end, reference_chars)
+
+
+def _answered_request(text: str, cut: int) -> str:
+    """The request a structured prompt cut at ``cut`` asks to answer (its last "User:" line),
+    normalised as prompts are compared."""
+    return " ".join(text[:cut].split("\n")[-2].casefold().split())
 
 
 def _prompt(doc: Document, start: int, cut: int, reference_chars: int) -> Prompt:

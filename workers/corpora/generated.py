@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from workers.corpora import structured
 from workers.corpora._common import Document
@@ -448,8 +449,12 @@ def _tool_request(rng: random.Random, p: Pools) -> tuple[str, str, str]:
     return tool, request, _call(tool, symbol=sym)
 
 
-def _sql_document(rng: random.Random, p: Pools) -> str:
-    exchanges = [rng.choice(_SQL_MAKERS)(rng, p) for _ in range(rng.randint(1, 4))]
+def _sql_document(rng: random.Random, p: Pools, history: int, answered: int, learned: bool) -> str:
+    exchanges = [rng.choice(_SQL_MAKERS)(rng, p) for _ in range(history)]
+    if learned:
+        exchanges += [rng.choice(structured._SQL_MAKERS)(rng) for _ in range(answered)]
+    else:
+        exchanges += [rng.choice(_SQL_MAKERS)(rng, p) for _ in range(answered)]
     # As in the fixed corpus: every table the queries use, plus one more (so the header alone does
     # not give the answer away).
     used = {t for _, sql in exchanges for t in _SCHEMA if f" {t} " in f"{sql[:-1]} "}
@@ -458,21 +463,46 @@ def _sql_document(rng: random.Random, p: Pools) -> str:
     return "\n".join([header, *(f"User: {request}\nSQL: {sql}" for request, sql in exchanges)]) + "\n"
 
 
-def _json_document(rng: random.Random, p: Pools) -> str:
-    exchanges = [_tool_request(rng, p) for _ in range(rng.randint(1, 4))]
+def _json_document(rng: random.Random, p: Pools, history: int, answered: int, learned: bool) -> str:
+    exchanges = [_tool_request(rng, p) for _ in range(history)]
+    if learned:
+        exchanges += [structured._tool_request(rng) for _ in range(answered)]
+    else:
+        exchanges += [_tool_request(rng, p) for _ in range(answered)]
     names = sorted({name for name, _, _ in exchanges} | set(rng.sample(_TOOLS, 2)))
     lines = ["Available tools: " + ", ".join(names)]
     lines += [f"User: {request}\nCall: {call}" for _, request, call in exchanges]
     return "\n".join(lines) + "\n"
 
 
-def document(split: str, stream: int, index: int) -> Document:
+@dataclass(frozen=True)
+class Generated:
+    """A generated document and the number of its leading requests that are history: a prompt is
+    cut after one of the others (the answered requests)."""
+
+    document: Document
+    history: int
+
+
+def document(split: str, stream: int, index: int, *, learned_answers: bool = True) -> Generated:
     """Document ``index`` of generated stream ``stream`` of ``split``: the same text on every call,
-    for any index; its id names all three, so documents of two streams or splits never share an id."""
+    for any index; its id names all three, so documents of two streams or splits never share an id.
+
+    With ``learned_answers`` (the default, for the bundled target) the document opens with 1-3
+    requests on the wide pools, the conversation so far, and ends with 1-2 requests drawn as the
+    fixed corpus draws them, which are the ones a prompt is cut after: the bundled 12M target has
+    memorised its corpus's 30 cities, 34 first names and years 2020-2025 and does not copy values it
+    never saw (on Faker-valued requests its greedy answer line matched the reference 0 times in 40,
+    and 35 in 40 on the fixed corpus's), so a request it answers must come from what it learned,
+    while the history makes every prompt as varied as the wide pools. Without it every request is
+    on the wide pools and any may be answered: traffic for a target that copies what it is given.
+    """
     doc_id = f"generated:{split}:{stream}:{index}"
     rng = random.Random(doc_id)
+    history = rng.randint(1, 3) if learned_answers else 0
+    answered = rng.randint(1, 2) if learned_answers else rng.randint(1, 4)
     if rng.random() < 0.5:
-        kind, text = "sql", _sql_document(rng, pools())
+        kind, text = "sql", _sql_document(rng, pools(), history, answered, learned_answers)
     else:
-        kind, text = "json", _json_document(rng, pools())
-    return Document(structured.DOMAIN, doc_id, kind, text, split)
+        kind, text = "json", _json_document(rng, pools(), history, answered, learned_answers)
+    return Generated(Document(structured.DOMAIN, doc_id, kind, text, split), history)
