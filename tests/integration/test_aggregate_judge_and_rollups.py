@@ -353,6 +353,8 @@ def test_rollups_from_windows_count_as_the_same_records_exactly_once(
         assert got["total"][name] == want["total"][name], name
     assert got["total"]["requests"] == len(traffic)
     for name in ("total_latency_ms_p50", "total_latency_ms_p95", "ttft_ms_p50", "inter_token_latency_ms_p95"):
+        # Deterministic: seeded latencies (random.Random(5)); the windows' quantiles come from merged
+        # sketches, the records' from exact values, hence a tolerance rather than equality.
         assert got["total"][name] == pytest.approx(want["total"][name], rel=0.06), name
     assert got["total"]["decode_tokens_per_s"] == pytest.approx(
         want["total"]["decode_tokens_per_s"], rel=0.01

@@ -139,6 +139,7 @@ def test_a_candidate_that_wins_the_mix_but_loses_a_category_is_rejected(
     assert ticks > 2
 
     outcome = _evaluate(db, deployment_id)
+    # Deterministic: the traffic is fixed and shuffled by random.Random(7).
     assert outcome["decision"] == "reject", outcome
     assert "'code'" in outcome["reason"] and "even though it wins overall" in outcome["reason"]
 

@@ -58,6 +58,7 @@ def test_deployment_view_has_series_markers_and_positions(client: TestClient, se
         mean_hit(SHIFT_AT - 10, CANARY_START),
         mean_hit(40, 5),
     )
+    # Deterministic: the history is drawn from random.Random(seed) (tests/e2e/dashboard_seed.py).
     assert drifted < before - 0.2 and after > drifted + 0.2, (before, drifted, after)
 
     positions = view["positions"]
@@ -116,6 +117,7 @@ def test_overview_canaries_promotions_and_jobs(
     rows = {row["deployment_id"]: row for row in overview["deployments"]}
     chat, docs = rows[seeded.deployment], rows[seeded.idle_deployment]
     assert (chat["active_drafter_version"], chat["k"], chat["speculation_mode"]) == (2, 4, "draft_model")
+    # Deterministic: seeded history, as above.
     assert 0.5 < chat["hit_rate"] < 0.8 and chat["speedup_estimate"] > 1.5
     assert chat["running_jobs"] == 1 and chat["open_drift_events"] == 0
     assert docs["hit_rate"] is None and docs["speedup_estimate"] is None and docs["requests_last_hour"] == 0
