@@ -998,6 +998,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fleet_capacity_lag_p99_s": best.as_dict()["lag_p99_s"] if best else None,
         # True when every load tried passed: the capacity is at least this, the search's floor.
         "fleet_capacity_is_lower_bound": search.capacity_is_lower_bound(),
+        # None above: no step passed, down to a quarter of the first step's load.
+        "fleet_capacity_none_reason": None
+        if best
+        else f"no step kept lag p99 <= {LAG_LIMIT_S:.0f} s, the lowest offered "
+        f"{min((s.offered_requests_per_s for s in steps), default=0):,.0f} requests/s",
         "fleet_capacity_rule": f"highest offered load whose step's window lag p99 <= {LAG_LIMIT_S:.0f} s; "
         f"windows unconsumed {OBSERVE_S:.0f} s after the step's last one was due count as infinite lag",
         "load_steps": [s.as_dict() for s in steps],
