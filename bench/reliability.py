@@ -35,7 +35,9 @@ cluster and a Redis of the bench's own, tests/fleet/services.py). Writes bench/r
    (records_duplicated, ids stored twice or never sent, is kept; the unique key makes it 0 by
    construction). Then, once both folds have caught up, every rollup tier against the stored raw
    records and rolled-up aggregates (tests/fleet/rollup_audit.py): requests a bucket counts beyond
-   them are double counted, fewer are missing (the worst tier of each is the figure).
+   them are double counted, fewer are missing (the worst tier of each is the figure). A control
+   repeats one crash on an API that acknowledges before its WAL is written (a documented setting
+   that may lose the last acknowledged records in a crash): it should lose some.
 4. promotions_per_loop / stalled_events: the whole loop (as `controlplane demo --fast` drives it)
    on private PostgreSQL and Redis, with the gpu worker SIGKILLed once while the realign job runs
    and once while the canary's shadow replay runs (each restarted at once), and Redis restarted
@@ -563,11 +565,13 @@ def run_ingest(quick: bool) -> dict[str, Any]:
         lost_windows = windows_lost(pg.admin_dsn(), edge_tally)
         recoveries = pg.recoveries()
         api_log = api.log_tail(10_000_000)
+    control = _relaxed_commit_control(gap_s)
     return {
         "records_lost": counted.lost,
         "records_duplicated": counted.duplicated,
         **audit.as_dict(),
         "faults": [what for what, _ in faults],
+        "control_relaxed_commit_crash": control,
         "postgres_crash_recoveries": recoveries,
         "pending_after_api_fold_wait": pending_left,
         "folded_by_audit": folded_by_audit,
@@ -591,6 +595,48 @@ def run_ingest(quick: bool) -> dict[str, Any]:
         "timeline": timeline,
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+def _relaxed_commit_control(gap_s: float) -> dict[str, Any]:
+    """The crash again, on an API that acknowledges before its WAL is written
+    (CONTROLPLANE_INGEST_SYNCHRONOUS_COMMIT=false, documented to lose the last acknowledged
+    records in a crash): it should lose some, which shows the fault is a crash that records_lost
+    can see (a clean stop writes every WAL record first). The rollups must still match."""
+    from controlplane.ingest.service import fold_pending_rollups
+    from tests.fleet.rollup_audit import audit_rollups
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        api_on_private_postgres(Path(tmp), CONTROLPLANE_INGEST_SYNCHRONOUS_COMMIT="false") as (pg, api),
+    ):
+        tenant = new_tenant(pg, "acme")
+        create_deployment(api, tenant, "svc")
+        clients = RetryingIngestClients(
+            f"{api.url}/v1/accounts/acme/deployments/svc/acceptance",
+            tenant.keys[Role.ingest],
+            clients=6,
+            batch=10,
+            give_up_after_s=120,
+        ).start()
+        time.sleep(gap_s)
+        say("ingest control: postgres crash under relaxed commits")
+        pg.crash()
+        time.sleep(gap_s)
+        tally = clients.stop()
+        deployment_id = _deployment_pk(pg, "acme", "svc")
+        counted = count_stored(pg.admin_dsn(), deployment_id, tally)
+        if _wait_for_fold(pg, deployment_id, timeout_s=30.0):
+            with get_sessionmaker(pg.url)() as session:
+                fold_pending_rollups(session=session, deployment_ids=[deployment_id])
+                session.commit()
+        audit = audit_rollups(pg.admin_dsn(), [deployment_id])
+        return {
+            "records_lost": counted.lost,
+            "acknowledged": counted.acknowledged,
+            "rollup_double_counted_records": audit.double_counted_records,
+            "rollup_missing_records": audit.missing_records,
+            "postgres_crash_recoveries": pg.recoveries(),
+        }
 
 
 def _wait_for_fold(pg: PrivatePostgres, deployment_id: int, timeout_s: float) -> int:
