@@ -153,6 +153,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
             "measured_ceiling_speedup": round(measured.never_missing_speedup, 4),
             "measured_share_with_prefill": round(measured.share_of_ceiling_with_prefill, 4),
             "measured_share_paired_median": _rounded(measured.share_of_ceiling_paired_median),
+            "measured_share_tokens_per_round_ratio": round(measured.tokens_per_round_ratio, 4),
+            "measured_share_round_time_ratio": round(measured.round_time_ratio, 4),
             "never_missing_hit_rate": _rounded(never_missing.hit_rate),
             "never_missing_off_continuation": measured.never_missing_off_continuation,
             "never_missing_tokens_per_step": round(never_missing.mean_accepted_length, 4),

@@ -200,6 +200,13 @@ def test_the_never_missing_arm_measures_the_candidates_ceiling(
         r.speedup("candidate", "baseline") / r.speedup(NEVER_MISSING, "baseline")
     )
     assert ceiling.share_of_ceiling_paired_median is not None and ceiling.share_of_ceiling_paired_median > 0
+    # Taken apart: tokens per round times time per round (decode time is rounds x time per round;
+    # arithmetic on one set of timings, not a statistic, so the two agree up to rounding).
+    per_round = cand.mean_accepted_length / nm.mean_accepted_length
+    assert ceiling.tokens_per_round_ratio == pytest.approx(per_round)
+    assert ceiling.share_of_ceiling == pytest.approx(
+        ceiling.tokens_per_round_ratio * ceiling.round_time_ratio, rel=0.02
+    )
     # The analytic cross-check: Leviathan at acceptance 1 from the isolated costs of this run.
     costs = r.costs
     assert costs is not None and ceiling.analytic_ceiling_speedup == pytest.approx(

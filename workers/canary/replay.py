@@ -155,6 +155,11 @@ class CeilingReport:
     share_of_ceiling_with_prefill: float
     # Median over prompts of the never-missing arm's decode ms per token / the mirrored arm's.
     share_of_ceiling_paired_median: float | None
+    # The share, taken apart: decode time is rounds x time per round, so the share is (about) the
+    # mirrored arm's tokens per round over the never-missing arm's, times the never-missing arm's
+    # time per round over the mirrored arm's (propose + score + the engine's own work, per round).
+    tokens_per_round_ratio: float
+    round_time_ratio: float
     never_missing_hit_rate: float | None  # 1.0 unless the output left the known continuation
     never_missing_off_continuation: int  # drafts it had to make itself (continuation ended or unknown)
     # Cross-checks: Leviathan et al. at acceptance 1, (k + 1) / (verify_cost[k] + k c), from the
@@ -641,6 +646,11 @@ def _ceiling_report(
         if (nm := _decode_ms_per_token(per_prompt[NEVER_MISSING], i)) is not None
         and (arm := _decode_ms_per_token(per_prompt[of], i))
     ]
+
+    def round_ms(arm: ArmReport) -> float:
+        return arm.propose_ms_per_step + arm.score_ms_per_step + arm.overhead_ms_per_step
+
+    mirrored, never_missing = reports[of], reports[NEVER_MISSING]
     analytic = in_situ = None
     if costs is not None and of in costs.cost_ratio_by_arm and k in costs.verify_cost:
         analytic = analytic_ceiling(k, costs.cost_ratio_by_arm[of], costs.verify_cost[k])
@@ -655,7 +665,9 @@ def _ceiling_report(
         speedup_with_prefill=with_prefill,
         share_of_ceiling_with_prefill=with_prefill[of] / with_prefill[NEVER_MISSING],
         share_of_ceiling_paired_median=statistics.median(paired) if paired else None,
-        never_missing_hit_rate=reports[NEVER_MISSING].hit_rate,
+        tokens_per_round_ratio=mirrored.mean_accepted_length / never_missing.mean_accepted_length,
+        round_time_ratio=round_ms(never_missing) / round_ms(mirrored) if round_ms(mirrored) else float("nan"),
+        never_missing_hit_rate=never_missing.hit_rate,
         never_missing_off_continuation=off_continuation,
         analytic_ceiling_speedup=analytic,
         analytic_share_of_ceiling=decode[of] / analytic if analytic else None,
