@@ -122,3 +122,9 @@ def test_a_minute_is_the_same_whichever_process_draws_it() -> None:
     one, two = fleet.draw_window_sums(model, 4, 20), fleet.draw_window_sums(model, 4, 20)
     assert np.array_equal(one.sxx, two.sxx)
     assert not np.array_equal(one.sx, fleet.draw_window_sums(model, 5, 20).sx)
+
+
+def test_slow_steps_send_fewer_minutes_but_never_fewer_than_two() -> None:
+    assert fleet.step_minutes(15.0, 3) == 3
+    assert fleet.step_minutes(fleet.STEP_BUDGET_S / 2, 3) == 2
+    assert fleet.step_minutes(fleet.STEP_BUDGET_S * 4, 3) == 2
