@@ -1,24 +1,32 @@
-"""The traffic driver: scenario parsing, deterministic prompt order, aggregation, callbacks, and a tiny
-scenario against the reference server with the committed reference models."""
+"""The traffic driver: scenario parsing, deterministic prompt order, prompts that do not repeat and
+held-out phases that share nothing with the others (every shipped scenario, planned), aggregation,
+callbacks, and a tiny scenario against the reference server with the committed reference models."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
+import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from controlplane.traces.holdout import prompt_hash
+from workers.demo import FAST_OVERRIDES
 from workers.serve.traffic import (
     Callbacks,
     Phase,
     PhaseReport,
+    PromptLedger,
     RequestResult,
     Scenario,
     TrafficDriver,
     fireworks_counts,
+    plan_figures,
     plan_requests,
 )
 
@@ -91,9 +99,77 @@ def test_prompt_order_is_fixed_by_the_seed() -> None:
     assert first(60, Phase(name="mix", mix=phase.mix, requests=60, seed=4)) != a
     shares = sum(d == "prose" for d, _ in a) / len(a)
     assert 0.3 < shares < 0.7
-    # More requests than the prose test split has documents: the stream cycles with new cuts.
-    prose = first(60, Phase(name="p", mix={"prose": 1.0}, requests=60, seed=1))
-    assert len(prose) == 60 and len(set(prose)) > 40
+    # Far more requests than the prose test split has documents (25): every one a new window.
+    prose = first(400, Phase(name="p", mix={"prose": 1.0}, requests=400, seed=1))
+    assert len(set(prose)) >= 396
+
+
+SCENARIOS = sorted((ROOT / "scenarios").glob("*.toml"))
+
+
+def _sizes(path: Path) -> dict[str, tuple[Phase, ...]]:
+    """A scenario's phases at their full counts and at the demo's `--fast` counts."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    phases = Scenario.from_dict(raw).phases
+    fast = raw.get("demo", {}).get("fast", {}).get("phase_requests", FAST_OVERRIDES["phase_requests"])
+    return {"full": phases, "fast": tuple(replace(p, requests=n) for p, n in zip(phases, fast, strict=True))}
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+def test_no_scenario_phase_repeats_more_than_two_percent(path: Path) -> None:
+    # Deterministic: the plan is fixed by the phases' seeds. Measured (bench/traffic_repeats.py):
+    # at most 0.5% on any phase, the partial shift's prose windows (pools of 220,000-510,000
+    # windows per side of the held-out partition); the old cycled pool repeated up to 94%.
+    for label, phases in _sizes(path).items():
+        for phase, figures in zip(phases, plan_figures(phases), strict=True):
+            assert figures.requests == phase.requests
+            assert figures.repeat_share is not None and figures.repeat_share <= 0.02, (label, phase.name)
+
+
+@pytest.mark.parametrize("path", [p for p in SCENARIOS if p.name in {"demo.toml", "partial_shift.toml"}])
+def test_after_promotion_phases_are_held_out_and_share_nothing(path: Path) -> None:
+    phases = _sizes(path)["full"]
+    assert phases[-1].heldout and not any(p.heldout for p in phases[:-1])
+    planned = [list(itertools.islice(plan_requests(p), p.requests)) for p in phases]
+    heldout = planned[-1]
+    others = [r for phase in planned[:-1] for r in phase]
+    assert not {r.document for r in heldout} & {r.document for r in others}
+    assert not {prompt_hash(r.prompt) for r in heldout} & {prompt_hash(r.prompt) for r in others}
+    # The ledger's own count of the same thing, as the driver reports it.
+    assert plan_figures(phases)[-1].heldout_prompt_overlap == 0
+    assert all(f.heldout_prompt_overlap is None for f in plan_figures(phases)[:-1])
+
+
+def test_the_ledger_counts_repeats_across_phases_and_overlap_with_open_phases() -> None:
+    # The same seed twice: the second phase repeats the first's prompts (and documents) one for one.
+    open_phase = Phase(name="a", mix={"prose": 1.0}, requests=20, seed=5)
+    figures = plan_figures([open_phase, replace(open_phase, name="b"), replace(open_phase, name="c")])
+    assert (figures[0].repeats, figures[1].repeats, figures[1].repeat_share) == (0, 20, 1.0)
+    # A held-out phase draws from its own documents: nothing in common with the open phase ...
+    held = replace(open_phase, name="h", heldout=True)
+    assert plan_figures([open_phase, held])[1].heldout_prompt_overlap == 0
+    # ... and the ledger does see it when a held-out phase's prompts were sent by an open phase too.
+    ledger = PromptLedger()
+    requests = list(itertools.islice(plan_requests(held), 5))
+    open_tally, held_tally = ledger.open_phase(heldout=False), ledger.open_phase(heldout=True)
+    for r in requests[:2]:
+        ledger.record(open_tally, r)
+    for r in requests:
+        ledger.record(held_tally, r)
+    open_documents = {r.document for r in requests[:2]}
+    expected = sum(i < 2 or r.document in open_documents for i, r in enumerate(requests))
+    assert ledger.figures(held_tally).heldout_prompt_overlap == expected >= 2
+    assert ledger.figures(held_tally).repeats == 2
+
+
+def test_heldout_must_be_a_boolean(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nheldout = true\n")
+    assert Scenario.load(path).phases[0].heldout is True
+    path.write_text("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nheldout = 'yes'\n")
+    with pytest.raises(ValueError, match="heldout"):
+        Scenario.load(path)
 
 
 def _fake_server(requests: list[dict[str, Any]]) -> httpx.MockTransport:
@@ -163,6 +239,13 @@ def test_driver_sends_in_order_aggregates_and_calls_back(tmp_path: Path) -> None
     assert first["run1-p0-0"]["perf_metrics_in_response"] is True
     assert "seed" not in first["run1-p0-0"] and "seed" in first["run1-p1-0"]  # sampled: reproducible
     assert "stop" not in first["run1-p0-0"] and first["run1-p1-0"]["stop"] == ["\nUser:"]
+    # Each request names its source document beside its category.
+    assert all(r["document"].startswith(f"{r['category']}:") for r in sent)
+    planned = {
+        f"run1-p0-{r.index}": r.document for r in itertools.islice(plan_requests(scenario.phases[0]), 6)
+    }
+    assert {rid: first[rid]["document"] for rid in planned} == planned
+    assert prose.repeat_share == 0.0 and prose.heldout_prompt_overlap is None and not prose.heldout
     # The same scenario and run id send the same prompts to the same request ids.
     again: list[dict[str, Any]] = []
     TrafficDriver(scenario.url, scenario.model, run_id="run1", transport=_fake_server(again)).run(

@@ -60,6 +60,8 @@ def test_each_domain_of_a_mixed_phase_gets_its_own_stop(tmp_path: Path) -> None:
     assert set(by_category) == {"prose", "structured"}
     assert all(body["stop"] == ["\n"] for body in by_category["structured"])
     assert all("stop" not in body for body in by_category["prose"])
+    # Both domains name their source document, as the held-out split by document needs.
+    assert all(body["document"].startswith(f"{body['category']}:") for body in sent)
 
 
 @pytest.mark.parametrize(

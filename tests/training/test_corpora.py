@@ -1,11 +1,14 @@
-"""The traffic domains are deterministic, split by document, and their prompts are real prefixes."""
+"""The traffic domains are deterministic, split by document, and their prompts are real prefixes;
+scenario traffic's prompt streams are endless, rarely repeat, and keep held-out documents apart."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
 from workers import corpora
-from workers.corpora import structured
+from workers.corpora import generated, structured
 
 
 @pytest.mark.parametrize("domain", corpora.DOMAINS)
@@ -71,3 +74,64 @@ def test_fingerprint_names_the_interpreter_and_every_split() -> None:
         for split in corpora.SPLITS:
             entry = fp[f"{domain}/{split}"]
             assert isinstance(entry, dict) and entry["documents"] > 0 and len(entry["sha256"]) == 64
+
+
+def _stream(
+    domain: str, n: int, seed: int = 1, heldout: bool = False, split: str = "test"
+) -> list[corpora.Prompt]:
+    return list(itertools.islice(corpora.traffic_prompts(domain, "test", seed, heldout=heldout), n))
+
+
+@pytest.mark.parametrize("domain", corpora.DOMAINS)
+def test_traffic_streams_are_fixed_by_their_seed_and_are_real_windows(domain: str) -> None:
+    a, b, c = _stream(domain, 40), _stream(domain, 40), _stream(domain, 40, seed=2)
+    assert a == b and [p.text for p in a] != [p.text for p in c]
+    if domain == "structured":
+        for p in a:
+            doc = generated.document("test", 1, int(p.doc_id.rsplit(":", 1)[1]))
+            assert (p.text + p.reference) in doc.document.text and p.text.endswith(("SQL:", "Call:"))
+        return
+    texts = {d.doc_id: d.text for d in corpora.documents(domain, "test")}
+    for p in a:
+        assert p.category == domain and 200 <= len(p.text) <= 800
+        assert (p.text + p.reference) in texts[p.doc_id]
+        assert not p.text[-1].isspace() and p.reference[:1].isspace()  # cut after a word
+
+
+@pytest.mark.parametrize("domain", corpora.DOMAINS)
+def test_heldout_streams_share_no_document_with_the_others(domain: str) -> None:
+    held, rest = _stream(domain, 300, heldout=True), _stream(domain, 300, seed=2)
+    held_docs = {corpora.document_key(domain, p.doc_id) for p in held}
+    rest_docs = {corpora.document_key(domain, p.doc_id) for p in rest}
+    assert held_docs and rest_docs and not held_docs & rest_docs
+    assert all(corpora.is_heldout_document(k) for k in held_docs)
+    assert not any(corpora.is_heldout_document(k) for k in rest_docs)
+    if domain == "structured":
+        # The answered request (the prompt's last "User:" line) never crosses the partition either.
+        def last_request(p: corpora.Prompt) -> str:
+            return p.text.split("\n")[-2]
+
+        assert not {last_request(p) for p in held} & {last_request(p) for p in rest}
+
+
+def test_prose_traffic_rarely_repeats_though_the_split_is_small() -> None:
+    # Deterministic (a fixed seed). 3,000 uniform draws from the 510,000 windows of the open side
+    # repeat about 3000**2 / (2 * 510000) = 9 times (0.3%); 2% would need a pool 7 times smaller.
+    texts = [p.text for p in _stream("prose", 3000)]
+    assert len(corpora.documents("prose", "test")) < 40
+    assert len(set(texts)) >= 0.98 * len(texts)
+
+
+def test_generated_structured_documents_are_unbounded_and_split_apart() -> None:
+    far = generated.document("test", 7, 10**12)
+    assert far == generated.document("test", 7, 10**12)
+    assert far.document.doc_id == f"generated:test:7:{10**12}"
+    train = [generated.document("train", 1, i).document.text for i in range(200)]
+    test = [generated.document("test", 1, i).document.text for i in range(200)]
+    assert not set(train) & set(test) and len(set(test)) == 200
+    for i in range(50):
+        made = generated.document("test", 3, i)
+        text = made.document.text
+        assert text.startswith(("Database tables: ", "Available tools: ")) and text.endswith("\n")
+        markers = sum(text.count(m) for m in structured.ANSWER_MARKERS)
+        assert 1 <= made.history < markers <= made.history + 2
