@@ -5,6 +5,10 @@ saw only prose or code, yet fully predictable for a target that learned the temp
 with the cleanest contrast between a generic drafter and a tuned one. Document ``i`` of a split is
 generated from ``Random(f"{seed}:{split}:{i}")``, so each split is fixed by the seed and documents
 never move between splits.
+
+This fixed corpus is what the bundled target was trained on, and what the benches measure on.
+Scenario traffic draws from :mod:`workers.corpora.generated` instead: documents without bound,
+whose answered requests are drawn by this module's makers.
 """
 
 from __future__ import annotations

@@ -471,9 +471,10 @@ class TrafficDriver:
         self, phases: list[Phase], cb: Callbacks, should_stop: Callable[[], bool] | None
     ) -> list[PhaseReport]:
         limits = httpx.Limits(max_connections=max(p.concurrency for p in phases) + 2)
-        # Building a corpus takes seconds (prose reads every pydoc topic): do it before any clock starts.
+        # Building a corpus takes seconds (prose reads every pydoc topic, structured traffic builds
+        # Faker's pools): do it before any clock starts.
         for domain, split in sorted({(d, p.split) for p in phases for d in p.mix}):
-            await asyncio.to_thread(corpora.documents, domain, split)
+            await asyncio.to_thread(corpora.prepare_traffic, domain, split)
         reports: list[PhaseReport] = []
         async with httpx.AsyncClient(
             timeout=self._timeout, limits=limits, headers=self._headers, transport=self._transport
