@@ -9,8 +9,9 @@ cluster and a Redis of the bench's own, tests/fleet/services.py). Writes bench/r
    with real objects of every kind (tests/fleet/seed_objects.py: drafter versions active, in a
    live canary and candidate, an open drift event raised by the monitor, a queued realign job,
    actuator deliveries, keys, backends, scrape targets, a model). Three cases in four address
-   those objects by id, one in four of those with a body the API documents as valid; ids that
-   replies name are followed, and an object a case consumed is made again before the next case.
+   those objects by id, two of those three with a body the API documents as valid where one is
+   known; ids that replies name are followed, and an object a case consumed is made again before
+   the next case.
    Counted: 2xx answers of POST/PUT/PATCH/DELETE (state changes that ran), 5xx answers, and
    requests that got no answer (connection refused or reset, timeout: a crashed or hung server),
    which fail the run like 5xx do. Also: 2xx bodies off their documented model
@@ -142,7 +143,7 @@ def create_deployment(api: ControlPlaneProcess, tenant: Tenant, name: str, **ext
 
 
 def run_fuzz(quick: bool) -> dict[str, Any]:
-    per_operation = 2 if quick else 8
+    per_operation = 3 if quick else 10
     out: dict[str, Any] = {"cases_per_operation_per_role": per_operation, "by_role": {}}
     with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
         tenant = new_tenant(pg, "acme")

@@ -5,7 +5,9 @@ cases per operation) and the reliability bench (thousands).
 Three cases in four of an operation have their path pinned to real objects of the fuzzed account
 (tests/fleet/seed_objects.py seeds one of every kind: drafter versions, a live canary, an open
 drift event, a queued job, deliveries, keys, backends, scrape targets, models), so requests reach
-the code behind the lookup and state-changing operations run; the fourth is generated whole.
+the code behind the lookup and state-changing operations run; two of those three carry a body the
+API documents as valid where one is known, the third its generated body; the fourth case is
+generated whole.
 Objects a reply names (a created key, backend, job, canary, ...) become the ones later cases
 address, and a case that consumed its object (a promoted candidate, a dismissed event, a deleted
 backend) has a fresh one made before the next case. Destructive operations (deleting the
@@ -173,16 +175,18 @@ class _Pins:
     sent: int = 0
 
     def apply(self, case: Any) -> str:
-        """Pin ``case`` unless it is the one in four left as generated, and send the first pinned
-        case of each four with a body the API documents as valid (where the target knows one) and
-        no query; which of ``generated``, ``pinned`` or ``valid`` the case became."""
+        """Of each four cases of the operation: the first and the fourth pinned and sent with a
+        body the API documents as valid (where the target knows one) and no query, the second left
+        as generated, the third pinned with its generated body (so three cases already see each
+        kind); which of ``valid``, ``generated`` or ``pinned`` the case became."""
         self.sent += 1
-        turn = self.sent % (PINNED_SHARE + 1)
+        sent = self.sent
+        turn = sent % (PINNED_SHARE + 1)
         current = self.target.path_values(self.operation)
-        if turn == 0 or not current:
+        if turn == 2 or not current:
             return "generated"
         case.path_parameters = {**(case.path_parameters or {}), **current}
-        valid = self.target.valid_request(self.operation, f"{self.seed}-{self.sent}") if turn == 1 else None
+        valid = self.target.valid_request(self.operation, f"{self.seed}-{sent}") if turn in (0, 1) else None
         if valid is None:
             return "pinned"
         # Generated query parameters (a dataset's name, say) could refuse the valid body: left out.

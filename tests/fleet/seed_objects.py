@@ -314,7 +314,8 @@ class AccountSeeder:
 
     def fresh_candidate(self, seeded: SeededObjects) -> str:
         """A drafter version registered as a realignment registers it: the API queues a realign
-        job, the worker's service calls run it and register its result as the next candidate."""
+        job, the worker's service calls run it and register its result as the next candidate;
+        then the API queues the next realign job, which stays queued."""
         from controlplane.drafters.service import TrainedDrafter, active_drafter, register_candidate
         from controlplane.jobs.service import finish_job, start_job
 
@@ -344,6 +345,7 @@ class AccountSeeder:
             finish_job(session=session, job_id=job_id, result={"drafter_version": version.version})
             number = str(version.version)
         seeded.add("version", number)
+        self.fresh_job(seeded)  # the realignment that ran was the queued one: another waits now
         return number
 
     def fresh_canary(self, seeded: SeededObjects) -> str:
@@ -744,6 +746,7 @@ def valid_request(method: str, path: str, seeded: SeededObjects, unique: str) ->
             "path": str(REFERENCE_DRAFTER_FOLDER),
             "drafter_for": ["reference-target"],
         },
+        ("PATCH", "/models/{name}"): {"default_drafter": None},
         ("POST", "/deployments/{deployment}/backends"): {
             "name": f"backend-{unique}",
             "pool": rng.choice(["baseline", "candidate", "incumbent"]),
