@@ -163,6 +163,17 @@ def test_the_ledger_counts_repeats_across_phases_and_overlap_with_open_phases() 
     assert ledger.figures(held_tally).repeats == 2
 
 
+def test_drivers_sharing_a_ledger_count_repeats_across_them() -> None:
+    # The demo drives each phase with its own driver (a run id per phase): one ledger spans them.
+    phase = Phase(name="a", mix={"structured": 1.0}, requests=4, seed=8)
+    ledger = PromptLedger()
+    sent: list[dict[str, Any]] = []
+    (first,) = TrafficDriver("http://s", "m", transport=_fake_server(sent), ledger=ledger).run([phase])
+    (again,) = TrafficDriver("http://s", "m", transport=_fake_server(sent), ledger=ledger).run([phase])
+    (alone,) = TrafficDriver("http://s", "m", transport=_fake_server(sent)).run([phase])
+    assert (first.repeat_share, again.repeat_share, alone.repeat_share) == (0.0, 1.0, 0.0)
+
+
 def test_heldout_must_be_a_boolean(tmp_path: Path) -> None:
     path = tmp_path / "s.toml"
     path.write_text("[[phase]]\nmix = { prose = 1 }\nrequests = 1\nheldout = true\n")
