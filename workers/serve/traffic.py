@@ -11,9 +11,9 @@ ends one at its next turn), `stop_by_domain` (a table of such stops per domain, 
 phase whose domains end differently, e.g. `{ structured = "\n" }`; it wins over `stop` for its
 domains), `temperature`, `seed`, the corpus `split` (default "test": held out of every training
 split, so demo traffic is never text the generic drafter was trained on) and `heldout` (default
-false; true draws only from the documents that no other phase can draw from, so the phase's figures
-are measured on prompts whose text and source document never reached a drafter trained on the
-run's other phases):
+false; true draws only from the documents reserved for held-out phases, which no other phase draws
+from, so the phase's figures are measured on prompts whose text and source document never reached a
+drafter trained on the run's other phases):
 
     [server]
     url = "http://127.0.0.1:8601"
