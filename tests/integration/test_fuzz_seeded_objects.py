@@ -95,3 +95,41 @@ def test_every_state_changing_operation_on_an_object_runs_and_none_fails(
     # Consumed objects were made again: promotions and dismissals ran more than once.
     assert sum(account.repairs.values()) > 0
     assert "Traceback" not in api.log_tail(1_000_000)
+
+
+def test_a_server_that_stops_answering_counts_as_transport_errors(tmp_path: Path) -> None:
+    """The figure can fail: once the API process is gone, every case is a transport error (none is
+    skipped, and none is mistaken for an answer)."""
+    url = recreate_pg_database("controlplane_fuzz_crash")
+    prepare_database(url)
+    with get_sessionmaker(url)() as session:
+        tenant = make_tenant(session, "acme")
+        session.commit()
+    api = ControlPlaneProcess(
+        tmp_path,
+        CONTROLPLANE_DATABASE_URL=url,
+        CONTROLPLANE_ENVIRONMENT="test",
+        CONTROLPLANE_SECRET_KEY=TEST_SECRET,
+        CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST="false",
+        CONTROLPLANE_VAR_DIR=str(tmp_path / "var"),
+    ).start()
+    prepared = 0
+
+    def prepare() -> dict[str, str]:
+        nonlocal prepared
+        prepared += 1
+        if prepared == 3:
+            api.stop(kill=True)  # the server crashes before the third operation
+        return tenant.headers(Role.admin)
+
+    try:
+        report = fuzz(
+            api.url, fixed_path={"account": "acme"}, prepare=prepare, cases_per_operation=CASES_PER_OPERATION
+        )
+    finally:
+        api.stop()
+        get_engine(url).dispose()
+    answered_before_the_crash = sum(report.per_operation.values())
+    assert 0 < answered_before_the_crash <= 2 * CASES_PER_OPERATION
+    assert report.transport_error_count >= report.operations - 2  # at least one per later operation
+    assert not report.server_errors
