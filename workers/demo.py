@@ -63,11 +63,11 @@ from controlplane.supervisor import (
     write_router_config,
 )
 from controlplane.timestamps import parse_utc
-from controlplane.traces.holdout import prompt_hash
 from workers.serve.traffic import (
     Callbacks,
     Phase,
     PhaseReport,
+    PromptLedger,
     RequestResult,
     Scenario,
     TrafficDriver,
@@ -292,6 +292,8 @@ def _stage(report: PhaseReport | None) -> dict[str, Any]:
         "hit_rate": report.hit_rate,
         "ms_per_token": report.ms_per_token,
         "tokens_per_s": report.tokens_per_s,
+        "repeat_share": report.repeat_share,
+        "heldout_prompt_overlap": report.heldout_prompt_overlap,
     }
 
 
@@ -370,8 +372,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phase_count = [0]
 
         results: list[RequestResult] = []
-        # Every phase driven so far, with the requests it sent: what the drafter could have trained on.
-        driven: list[tuple[Phase, int]] = []
+        # Every prompt the run sends, by normalised hash and source document, across the phases (each
+        # phase has its own driver): the repeats of earlier requests and a held-out phase's overlap
+        # with everything the drafter could have trained on are counted against all of them.
+        ledger = PromptLedger()
 
         def drive(phase: Phase, label: str, stop: Any = None) -> PhaseReport:
             count = [0, 0, 0]
@@ -389,12 +393,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             supervisor.check_alive()
             # Request ids must be unique per deployment (ingestion is idempotent by id): a run id per phase.
             phase_count[0] += 1
-            driver = TrafficDriver(serve_url, name, run_id=f"demo-{run_stamp}-{phase_count[0]}")
+            driver = TrafficDriver(
+                serve_url, name, run_id=f"demo-{run_stamp}-{phase_count[0]}", ledger=ledger
+            )
             reports = driver.run([phase], Callbacks(on_result=on_result), should_stop=stop)
             if not reports:
                 raise SupervisorError(f"{label}: no requests were sent")
             [report] = reports
-            driven.append((phase, report.requests))
             return report
 
         # 1. Calibration: what no speculation costs on each domain (the speed-up denominators).
@@ -464,7 +469,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if promoted:
             time.sleep(2.5)
             say(f"[bold]4/4[/bold] {phases[2].name}: the promoted drafter")
-            seen = sent_content(driven)
             after = drive(phases[2], "after the promotion")
             paired_phase = replace(phases[2], seed=phases[2].seed + PAIRED_SEED_OFFSET)
             paired = paired_speedup(
@@ -473,13 +477,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 paired_phase,
                 int(knobs["paired_requests"]),
                 run_id=f"demo-{run_stamp}-paired",
+                ledger=ledger,
             )
             heldout = {
                 "demo_promoted_hit_rate_heldout": after.hit_rate,
                 "demo_promoted_speedup_vs_nospec_heldout": paired.get("speedup_vs_nospec"),
-                "heldout_prompt_overlap": content_overlap(
-                    [(phases[2], after.requests), (paired_phase, paired.get("planned", 0))], seen
-                ),
+                "heldout_prompt_overlap": (after.heldout_prompt_overlap or 0)
+                + int(paired.get("heldout_prompt_overlap") or 0),
                 "paired": paired,
             }
             say(
@@ -522,50 +526,17 @@ def _pct(value: float | None) -> str:
     return f"{value:.1%}" if value is not None else "-"
 
 
-def _planned_content(phase: Phase, count: int) -> set[str]:
-    """The normalised-prompt hashes and source documents of a phase's first ``count`` requests."""
-    out: set[str] = set()
-    planned = plan_requests(phase)
-    for _ in range(count):
-        request = next(planned)
-        out.add(f"prompt:{prompt_hash(request.prompt)}")
-        document = getattr(request, "document", None)
-        if document:
-            out.add(f"document:{document}")
-    return out
-
-
-def sent_content(driven: list[tuple[Phase, int]]) -> set[str]:
-    """Every prompt (normalised hash) and source document the phases driven so far sent: the most
-    the drafter can have trained on (every trace comes from these requests)."""
-    out: set[str] = set()
-    for phase, count in driven:
-        out |= _planned_content(phase, count)
-    return out
-
-
-def content_overlap(measured: list[tuple[Phase, int]], seen: set[str]) -> int:
-    """How many of the measured requests' prompts or documents were sent before (0: held out)."""
-    overlap = 0
-    for phase, count in measured:
-        planned = plan_requests(phase)
-        for _ in range(count):
-            request = next(planned)
-            keys = {f"prompt:{prompt_hash(request.prompt)}"}
-            document = getattr(request, "document", None)
-            if document:
-                keys.add(f"document:{document}")
-            overlap += bool(keys & seen)
-    return overlap
-
-
-def paired_speedup(url: str, model: str, phase: Phase, pairs: int, *, run_id: str) -> dict[str, Any]:
+def paired_speedup(
+    url: str, model: str, phase: Phase, pairs: int, *, run_id: str, ledger: PromptLedger
+) -> dict[str, Any]:
     """The live arm's speed-up over no speculation on ``pairs`` prompts of ``phase``: each prompt
     sent straight to the reference server twice, pinned once to the live arm and once to the
     standing no-speculation arm (``x-speculation-arm``), the order alternating from pair to pair,
     after a few unmeasured warm-up pairs; ms per token = the arm's summed latency / its summed
-    completion tokens. A reply that names another arm than the one pinned voids the figure."""
+    completion tokens. A reply that names another arm than the one pinned voids the figure. The
+    prompts are recorded in ``ledger`` as a phase of their own, which gives their overlap."""
     planned = plan_requests(phase)
+    tally = ledger.open_phase(heldout=phase.heldout)
     arms = ("live", "baseline")
     latency = dict.fromkeys(arms, 0.0)
     tokens = dict.fromkeys(arms, 0)
@@ -573,6 +544,7 @@ def paired_speedup(url: str, model: str, phase: Phase, pairs: int, *, run_id: st
     with httpx.Client(timeout=120.0) as client:
         for index in range(PAIRED_WARMUP_PAIRS + pairs):
             request = next(planned)
+            ledger.record(tally, request)
             order = arms if index % 2 == 0 else arms[::-1]
             measured: dict[str, tuple[float, int]] = {}
             for arm in order:
@@ -621,6 +593,7 @@ def paired_speedup(url: str, model: str, phase: Phase, pairs: int, *, run_id: st
         "speedup_vs_nospec": _ratio(ms["baseline"], ms["live"]),
         "per_pair_speedup_median": round(ratios[len(ratios) // 2], 3) if ratios else None,
         "per_pair_speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None,
+        "heldout_prompt_overlap": ledger.figures(tally).heldout_prompt_overlap,
     }
 
 

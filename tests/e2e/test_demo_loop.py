@@ -120,6 +120,8 @@ def _assert_the_loop_closed(database_url: str, demo: dict[str, Any]) -> None:
         assert canary["arms"]["shadow"]["broken_arms"] == []
         deployment = client.get(base, headers=headers).json()
         assert deployment["active_drafter_version"] == canary["candidate_version"] is not None
+        # The replay scored the candidate only on prompts whose text and document it never saw.
+        assert canary["arms"]["shadow_selection"]["heldout_prompt_overlap"] == 0, canary["arms"]
 
         # The stale drafter's live hit rate between the alarm and the promotion, vs the promoted one's.
         detected = datetime.fromisoformat(events[0]["detected_at"])
@@ -140,6 +142,11 @@ def _assert_the_loop_closed(database_url: str, demo: dict[str, Any]) -> None:
             headers=headers,
         ).json()["total"]
     _assert_significantly_above(stale, fresh, output)
+    # The after phase and the paired prompts come from documents reserved for held-out phases:
+    # counted against every request the run sent before, none may share a prompt or a document.
+    assert demo["heldout_prompt_overlap"] == 0, output
+    assert "error" not in demo["paired"], (demo["paired"], output)
+    assert demo["demo_promoted_speedup_vs_nospec_heldout"] is not None, output
 
 
 def _assert_significantly_above(stale: dict[str, Any], fresh: dict[str, Any], output: str) -> None:
