@@ -858,8 +858,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--interval",
         type=float,
-        default=60.0,
-        help="first step's real seconds per simulated minute (60: real time)",
+        default=None,
+        help="first step's real seconds per simulated minute (default 60, real time; 15 with --quick)",
     )
     parser.add_argument("--step-minutes", type=int, default=3, help="simulated minutes per load step")
     parser.add_argument("--refine", type=int, default=3, help="bisection steps after the coarse ones")
@@ -875,7 +875,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
-        args.deployments, args.step_minutes, args.refine, args.interval = 1_000, 2, 2, 15.0
+        args.deployments, args.step_minutes, args.refine = 1_000, 2, 2
+    if args.interval is None:
+        args.interval = 15.0 if args.quick else 60.0
     RESULTS.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print(
