@@ -96,12 +96,20 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
     prose_before, prose_after = hit("before_shift", "prose"), hit("after_promotion_live", "prose")
     structured_stale = hit("after_shift_stale", "structured")
     structured_after = hit("after_promotion_live", "structured")
-    drop = None
+    # The old part's drop on identical held-out prompts: the generic drafter's prose hit rate
+    # probed before the shift minus the promoted drafter's on the very same prompts (documents
+    # reserved for held-out phases, never traced). The live phases' figures compare different
+    # documents (the after phase draws only reserved ones), so they stay beside it as context.
+    drop = (summary.get("heldout_drop_points_by_domain") or {}).get("prose")
+    live_drop = None
     if prose_before is not None and prose_after is not None:
-        drop = round((prose_before - prose_after) * 100, 2)
+        live_drop = round((prose_before - prose_after) * 100, 2)
     return {
         "partial_shift_new_part_hit_rate": structured_after,
         "partial_shift_old_part_drop_points": drop,
+        "prose_drop_points_live_phases_other_documents": live_drop,
+        "heldout_probe_before_shift": _probe(summary.get("probe_before_shift")),
+        "heldout_probe_after_promotion": _probe(summary.get("paired")),
         "prose_hit_rate_before": prose_before,
         "prose_hit_rate_stale": hit("after_shift_stale", "prose"),
         "prose_hit_rate_after": prose_after,
@@ -120,6 +128,13 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
         "chosen_k": summary.get("chosen_k"),
         "stages": {name: stage.get("what") for name, stage in (summary.get("stages") or {}).items()},
     }
+
+
+def _probe(probe: Any) -> dict[str, Any] | None:
+    """A held-out probe's figures without its per-prompt list."""
+    if not isinstance(probe, dict):
+        return None
+    return {k: v for k, v in probe.items() if k != "per_prompt"}
 
 
 def measure(quick: bool = False) -> dict[str, Any]:

@@ -94,7 +94,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "draft_token_count": 4,
     "trace_sample_rate": 1.0,
     "calibration_requests": 16,
-    "paired_requests": 24,
+    "paired_requests": 40,
     "max_shift_s": 900.0,
     "drift_policy": {"reference_requests": 150, "arl0_requests": 10_000, "cooldown_s": 60},
     "canary_policy": {
@@ -110,7 +110,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 FAST_OVERRIDES: dict[str, Any] = {
     "calibration_requests": 6,
-    "paired_requests": 10,
+    "paired_requests": 24,
     "max_shift_s": 600.0,
     "drift_policy": {"reference_requests": 60, "arl0_requests": 10_000, "cooldown_s": 60},
     "canary_policy": {
@@ -441,6 +441,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             time.sleep(2.5)  # the reference server caches its serving config for a second or two
 
+        # The held-out probe's prompts: new draws of the after phase's reserved documents. Probed
+        # now (the generic drafter) and again after the promotion: the same prompts both times.
+        probe_phase = replace(phases[2], seed=phases[2].seed + PAIRED_SEED_OFFSET)
+        probe_before: dict[str, Any] = {}
+        if knobs["draft_model"]:
+            probe_before = probe_heldout(
+                local_url(options.serve_host, options.serve_port),
+                name,
+                probe_phase,
+                int(knobs["paired_requests"]),
+                run_id=f"demo-{run_stamp}-probe-before",
+                ledger=ledger,
+            )
+
         # 2. Before the shift: the generic drafter on its home ground.
         say(f"[bold]2/4[/bold] {phases[0].name}: {_drafter_label(knobs)}")
         before_started = time.time()
@@ -470,21 +484,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(2.5)
             say(f"[bold]4/4[/bold] {phases[2].name}: the promoted drafter")
             after = drive(phases[2], "after the promotion")
-            paired_phase = replace(phases[2], seed=phases[2].seed + PAIRED_SEED_OFFSET)
-            paired = paired_speedup(
+            # The same prompts as before the shift (already in the ledger: not recorded twice).
+            paired = probe_heldout(
                 local_url(options.serve_host, options.serve_port),
                 name,
-                paired_phase,
+                probe_phase,
                 int(knobs["paired_requests"]),
-                run_id=f"demo-{run_stamp}-paired",
-                ledger=ledger,
+                run_id=f"demo-{run_stamp}-probe-after",
+                ledger=None if probe_before else ledger,
             )
             heldout = {
                 "demo_promoted_hit_rate_heldout": after.hit_rate,
                 "demo_promoted_speedup_vs_nospec_heldout": paired.get("speedup_vs_nospec"),
                 "heldout_prompt_overlap": (after.heldout_prompt_overlap or 0)
-                + int(paired.get("heldout_prompt_overlap") or 0),
+                + int((probe_before or paired).get("heldout_prompt_overlap") or 0),
                 "paired": paired,
+                "probe_before_shift": probe_before,
+                # Generic minus promoted hit rate on identical held-out prompts, in points.
+                "heldout_drop_points_by_domain": heldout_drops(probe_before, paired) if probe_before else {},
             }
             say(
                 f"  held out (no prompt or document of these reached training; overlap "
@@ -526,27 +543,36 @@ def _pct(value: float | None) -> str:
     return f"{value:.1%}" if value is not None else "-"
 
 
-def paired_speedup(
-    url: str, model: str, phase: Phase, pairs: int, *, run_id: str, ledger: PromptLedger
+def probe_heldout(
+    url: str, model: str, phase: Phase, pairs: int, *, run_id: str, ledger: PromptLedger | None
 ) -> dict[str, Any]:
-    """The live arm's speed-up over no speculation on ``pairs`` prompts of ``phase``: each prompt
-    sent straight to the reference server twice, pinned once to the live arm and once to the
-    standing no-speculation arm (``x-speculation-arm``), the order alternating from pair to pair,
-    after a few unmeasured warm-up pairs; ms per token = the arm's summed latency / its summed
-    completion tokens. A reply that names another arm than the one pinned voids the figure. The
-    prompts are recorded in ``ledger`` as a phase of their own, which gives their overlap."""
+    """The live arm against no speculation on ``pairs`` prompts of ``phase`` (a held-out phase):
+    each prompt sent straight to the reference server twice, pinned once to the live arm and once
+    to the standing no-speculation arm (``x-speculation-arm``), the order alternating from pair to
+    pair, after a few unmeasured warm-up pairs. Behind the router the server neither records nor
+    traces what it serves (``--no-report``), so no probe can reach a drafter's training; the same
+    ``phase`` probed before the shift and after the promotion sends the very same prompts, which
+    compares the generic and the promoted drafter on identical held-out requests.
+
+    Returns the live arm's hit rate (overall and per domain: exact counts), ms per token per arm
+    (summed latency / summed completion tokens) and the speed-up, with the per-pair spread. A reply
+    that names another arm than the one pinned voids the figures. The prompts are recorded in
+    ``ledger`` (when given) as a phase of their own, which gives their overlap with the run."""
     planned = plan_requests(phase)
-    tally = ledger.open_phase(heldout=phase.heldout)
+    tally = ledger.open_phase(heldout=phase.heldout) if ledger is not None else None
     arms = ("live", "baseline")
     latency = dict.fromkeys(arms, 0.0)
     tokens = dict.fromkeys(arms, 0)
+    counts: dict[str, list[int]] = {}  # domain -> [accepted, drafted] of the live arm
+    per_prompt: list[tuple[str, int, int]] = []  # (domain, accepted, drafted) of the live arm
     ratios: list[float] = []
     with httpx.Client(timeout=120.0) as client:
         for index in range(PAIRED_WARMUP_PAIRS + pairs):
             request = next(planned)
-            ledger.record(tally, request)
+            if ledger is not None and tally is not None:
+                ledger.record(tally, request)
             order = arms if index % 2 == 0 else arms[::-1]
-            measured: dict[str, tuple[float, int]] = {}
+            measured: dict[str, tuple[float, int, int, int]] = {}
             for arm in order:
                 body: dict[str, Any] = {
                     "model": model,
@@ -568,33 +594,62 @@ def paired_speedup(
                 elapsed = time.perf_counter() - started
                 resp.raise_for_status()
                 data = resp.json()
-                served = (data.get("speculation_record") or {}).get("arm") or resp.headers.get(
-                    "x-speculation-arm"
-                )
+                record = data.get("speculation_record") or {}
+                served = record.get("arm") or resp.headers.get("x-speculation-arm")
                 if served != arm:
                     return {"error": f"pinned the {arm} arm, the server served {served!r}", "planned": index}
-                measured[arm] = (elapsed, int((data.get("usage") or {}).get("completion_tokens") or 0))
+                measured[arm] = (
+                    elapsed,
+                    int((data.get("usage") or {}).get("completion_tokens") or 0),
+                    int(record.get("accepted_tokens") or 0),
+                    int(record.get("drafted_tokens") or 0),
+                )
             if index < PAIRED_WARMUP_PAIRS:
                 continue
-            for arm, (elapsed, count) in measured.items():
+            for arm, (elapsed, count, _, _) in measured.items():
                 latency[arm] += elapsed
                 tokens[arm] += count
-            if all(measured[a][1] for a in arms):
+            per_prompt.append((request.domain, measured["live"][2], measured["live"][3]))
+            domain = counts.setdefault(request.domain, [0, 0])
+            domain[0] += measured["live"][2]
+            domain[1] += measured["live"][3]
+            if measured["live"][1] and measured["baseline"][1]:
                 ratios.append(
                     (measured["baseline"][0] / measured["baseline"][1])
                     / (measured["live"][0] / measured["live"][1])
                 )
     ms = {arm: 1000.0 * latency[arm] / tokens[arm] if tokens[arm] else None for arm in arms}
+    accepted = sum(a for a, _ in counts.values())
+    drafted = sum(d for _, d in counts.values())
     ratios.sort()
     return {
         "pairs": pairs,
         "planned": PAIRED_WARMUP_PAIRS + pairs,
+        "hit_rate": accepted / drafted if drafted else None,
+        "by_domain": {
+            d: {"hit_rate": a / n if n else None, "accepted_tokens": a, "drafted_tokens": n}
+            for d, (a, n) in sorted(counts.items())
+        },
+        "per_prompt": per_prompt,
         "ms_per_token": ms,
         "speedup_vs_nospec": _ratio(ms["baseline"], ms["live"]),
         "per_pair_speedup_median": round(ratios[len(ratios) // 2], 3) if ratios else None,
         "per_pair_speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None,
-        "heldout_prompt_overlap": ledger.figures(tally).heldout_prompt_overlap,
+        "heldout_prompt_overlap": ledger.figures(tally).heldout_prompt_overlap
+        if ledger is not None and tally is not None
+        else None,
     }
+
+
+def heldout_drops(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float | None]:
+    """Per domain, the generic drafter's held-out hit rate minus the promoted one's, in points, on
+    the identical prompts the two probes sent (None where either drafted nothing)."""
+    out: dict[str, float | None] = {}
+    for domain in sorted(set(before.get("by_domain") or {}) | set(after.get("by_domain") or {})):
+        was = ((before.get("by_domain") or {}).get(domain) or {}).get("hit_rate")
+        now = ((after.get("by_domain") or {}).get(domain) or {}).get("hit_rate")
+        out[domain] = round((was - now) * 100, 2) if was is not None and now is not None else None
+    return out
 
 
 def _drafter_label(knobs: dict[str, Any]) -> str:
