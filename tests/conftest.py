@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,13 @@ from controlplane.db.models import Account, Deployment, Role, SpeculationMode
 from controlplane.db.session import get_engine, get_sessionmaker, unit_of_work
 from controlplane.ingest.batcher import IngestBatcher
 from controlplane.models.service import REFERENCE_TARGET, register_reference_models
+from tests.markers import ServiceReader, item_needs
+from tests.service_guard import REFUSED_PG_URL, guarded_item, install_service_guard, service_free_run
+
+# pytest loads this file as `conftest`; tests import it as `tests.conftest`. One module for both, so
+# the databases a test creates through either name are dropped at the end, and a service-free
+# run's refused URL holds for both.
+sys.modules.setdefault("tests.conftest", sys.modules[__name__])
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 # Per test session, so two test runs on one machine never drop each other's databases.
@@ -53,9 +61,10 @@ def recreate_pg_database(name: str) -> str:
     return pg_url(name)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _drop_session_databases() -> Iterator[None]:
-    yield
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Drop the databases this session created; a session that created none never connects."""
+    if not _created_databases:
+        return
     for url_name in _created_databases:
         get_engine(pg_url(url_name)).dispose()
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
@@ -63,6 +72,33 @@ def _drop_session_databases() -> Iterator[None]:
         for name in _created_databases:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if service_free_run(config):
+        install_service_guard()
+        # libpq's sockets are out of the guard's reach: a PostgreSQL test that slipped through
+        # unmarked meets a refused port instead of the machine's server.
+        global PG_ADMIN_URL
+        PG_ADMIN_URL = REFUSED_PG_URL
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test by what it needs: `e2e` by directory, `processes` and `postgres` read from
+    the code of the test, its fixtures and what they call (tests/markers.py)."""
+    reader = ServiceReader()
+    e2e_dir = Path(__file__).parent / "e2e"
+    for item in items:
+        if e2e_dir in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
+        for need in sorted(item_needs(item, reader)):
+            item.add_marker(getattr(pytest.mark, need))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    with guarded_item(item):
+        return (yield)
 
 
 def prepare_database(url: str) -> None:

@@ -117,7 +117,9 @@ def spawn_process(args: Sequence[str], cwd: Path | None = None, **env: str) -> s
 def started(process: subprocess.Popen[bytes], health_url: str) -> subprocess.Popen[bytes]:
     """The process once its health URL answers; killed, with its stderr in the error, if it never does."""
     try:
-        wait_http(health_url, process)
+        # A wait, not a figure: a reference server loading torch and its model beside other test
+        # runs on 2 cores has taken over 60 s to answer.
+        wait_http(health_url, process, timeout_s=180.0)
     except AssertionError:
         process.kill()
         _, err = process.communicate()
