@@ -3,8 +3,10 @@
     python tests/data/make_scrub_corpus.py
 
 One JSON object a line: ``{"text": ..., "entities": [{"type": ..., "value": ...}]}``. A line
-with entities is a positive case (each value must be gone from the scrubbed text); a line with
-none is a negative case (the text must come back unchanged). Every value is fake: 555 and
+with entities is a positive case (every character of every occurrence of each value must be
+replaced: ``bench/scrub.py`` counts a partial redaction as a miss); a line with none is a negative
+case (the text must come back unchanged). Written beside the rules, it is the in-sample corpus:
+``make_scrub_out_of_sample.py`` generates the out-of-sample one apart from them. Every value is fake: 555 and
 Ofcom drama numbers, test card numbers, the IBANs of the standards' examples, documentation and
 made-up addresses, tokens typed for this file. The texts are hand-written: each value sits in
 code, configuration, logs or prose the way traces carry it; a seeded generator only picks which
