@@ -100,7 +100,7 @@ def router_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         port = free_port()
         processes.append(start_router(config, port, work, CONTROLPLANE_ROUTER_API_KEY=cp.admin_key))
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a wait, not a figure: room for a loaded machine
         while len(httpx.get(f"{url}/healthz").json()["deployments"]["chat"]["arms"]) != 3:
             assert time.monotonic() < deadline
             time.sleep(0.2)
