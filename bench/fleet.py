@@ -988,6 +988,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         production["source"] = "missing: run bench/drift.py first (make bench runs it before this script)"
     best = max((s for s in steps if s.passed), key=lambda s: s.offered_requests_per_s, default=None)
     first = steps[0] if steps else None
+    finite = [s for s in steps if s.lag_p99_s is not None and math.isfinite(s.lag_p99_s)]
+    lowest = min(finite, key=lambda s: s.lag_p99_s or 0.0, default=None)
     figures = {
         "deployments": args.deployments,
         "fleet_capacity_requests_per_s": best.offered_requests_per_s if best else None,
@@ -1000,6 +1002,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fleet_capacity_lag_p99_s": best.as_dict()["lag_p99_s"] if best else None,
         # True when every load tried passed: the capacity is at least this, the search's floor.
         "fleet_capacity_is_lower_bound": search.capacity_is_lower_bound(),
+        # The lowest lag p99 any step reached, and at what load: when it does not fall as the
+        # load halves, it is the pipeline's floor on this machine.
+        "fleet_lag_p99_lowest_s": round(lowest.lag_p99_s, 3) if lowest and lowest.lag_p99_s else None,
+        "fleet_lag_p99_lowest_at_requests_per_s": lowest.offered_requests_per_s if lowest else None,
         # None above: no step passed, down to a quarter of the first step's load.
         "fleet_capacity_none_reason": None
         if best
