@@ -157,6 +157,7 @@ def test_a_head_for_another_target_is_refused(
         HeadConfig.for_target(target.config, 10, aux_layers=(0, 9))
 
 
+@pytest.mark.slow  # 2,000 decodes: the slowest of the head's tests
 def test_speculative_sampling_with_a_head_matches_target_joint_distribution(
     tokenizer: Tokenizer, tiny_config: ConfigFactory
 ) -> None:

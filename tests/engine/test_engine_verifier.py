@@ -104,6 +104,7 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
     assert logits_to_probs(torch.tensor([1.0, 5.0]), 1.0, top_p=0.01).tolist() == [0.0, 1.0]
 
 
+@pytest.mark.slow  # 3,000 decodes each: over half of the engine tests' time
 @pytest.mark.parametrize("kind", ["draft", "draft-confident", "ngram"])
 def test_speculative_sampling_matches_target_joint_distribution(
     kind: str, tokenizer: Tokenizer, tiny_config: ConfigFactory, noisy_copy: CopyFactory
