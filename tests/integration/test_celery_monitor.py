@@ -100,6 +100,7 @@ def test_a_worker_process_detects_the_drop(worker_env: dict[str, str], tmp_path:
             if events:
                 break
             time.sleep(0.5)
+        # Deterministic: the records come from random.Random(21).
         assert events == 1, (tmp_path / "worker.log").read_text()[-3000:]
     finally:
         worker.terminate()
@@ -158,6 +159,7 @@ def test_ingestion_alone_drives_the_monitor(worker_env: dict[str, str], tmp_path
                 events = client.get("/v1/accounts/acme/deployments/svc/drift-events", headers=headers).json()[
                     "drift_events"
                 ]
+        # Deterministic: the records come from random.Random(5).
         assert len(events) == 1, (tmp_path / "worker.log").read_text()[-3000:]
     finally:
         worker.terminate()
