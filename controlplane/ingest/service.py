@@ -301,8 +301,11 @@ def fold_pending_rollups(*, session: Session, deployment_ids: Sequence[int] | No
 
     A record whose sums cannot be stored (see unfoldable_reason) is quarantined instead of
     summed. Should the fold fail for a reason no check foresaw (the database still reachable),
-    it is undone and run again record by record, each in a savepoint, and the records that fail
-    alone are quarantined: no row can stop the folds after it.
+    it is undone and run again deployment by deployment, each in a savepoint, and only a
+    deployment whose sums fail goes record by record, the records that fail alone quarantined:
+    no row can stop the folds after it, nor slow another deployment's fold to one record at a
+    time (record by record, a fold of every deployment's backlog fell behind the ingest of a
+    poisoning account's neighbours: 2,855 of their records still unfolded 30 s after it stopped).
     """
     if session.get_bind().dialect.name != "postgresql":
         return 0
@@ -312,7 +315,7 @@ def fold_pending_rollups(*, session: Session, deployment_ids: Sequence[int] | No
     except Exception as exc:
         if database_unreachable(exc):
             raise
-        log.warning("rollup fold failed (%s: %s); folding record by record", type(exc).__name__, exc)
+        log.warning("rollup fold failed (%s: %s); folding deployment by deployment", type(exc).__name__, exc)
     return _fold(session, deployment_ids, one_by_one=True)
 
 
@@ -338,20 +341,10 @@ def _fold(session: Session, deployment_ids: Sequence[int] | None, *, one_by_one:
                 by_deployment.setdefault(row.deployment_id, []).append(row)
             else:
                 quarantine.append((row, reason))
-        for deployment_id, records in by_deployment.items():
+        # Deployments in id order, the order every writer locks rollup rows in.
+        for deployment_id, records in sorted(by_deployment.items()):
             if one_by_one:
-                for record in records:
-                    try:
-                        with session.begin_nested():
-                            apply_deltas(
-                                session=session,
-                                deployment_id=deployment_id,
-                                deltas=aggregate([record], when_default=now),
-                            )
-                    except Exception as exc:
-                        if database_unreachable(exc):
-                            raise
-                        quarantine.append((record, f"{type(exc).__name__}: {exc}"))
+                quarantine += _apply_isolating(session, deployment_id, records, now)
                 continue
             # The rows carry every attribute aggregate() reads, under the record's names.
             into = deltas.setdefault(deployment_id, {})
@@ -367,6 +360,37 @@ def _fold(session: Session, deployment_ids: Sequence[int] | None, *, one_by_one:
     for deployment_id, summed in sorted(deltas.items()):
         apply_deltas(session=session, deployment_id=deployment_id, deltas=summed)
     return folded
+
+
+def _apply_isolating(
+    session: Session, deployment_id: int, records: Sequence[Any], now: datetime
+) -> list[tuple[Any, str]]:
+    """Add one deployment's records to the rollups in a savepoint; should that fail (the database
+    reachable), add them one by one, each in a savepoint of its own. Returns the records that
+    failed alone, with the reason."""
+    try:
+        with session.begin_nested():
+            apply_deltas(
+                session=session,
+                deployment_id=deployment_id,
+                deltas=aggregate(cast(list[AcceptanceRecord], records), when_default=now),
+            )
+        return []
+    except Exception as exc:
+        if database_unreachable(exc):
+            raise
+    failed: list[tuple[Any, str]] = []
+    for record in records:
+        try:
+            with session.begin_nested():
+                apply_deltas(
+                    session=session, deployment_id=deployment_id, deltas=aggregate([record], when_default=now)
+                )
+        except Exception as exc:
+            if database_unreachable(exc):
+                raise
+            failed.append((record, f"{type(exc).__name__}: {exc}"))
+    return failed
 
 
 def unfoldable_reason(record: Any) -> str | None:

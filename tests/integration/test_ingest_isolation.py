@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -28,6 +29,7 @@ from controlplane.db.models import (
     Role,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
+from controlplane.ingest import service
 from controlplane.ingest.batcher import IngestBatcher, StorageRefusedError
 from controlplane.ingest.record import AcceptanceRecord
 from controlplane.ingest.service import ConflictingRecordsError, IngestResult, fold_pending_rollups
@@ -366,3 +368,39 @@ def test_a_row_the_fold_cannot_sum_is_quarantined_and_reported() -> None:
             'specctl_rollup_records_quarantined_total{account="acme",deployment="healthy"} 0.0'
             in metrics.text
         )
+
+
+def test_a_record_the_fold_cannot_sum_leaves_other_deployments_folded_in_one_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fold's fallback goes record by record only in the deployment whose sums failed: the
+    others are summed at once, as they would be without the poisoned record."""
+    url = recreate_pg_database("controlplane_fold_isolation")
+    prepare_database(url)
+    with get_engine(url).begin() as conn:
+        conn.execute(text(_PG_REFUSE_ROLLUP))
+    with get_sessionmaker(url)() as session:
+        tenant = make_tenant(session, "acme")
+        poisoned = add_deployment_to(session, tenant.account_id, "poisoned").id
+        healthy = add_deployment_to(session, tenant.account_id, "healthy").id
+        _pending_raw(session, poisoned, "odd-arm", total_ms=10.0, arm="canary:666")
+        for i in range(30):
+            _pending_raw(session, poisoned, f"fine-{i}", total_ms=10.0)
+            _pending_raw(session, healthy, f"fine-{i}", total_ms=10.0)
+        session.commit()
+    applied: list[int] = []
+    original = service.apply_deltas
+
+    def counting(**kwargs: Any) -> None:
+        applied.append(kwargs["deployment_id"])
+        original(**kwargs)
+
+    monkeypatch.setattr(service, "apply_deltas", counting)
+    with get_sessionmaker(url)() as session:
+        assert fold_pending_rollups(session=session) == 61
+        session.commit()
+    # At most once in the fold that failed as a whole, once in its fallback: never per record.
+    assert applied.count(healthy) <= 2
+    assert applied.count(poisoned) == 1 + 1 + 31  # whole fold, its deployment's savepoint, each record
+    assert _stored(url, healthy) == (30, 30)
+    assert _stored(url, poisoned) == (31, 30)  # the odd arm quarantined
