@@ -102,7 +102,7 @@ def test_window_sums_add_up_and_carry_the_injected_changes() -> None:
         sx, sxx = sums.sx[0], sums.sxx[0]
         assert np.array_equal(sx[:, fleet.K + 1 :], sx[:, : fleet.K - 1])  # t_{i+1} = s_i
         assert np.array_equal(sxx, np.transpose(sxx, (0, 2, 1)))
-        # Sums of squares of non-negative integers per request bound the square of no sum.
+        # Squares are summed request by request: x * x >= x for every non-negative integer count.
         assert np.all(np.diagonal(sxx, axis1=1, axis2=2) >= sx)
     rate = lambda sums: sums.sx[0, 0, 0] / sums.sx[0, 0, fleet.K]  # noqa: E731  prose position 0
     # A 10-25 % drop of a ~0.75 rate over ~100,000 verify steps, against a standard error of the
