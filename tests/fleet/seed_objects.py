@@ -57,7 +57,8 @@ REFERENCE_DRAFTER_FOLDER = ROOT / "workers" / "models" / "reference" / "generic-
 # (the sizes of tests/integration/test_drift_monitor.py, which alarm there on every seed).
 STABLE_RECORDS = 1600
 DROPPED_RECORDS = 400
-# Every path parameter of the API: a name from the spec to the kind of object it names.
+# Every path parameter the API's spec names (tests/integration/test_tenant_isolation_by_id.py checks
+# that no operation names another, so a new kind of object cannot go unseeded).
 PATH_PARAMETERS = (
     "account",
     "deployment",

@@ -20,10 +20,16 @@ from controlplane.db.session import get_engine, get_sessionmaker
 from tests.conftest import TEST_SECRET, Tenant, make_tenant, prepare_database, recreate_pg_database
 from tests.fleet.fuzz import load_schema
 from tests.fleet.processes import ControlPlaneProcess
-from tests.fleet.seed_objects import AccountSeeder, SeededObjects, open_states_present, valid_request
+from tests.fleet.seed_objects import (
+    PATH_PARAMETERS,
+    AccountSeeder,
+    SeededObjects,
+    open_states_present,
+    valid_request,
+)
 
 ROLES = (Role.admin, Role.ingest, Role.viewer, Role.serving)
-OBJECT_PARAMETERS = {"version", "canary_id", "event_id", "job_id", "delivery_id", "key_id", "name", "backend"}
+OBJECT_PARAMETERS = set(PATH_PARAMETERS) - {"account", "deployment"}
 
 
 class Accounts:
@@ -116,6 +122,10 @@ def test_no_key_of_another_account_reads_or_changes_an_object_by_its_id(accounts
     )
     before = accounts.seeder.object_states("vsvc")
     operations = [result.ok() for result in load_schema(accounts.api.url).get_all_operations()]
+    # Every {...} of the spec names a kind the seeding makes (a model route's {name} a model).
+    assert {p.name for operation in operations for p in operation.path_parameters} == set(PATH_PARAMETERS)
+    unseeded = [kind for kind in [*OBJECT_PARAMETERS, "model"] if not accounts.victim_objects.ids.get(kind)]
+    assert not unseeded, unseeded
     probes: list[tuple[str, str, Role, int]] = []
     with httpx.Client(base_url=accounts.api.url, timeout=30) as http:
         for operation in operations:
