@@ -8,6 +8,7 @@ attack with generated bodies as well."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from tests.fleet.seed_objects import (
 )
 
 ROLES = (Role.admin, Role.ingest, Role.viewer, Role.serving)
+ROOT = Path(__file__).resolve().parents[2]
+PLANTED_IDOR = ROOT / "tests" / "fleet" / "planted_idor"
 OBJECT_PARAMETERS = set(PATH_PARAMETERS) - {"account", "deployment"}
 
 
@@ -52,6 +55,15 @@ class Accounts:
 
 @pytest.fixture
 def accounts(tmp_path: Path) -> Iterator[Accounts]:
+    yield from _seeded_accounts(tmp_path)
+
+
+@pytest.fixture
+def accounts_on_a_broken_api(tmp_path: Path) -> Iterator[Accounts]:
+    yield from _seeded_accounts(tmp_path, PYTHONPATH=f"{PLANTED_IDOR}{os.pathsep}{ROOT}")
+
+
+def _seeded_accounts(tmp_path: Path, **env: str) -> Iterator[Accounts]:
     url = recreate_pg_database("controlplane_idor")
     prepare_database(url)
     with get_sessionmaker(url)() as session:
@@ -64,6 +76,7 @@ def accounts(tmp_path: Path) -> Iterator[Accounts]:
         CONTROLPLANE_SECRET_KEY=TEST_SECRET,
         CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST="false",
         CONTROLPLANE_VAR_DIR=str(tmp_path / "var"),
+        **env,
     ).start()
     try:
         seeder = AccountSeeder(
@@ -113,19 +126,10 @@ def _addressed(accounts: Accounts, operation: Any, ids: dict[str, list[str]], ow
     ]
 
 
-def test_no_key_of_another_account_reads_or_changes_an_object_by_its_id(accounts: Accounts) -> None:
-    present = open_states_present(accounts.seeder.object_states("vsvc"))
-    assert all(present.values()), present  # the victim holds every kind, in every state promised
+def _probe(accounts: Accounts, operations: list[Any]) -> list[tuple[str, str, Role, int]]:
+    """Every object-addressing operation, with the attacker's key of each role, naming each victim
+    object from the attacker's own path and from the victim's: (method, path, role, status)."""
     exclusive = _victim_only(accounts)
-    assert all(exclusive[kind] for kind in ("version", "canary_id", "event_id", "job_id", "delivery_id")), (
-        exclusive
-    )
-    before = accounts.seeder.object_states("vsvc")
-    operations = [result.ok() for result in load_schema(accounts.api.url).get_all_operations()]
-    # Every {...} of the spec names a kind the seeding makes (a model route's {name} a model).
-    assert {p.name for operation in operations for p in operation.path_parameters} == set(PATH_PARAMETERS)
-    unseeded = [kind for kind in [*OBJECT_PARAMETERS, "model"] if not accounts.victim_objects.ids.get(kind)]
-    assert not unseeded, unseeded
     probes: list[tuple[str, str, Role, int]] = []
     with httpx.Client(base_url=accounts.api.url, timeout=30) as http:
         for operation in operations:
@@ -148,6 +152,23 @@ def test_no_key_of_another_account_reads_or_changes_an_object_by_its_id(accounts
                     sent = {k: v for k, v in body.items() if k != "headers"}
                     reply = http.request(method, path, headers=headers, **sent)
                     probes.append((method, path, role, reply.status_code))
+    return probes
+
+
+def test_no_key_of_another_account_reads_or_changes_an_object_by_its_id(accounts: Accounts) -> None:
+    present = open_states_present(accounts.seeder.object_states("vsvc"))
+    assert all(present.values()), present  # the victim holds every kind, in every state promised
+    exclusive = _victim_only(accounts)
+    assert all(exclusive[kind] for kind in ("version", "canary_id", "event_id", "job_id", "delivery_id")), (
+        exclusive
+    )
+    before = accounts.seeder.object_states("vsvc")
+    operations = [result.ok() for result in load_schema(accounts.api.url).get_all_operations()]
+    # Every {...} of the spec names a kind the seeding makes (a model route's {name} a model).
+    assert {p.name for operation in operations for p in operation.path_parameters} == set(PATH_PARAMETERS)
+    unseeded = [kind for kind in [*OBJECT_PARAMETERS, "model"] if not accounts.victim_objects.ids.get(kind)]
+    assert not unseeded, unseeded
+    probes = _probe(accounts, operations)
     leaks = [p for p in probes if 200 <= p[3] < 300]
     assert not leaks, leaks
     # From the victim's path the answer never depends on the object: another account is not there.
@@ -172,3 +193,22 @@ def test_no_key_of_another_account_reads_or_changes_an_object_by_its_id(accounts
         for path in reads
     }
     assert set(answers.values()) == {200}, answers
+
+
+def test_the_probes_catch_a_lookup_that_ignores_the_account(accounts_on_a_broken_api: Accounts) -> None:
+    """The same probes against an API whose canary lookup ignores account and deployment: the
+    victim's canary answers 2xx from the attacker's own path, and a promotion through it changes
+    the victim's objects."""
+    accounts = accounts_on_a_broken_api
+    before = accounts.seeder.object_states("vsvc")
+    operations = [
+        result.ok()
+        for result in load_schema(accounts.api.url).get_all_operations()
+        if "{canary_id}" in result.ok().path
+    ]
+    probes = _probe(accounts, operations)
+    leaked = {(p[0], p[1].rsplit("/", 1)[-1], p[2]) for p in probes if 200 <= p[3] < 300}
+    canary = accounts.victim_objects.ids["canary_id"][0]
+    assert ("GET", canary, Role.viewer) in leaked
+    assert ("POST", f"{canary}:promote", Role.admin) in leaked
+    assert accounts.seeder.object_states("vsvc")["canaries"] != before["canaries"]
