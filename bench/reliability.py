@@ -144,6 +144,8 @@ def create_deployment(api: ControlPlaneProcess, tenant: Tenant, name: str, **ext
 
 def run_fuzz(quick: bool) -> dict[str, Any]:
     per_operation = 3 if quick else 10
+    from tests.fleet.seed_objects import open_states_present
+
     out: dict[str, Any] = {"cases_per_operation_per_role": per_operation, "by_role": {}}
     with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
         tenant = new_tenant(pg, "acme")
@@ -157,14 +159,16 @@ def run_fuzz(quick: bool) -> dict[str, Any]:
         )
         seeded = seeder.seed("svc")
         out["seeded_objects"] = {kind: len(values) for kind, values in seeded.ids.items()}
+        out["seeded_states_present"] = open_states_present(seeder.object_states("svc"))
         server_errors: list[dict[str, Any]] = []
         violations: list[str] = []
         statuses: Counter[int] = Counter()
         state_changing: Counter[str] = Counter()
         transport: Counter[str] = Counter()
         repairs: Counter[str] = Counter()
+        followed: Counter[str] = Counter()
         repair_failures: list[str] = []
-        cases = operations = pinned = 0
+        cases = operations = pinned = valid = 0
         for n, role in enumerate(ROLES):
             account = FuzzedAccount(
                 api.url,
@@ -181,6 +185,8 @@ def run_fuzz(quick: bool) -> dict[str, Any]:
             report = fuzz(api.url, target=account, cases_per_operation=per_operation, seed=n)
             cases += report.cases
             pinned += report.pinned_cases
+            valid += report.valid_body_cases
+            followed.update(account.followed)
             operations = report.operations
             statuses.update(report.statuses)
             state_changing.update(report.state_changing_2xx)
@@ -213,6 +219,8 @@ def run_fuzz(quick: bool) -> dict[str, Any]:
     transport_errors = sum(transport.values()) + (0 if api_alive else 1)
     failures = [f"{transport_errors} transport error(s)"] if transport_errors else []
     failures += [f"{len(server_errors)} server error(s)"] if server_errors else []
+    missing = [state for state, present in out["seeded_states_present"].items() if not present]
+    failures += [f"seeding left no {', '.join(missing)}"] if missing else []
     out.update(
         failures=failures,
         fuzz_cases=cases,
@@ -222,6 +230,8 @@ def run_fuzz(quick: bool) -> dict[str, Any]:
         fuzz_schema_violations=len(violations),
         operations=operations,
         pinned_cases=pinned,
+        valid_body_cases=valid,
+        ids_followed_from_replies=dict(followed),
         statuses={str(k): v for k, v in sorted(statuses.items())},
         state_changing_2xx_by_operation=dict(sorted(state_changing.items())),
         transport_error_cases=dict(transport),
@@ -273,7 +283,7 @@ def run_tenants(quick: bool) -> dict[str, Any]:
 
     from controlplane.fleet import payloads
     from tests.fleet.fuzz import operation_order
-    from tests.fleet.seed_objects import valid_request
+    from tests.fleet.seed_objects import open_states_present, valid_request
 
     generated_per_probe = 1 if quick else 3
     with tempfile.TemporaryDirectory() as tmp, api_on_private_postgres(Path(tmp)) as (pg, api):
@@ -288,6 +298,7 @@ def run_tenants(quick: bool) -> dict[str, Any]:
             marker="attacker-own-marker",
         ).seed("asvc")
         before = victim_seeder.object_states("vsvc")
+        victim_states = open_states_present(before)
         markers = sorted(set(victim_objects.markers) | set(victim.keys.values()))
         # Objects of the victim that no object of the attacker shares an id or name with.
         exclusive = {
@@ -388,6 +399,8 @@ def run_tenants(quick: bool) -> dict[str, Any]:
         api_alive = api.process is not None and api.process.poll() is None
     idor_leaks = len(leaks) + len(changed)
     failures = [f"{idor_leaks} leak(s)"] if idor_leaks else []
+    missing = [state for state, present in victim_states.items() if not present]
+    failures += [f"the victim had no {', '.join(missing)}"] if missing else []
     failures += [f"{sum(transport.values())} transport error(s)"] if transport else []
     return {
         "failures": failures,
@@ -396,6 +409,7 @@ def run_tenants(quick: bool) -> dict[str, Any]:
         "victim_objects_changed": changed,
         "control_victim_reads_by_id": {str(k): v for k, v in sorted(control.items())},
         "victim_objects": {kind: len(values) for kind, values in victim_objects.ids.items()},
+        "victim_states_present": victim_states,
         "operations": len(operations),
         "roles": [r.value for r in ROLES] + ["webhook-signature"],
         "statuses": {str(k): v for k, v in sorted(statuses.items())},

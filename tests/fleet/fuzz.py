@@ -326,6 +326,8 @@ class FuzzedAccount:
         self.deployments_recreated = 0
         self.repairs: Counter[str] = Counter()
         self.repair_failures: list[str] = []
+        # Objects a reply named that later cases then addressed, by kind.
+        self.followed: Counter[str] = Counter()
 
     @property
     def fixed_path(self) -> dict[str, str]:
@@ -368,6 +370,7 @@ class FuzzedAccount:
             except (ValueError, KeyError, TypeError):
                 return
             self.seeded.add(kind, str(value))
+            self.followed[kind] += 1
 
     def _repair(self) -> None:
         assert self.seeded is not None and self.seeder is not None
