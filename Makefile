@@ -42,6 +42,14 @@ typecheck: install
 test: lint typecheck
 	$(BIN)/python -m pytest -q
 
+# The tests that need no service and start no process: no PostgreSQL, Redis, Celery worker or
+# subprocess server (the markers are applied at collection; a test that slips through fails the
+# run's guard instead of using a service). The integration ring's SQLite variants need none either
+# but take a few CPU-seconds each, so they stay with make test, as do slow tests.
+UNIT := not e2e and not integration and not processes and not postgres and not slow
+unit: install
+	$(BIN)/python -m pytest -q -m "$(UNIT)"
+
 bench: install
 	$(BIN)/python bench/run_all.py
 

@@ -84,13 +84,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test by what it needs: `e2e` by directory, `processes` and `postgres` read from
-    the code of the test, its fixtures and what they call (tests/markers.py)."""
+    """Mark every test by what it needs: `e2e` and `integration` by directory, `processes` and
+    `postgres` read from the code of the test, its fixtures and what they call (tests/markers.py)."""
     reader = ServiceReader()
-    e2e_dir = Path(__file__).parent / "e2e"
+    here = Path(__file__).parent
+    rings = {here / "e2e": pytest.mark.e2e, here / "integration": pytest.mark.integration}
     for item in items:
-        if e2e_dir in item.path.parents:
-            item.add_marker(pytest.mark.e2e)
+        for directory, ring in rings.items():
+            if directory in item.path.parents:
+                item.add_marker(ring)
         for need in sorted(item_needs(item, reader)):
             item.add_marker(getattr(pytest.mark, need))
 

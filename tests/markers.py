@@ -19,6 +19,7 @@ PostgreSQL or Redis without its marker.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import types
@@ -51,8 +52,12 @@ def _process_objects() -> tuple[Any, ...]:
 def _is_project(obj: Any) -> bool:
     """Defined in this repository (pytest imports test files under their bare names)."""
     name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
-    module = sys.modules.get(name) if isinstance(name, str) else None
-    path = getattr(module, "__file__", None)
+    return isinstance(name, str) and _is_project_module(name)
+
+
+@functools.cache
+def _is_project_module(name: str) -> bool:
+    path = getattr(sys.modules.get(name), "__file__", None)
     if path is None:
         return False
     resolved = Path(path).resolve()

@@ -99,6 +99,7 @@ def test_unrolled_training_pass_matches_drafting(target: Transformer) -> None:
             torch.testing.assert_close(windowed[s][0, s:], outs[s][0, 6 + s : 21], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # 10 s of decoding beside other runs, the slowest of the head's other tests
 def test_greedy_speculation_with_a_head_is_identical_for_every_prompt(
     target: Transformer, tokenizer: Tokenizer, make_prompts: PromptFactory
 ) -> None:

@@ -138,6 +138,7 @@ def test_large_arl0_is_extrapolated_below_the_bound() -> None:
     assert math.log(1e7) <= d.threshold <= math.log(1e8)
 
 
+@pytest.mark.slow  # 40 fitted detectors run to their first alarm: the slowest unit test
 def test_null_streams_alarm_no_more_often_than_arl0_allows() -> None:
     # 40 deployments, each with a reference window of its own and monitored from a fresh start up
     # to its first alarm or 2 ARL0 requests; the pooled censored-exponential estimate of ARL0
