@@ -45,7 +45,7 @@ test: lint typecheck
 # The tests that need no service and start no process: no PostgreSQL, Redis, Celery worker or
 # subprocess server (the markers are applied at collection; a test that slips through fails the
 # run's guard instead of using a service). The integration ring's SQLite variants need none either
-# but take a few CPU-seconds each, so they stay with make test, as do slow tests.
+# but cost over 100 CPU-seconds together (185 tests), so they stay with make test, as do slow tests.
 UNIT := not e2e and not integration and not processes and not postgres and not slow
 unit: install
 	$(BIN)/python -m pytest -q -m "$(UNIT)"
