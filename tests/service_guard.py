@@ -9,6 +9,8 @@ their command and leave nothing running.
 
 from __future__ import annotations
 
+import itertools
+import re
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -33,15 +35,20 @@ _active: list[str] = []  # the node id of the test being guarded, when one is
 
 
 def service_free_run(config: pytest.Config) -> bool:
+    """Whether the marker expression leaves out every test marked `processes` or `postgres`,
+    whatever other markers it carries (`-m slow` does not; `make unit`'s expression does)."""
     expression = config.getoption("markexpr", "")
     if not expression:
         return False
     compiled = Expression.compile(expression)
-
-    def selects(marker: str) -> bool:
-        return compiled.evaluate(lambda name, **_: name == marker)
-
-    return not selects("processes") and not selects("postgres")
+    names = sorted(set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expression)) - {"and", "or", "not"})
+    for service in ("processes", "postgres"):
+        others = [name for name in names if name != service]
+        for chosen in itertools.product((False, True), repeat=len(others)):
+            carried = {service, *(name for name, on in zip(others, chosen, strict=True) if on)}
+            if compiled.evaluate(lambda name, carried=carried, **_: name in carried):
+                return False
+    return True
 
 
 def _refuse(what: str) -> None:
