@@ -501,9 +501,6 @@ def measure(quick: bool = False) -> dict[str, Any]:
                 "action_reason": acted.get("reason") if acted else watcher.last.get("reason"),
                 "check_ratio_at_action": acted.get("ratio") if acted else None,
                 "check_ratio_low_at_action": acted.get("ratio_low") if acted else None,
-                # What the check expected of the k it chose (its cost model: verifying k + 1 tokens
-                # costs one target step, the rest of a round's measured cost is the drafter's).
-                "check_draft_length_plan_at_action": acted.get("draft_length_plan") if acted else None,
             }
             if acted is None:
                 say(f"pays: the check did not act within {DETECTION_CAP} requests")
