@@ -6,10 +6,11 @@ scrubbed traces should learn the *form* of what the target writes (an address, a
 groups of four, a phone number in its country's format), which a typed placeholder such as
 ``<EMAIL>`` hides, without ever seeing the real values. So each surrogate keeps the shape:
 
-* e-mail: each run of letters in the local part becomes a pronounceable word of the same length,
-  digits other digits, punctuation stays; the domain stays when it is a public mailbox provider
-  or a documentation domain (it names nobody), otherwise its labels are rewritten the same way
-  and its public suffix (``.co.uk``) stays;
+* e-mail: the local part's words become names (a first name, then last names; a one- or
+  two-letter word stays an initial), digits other digits, punctuation stays; the domain stays
+  when it is a public mailbox provider or a documentation domain (it names nobody), otherwise
+  its labels become pronounceable words of the same length and its public suffix
+  (``.co.uk``) stays;
 * phone: the ``+``/``00`` and country calling code, a trunk ``0`` and every separator stay; the
   other digits are drawn anew;
 * card: the same length and grouping, the same first digit (the network), fresh digits and a
@@ -71,6 +72,26 @@ _VENDOR_PREFIX = re.compile(
     r"|xox[abposr]-|AKIA|ASIA|AIza|hf_|npm_|pypi-|SG\.|eyJ|SK|AC)",
 )
 _LETTER_RUN = re.compile(r"[^\W\d_]+")
+_LOCAL_PIECES = re.compile(r"[^\W\d_]+|\d+|[^\w]|_")
+# Common first and last names of many countries, ASCII: what a fake address's local part is made
+# of, so that it tokenises like the names people's addresses are made of.
+_FIRST_NAMES: Final = tuple(
+    """anna maria james olivia noah emma liam sofia lucas mia ethan chloe mateo aisha yuki omar lena ivan
+    priya chen fatima diego hannah kofi elena tomas sara jonas amara leo nina rafael ines hugo zara
+    david laura daniel julia michael sarah thomas lisa peter karen paul nora simon alice martin clara
+    marco giulia luca francesca pierre camille louis manon carlos lucia pablo carmen jan eva piotr
+    kasia lars ingrid erik astrid mehmet elif ali leila arjun ananya rahul kenji haruto sakura minjun
+    jiwoo wei ming amina tunde chidi zainab joao beatriz felipe ana pedro rosa emil freja oscar""".split()
+)
+_LAST_NAMES: Final = tuple(
+    """silva smith garcia muller rossi kim nguyen patel cohen okafor larsen novak tanaka costa dubois
+    weber khan moreau jensen santos ivanova haddad fischer rahman lopez berg mensah ortiz sato varga
+    johnson brown jones miller davis wilson taylor anderson thomas martin schmidt schneider meyer
+    wagner becker bianchi romano colombo ricci bernard petit durand leroy fernandez gonzalez martinez
+    sanchez perez kowalski nowak wojcik andersson johansson nielsen hansen yilmaz kaya demir sharma
+    singh gupta suzuki takahashi watanabe park lee choi wang zhang liu chen yang adeyemi okeke bello
+    oliveira souza pereira lima ferreira virtanen korhonen murphy kelly walsh""".split()
+)
 _IPV4_TAIL = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}$", re.ASCII)
 
 
@@ -130,7 +151,24 @@ def _email(value: str, rng: random.Random) -> str:
             domain = _words_like(head, rng) + domain[-len(suffix) - 1 :]
         else:
             domain = _words_like(domain, rng)
-    return f"{_words_like(local, rng)}@{domain}"
+    return f"{_local_part(local, rng)}@{domain}"
+
+
+def _local_part(local: str, rng: random.Random) -> str:
+    """Names for names: ``jane.doe`` becomes another first and last name, ``j.doe`` an initial and
+    a last name; other words and digits are drawn like the rest (``_words_like``)."""
+    out = []
+    words = 0
+    for piece in _LOCAL_PIECES.findall(local):
+        if not _LETTER_RUN.fullmatch(piece) or len(piece) < 3:
+            out.append(_words_like(piece, rng) if piece[0].isalnum() else piece)
+            if piece[0].isalpha():
+                words += 1
+            continue
+        name = rng.choice(_FIRST_NAMES if words == 0 else _LAST_NAMES)
+        words += 1
+        out.append(name.upper() if piece.isupper() else name.capitalize() if piece[0].isupper() else name)
+    return "".join(out)
 
 
 def _kept_phone_digits(value: str) -> int:

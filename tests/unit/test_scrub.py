@@ -287,8 +287,9 @@ def test_surrogates_keep_the_shape() -> None:
     result = scrub(text, key=KEY)
     surrogates = {r.value: r.surrogate for r in result.replacements}
     assert all(value not in result.text for value in surrogates)
-    assert re.fullmatch(r"\w+\.\w+@\w{7}\.org", surrogates["jane.doe@mailbox.org"])
-    assert re.fullmatch(r"\w{3}@gmail\.com", surrogates["ana@gmail.com"])  # a mailbox provider stays
+    # Names for names in the local part; the domain's label is rewritten, its suffix kept.
+    assert re.fullmatch(r"[a-z]+\.[a-z]+@[a-z]{7}\.org", surrogates["jane.doe@mailbox.org"])
+    assert re.fullmatch(r"[a-z]+@gmail\.com", surrogates["ana@gmail.com"])  # a mailbox provider stays
     assert re.fullmatch(r"\+44 [2-9]\d \d{4} \d{4}", surrogates["+44 20 7946 0958"])
     assert re.fullmatch(r"\([2-9]\d\d\) \d{3}-\d{4}", surrogates["(415) 555-2671"])
     card = surrogates["4111 1111 1111 1111"]
