@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench.drafters_partial import figures
-from workers.demo import Observed, mix_label, nospec_ms_per_token, per_category_figures
+from workers.demo import Observed, heldout_drops, mix_label, nospec_ms_per_token, per_category_figures
 from workers.serve.traffic import Group, Phase, PhaseReport, RequestResult
 
 
@@ -69,10 +69,19 @@ def test_partial_shift_figures_come_from_the_per_category_stages() -> None:
                 "structured": {"hit_rate": 0.74, "speedup_vs_nospec": 2.0},
             },
         },
+        # The held-out probe: identical prompts before the shift and after the promotion.
+        "heldout_drop_points_by_domain": {"prose": 2.25, "structured": -60.0},
+        "probe_before_shift": {"hit_rate": 0.2, "per_prompt": [("prose", 1, 4)]},
+        "paired": {"hit_rate": 0.5, "per_prompt": [("prose", 2, 4)], "speedup_vs_nospec": 1.3},
     }
     out = figures(summary)
     assert out["partial_shift_new_part_hit_rate"] == 0.74
-    assert out["partial_shift_old_part_drop_points"] == pytest.approx(1.5)
+    # The old part's drop is the probe's (identical held-out prompts); the live phases compare
+    # different documents and stay beside it.
+    assert out["partial_shift_old_part_drop_points"] == 2.25
+    assert out["prose_drop_points_live_phases_other_documents"] == pytest.approx(1.5)
+    assert "per_prompt" not in out["heldout_probe_after_promotion"]
+    assert out["promoted_speedup_vs_nospec_heldout_paired"] is None  # the demo's own key, absent here
     assert (out["structured_hit_rate_stale"], out["prose_hit_rate_after"]) == (0.04, 0.245)
     assert out["structured_speedup_vs_nospec_after"] == 2.0
     assert out["shift_to_promotion_s"] == 120.5
@@ -129,3 +138,14 @@ def test_per_category_figures_read_each_stage_through_the_category_filter() -> N
     assert ("prose", "live", 3, None) in by_stage
     stale = next(q for q in api.queries if q.get("start") == "2026-12-02T08:00:00+00:00")
     assert stale["end"] == "2026-12-02T08:05:00+00:00" and stale["arm"] == "live"
+
+
+def test_heldout_drops_compare_the_same_domains_of_both_probes() -> None:
+    before = {"by_domain": {"prose": {"hit_rate": 0.30}, "structured": {"hit_rate": 0.05}}}
+    after = {"by_domain": {"prose": {"hit_rate": 0.275}, "structured": {"hit_rate": 0.81}}}
+    assert heldout_drops(before, after) == {"prose": 2.5, "structured": -76.0}
+    # A domain one probe never drafted in has no drop rather than a made-up one.
+    assert heldout_drops(before, {"by_domain": {"prose": {"hit_rate": None}}}) == {
+        "prose": None,
+        "structured": None,
+    }
