@@ -29,8 +29,10 @@ its replay planned by ``workers.training.replay``). Then, greedy, k = 4, batch s
   step times).
 
 Timings move with the machine's load (a shared 2-core machine: the speed ratios are noisy; the hit
-rates are exact counts); the 1-minute load average is recorded. ``measure(quick=True)`` uses fewer
-prompts, one replay repetition and a shorter training budget.
+rates are exact counts); the 1-minute load average is recorded, the measurements run on one torch
+thread (see ``measure``), and the share is also given taken apart (tokens per round, time per round)
+so a run whose timings load distorted shows it: the two arms run the same forwards per round.
+``measure(quick=True)`` uses fewer prompts and a shorter training budget.
 
 Run as a script: writes bench/results/drafters_realign.json.
 """
@@ -70,6 +72,10 @@ SHIFTED_TRACES = 1024
 PROSE_TRACES = 512
 TRACE_TOKENS = 128
 EVAL_TOKENS = 96
+MEASURE_THREADS = 1
+# Each (prompt, arm) request is timed this many times and its medians kept: a request is short
+# (a one-line answer), so one descheduling would otherwise decide its figure.
+REPLAY_REPEATS = 3
 
 
 def _rounded(value: float | None) -> float | None:
@@ -98,6 +104,11 @@ def measure(quick: bool = False) -> dict[str, Any]:
         verbose=not quick,
     )
     drafter = result.model
+    # Every measurement from here on runs on one torch thread: on a 2-core machine shared with
+    # other work, two threads make every op wait at a barrier for a descheduled thread. Measured
+    # on this machine, the same replay took 106 s on two threads and 7.4 s on one, and two arms
+    # running the very same forwards per round timed 1.64x apart on two (1.11x on one).
+    torch.set_num_threads(MEASURE_THREADS)
     n_eval = 8 if quick else 24
     stop = STOPS.get(SHIFTED, ())
     shifted_eval = eval_prompts(tokenizer, SHIFTED, n_eval)
@@ -119,7 +130,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
         shifted_eval,
         K,
         lengths,
-        repeats=1 if quick else 2,
+        repeats=REPLAY_REPEATS,
         stop_at_eos=False,
         reference="baseline",
         measure_cost=False,
@@ -184,6 +195,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
             "held_out_new": result.metrics["held_out_new"],
             "held_out_old": result.metrics["held_out_old"],
             "eval_prompts": n_eval,
+            "replay_repeats": REPLAY_REPEATS,
+            "measure_threads": MEASURE_THREADS,
             "load_average_1m": round(os.getloadavg()[0], 2),
             "cpu_cores": os.cpu_count(),
             "wall_s": round(time.perf_counter() - started, 1),
@@ -204,7 +217,9 @@ def main() -> None:
         f"{c['realigned_speedup']:.2f}x vs never-missing {c['measured_ceiling_speedup']:.2f}x "
         f"(hit rate {c['never_missing_hit_rate']:.1%}) in the same run; share of the analytic "
         f"ceiling {out['realigned_share_of_analytic_ceiling']:.2f} ({c['analytic_ceiling_speedup']:.2f}x "
-        f"from c = {c['c']:.3f}, verify {c['verify_cost_k_plus_1']:.2f}x); "
+        f"from c = {c['c']:.3f}, verify {c['verify_cost_k_plus_1']:.2f}x); taken apart: tokens per round "
+        f"{c['measured_share_tokens_per_round_ratio']:.2f} x time per round "
+        f"{c['measured_share_round_time_ratio']:.2f} (near 1 unless load moved the timings); "
         f"load {c['load_average_1m']:.1f} on {c['cpu_cores']} cores (speed ratios are noisy under load)"
     )
     print(f"wrote {RESULTS}")
