@@ -192,7 +192,8 @@ def never_missing_twin(
     """The never-missing drafter that pays what ``spec`` (a drafter model, its proposer, or a head's
     proposer) pays per drafted token. Its own KV cache: the twin shares weights, never state."""
     if isinstance(spec, Transformer):
-        return NeverMissingDraftProposer(spec, continuations, max_len)
+        window = spec.config.max_seq_len  # as the replay sizes the twin's own cache
+        return NeverMissingDraftProposer(spec, continuations, min(max_len or window, window))
     if isinstance(spec, DraftModelProposer):
         length = max_len if max_len is not None else spec.cache.max_len
         return NeverMissingDraftProposer(spec.drafter, continuations, min(length, spec.cache.max_len))
