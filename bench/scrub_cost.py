@@ -27,11 +27,13 @@ The two arms differ only in the text of the traces, so the difference is the cos
 noise is that of two realignments on the same data with one seed (the training order and held-out
 split are the same in both arms; a repeated run reproduced the raw arm's hit rates exactly).
 
-Measured (``--quick``, 2 shared cores): raw 45.7%, scrubbed 42.3% on the 24 prompts whose answer
-holds an address (+3.3 points; +4.6 when the surrogate's local part was pronounceable pseudo-words
-rather than names); 45.6% vs 45.9% on all prompts. The likely remaining cost: this corpus derives
-each address from a name the request also writes (``Sara Cohen``, ``sara.cohen@example.com``), and
-names are not scrubbed, so a surrogate breaks the link the target follows.
+Measured (``--quick``, 2 shared cores), raw vs scrubbed on the 24 prompts whose answer holds an
+address: 45.7% vs 45.0% (+0.7 points); 45.6% vs 46.1% on all prompts. Earlier surrogates cost
+more: +4.6 points when an address's local part became pronounceable pseudo-words, +3.3 with other
+names; this corpus spells each address from a name the request also writes (``Sara Cohen``,
+``sara.cohen@example.com``), names are not scrubbed, and a surrogate that broke that link taught
+the drafter to hedge where the target copies. Surrogates now keep such a name and change the
+domain (``controlplane.traces.surrogates``).
 """
 
 from __future__ import annotations

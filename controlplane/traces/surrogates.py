@@ -10,7 +10,9 @@ groups of four, a phone number in its country's format), which a typed placehold
   two-letter word stays an initial), digits other digits, punctuation stays; the domain stays
   when it is a public mailbox provider or a documentation domain (it names nobody), otherwise
   its labels become pronounceable words of the same length and its public suffix
-  (``.co.uk``) stays;
+  (``.co.uk``) stays. A local-part word the trace also writes as a name (``Sara Cohen`` beside
+  ``sara.cohen@...``) stays, since names are not scrubbed and the link between a person and
+  their address is what a target follows; such an address always gets another domain;
 * phone: the ``+``/``00`` and country calling code, a trunk ``0`` and every separator stay; the
   other digits are drawn anew;
 * card: the same length and grouping, the same first digit (the network), fresh digits and a
@@ -72,6 +74,7 @@ _VENDOR_PREFIX = re.compile(
     r"|xox[abposr]-|AKIA|ASIA|AIza|hf_|npm_|pypi-|SG\.|eyJ|SK|AC)",
 )
 _LETTER_RUN = re.compile(r"[^\W\d_]+")
+_NAME_WORD = re.compile(r"\b[A-Z][a-z]{2,}\b")
 _LOCAL_PIECES = re.compile(r"[^\W\d_]+|\d+|[^\w]|_")
 # Common first and last names of many countries, ASCII: what a fake address's local part is made
 # of, so that it tokenises like the names people's addresses are made of.
@@ -141,25 +144,34 @@ def _suffixes() -> object:
     return offline_suffixes()
 
 
-def _email(value: str, rng: random.Random) -> str:
+def _email(value: str, rng: random.Random, names: frozenset[str] = frozenset()) -> str:
     local, _, domain = value.rpartition("@")
     folded = domain.lower()
-    if folded not in _SHARED_MAIL_DOMAINS and not folded.endswith(_RESERVED_SUFFIXES):
+    local_surrogate = _local_part(local, rng, names)
+    # A local part that keeps a name the trace writes anyway must change domain to be no real value.
+    keeps_name = any(piece.lower() in names for piece in _LOCAL_PIECES.findall(local))
+    if keeps_name or (folded not in _SHARED_MAIL_DOMAINS and not folded.endswith(_RESERVED_SUFFIXES)):
         suffix = getattr(_suffixes()(domain), "suffix", "")  # type: ignore[operator]
         if suffix and folded.endswith("." + suffix.lower()):
             head = domain[: -len(suffix) - 1]
             domain = _words_like(head, rng) + domain[-len(suffix) - 1 :]
         else:
             domain = _words_like(domain, rng)
-    return f"{_local_part(local, rng)}@{domain}"
+    return f"{local_surrogate}@{domain}"
 
 
-def _local_part(local: str, rng: random.Random) -> str:
+def _local_part(local: str, rng: random.Random, names: frozenset[str] = frozenset()) -> str:
     """Names for names: ``jane.doe`` becomes another first and last name, ``j.doe`` an initial and
-    a last name; other words and digits are drawn like the rest (``_words_like``)."""
+    a last name; other words and digits are drawn like the rest (``_words_like``). A word the
+    trace also writes as a name (``Jane``, in ``names``) stays: the address still belongs to the
+    person the text names, and the name is in the stored text anyway."""
     out = []
     words = 0
     for piece in _LOCAL_PIECES.findall(local):
+        if piece.lower() in names:
+            out.append(piece)
+            words += 1
+            continue
         if not _LETTER_RUN.fullmatch(piece) or len(piece) < 3:
             out.append(_words_like(piece, rng) if piece[0].isalnum() else piece)
             if piece[0].isalpha():
@@ -427,6 +439,8 @@ class Surrogates:
         self._key = key if key is not None else secrets.token_bytes(32)
         # Whole words of the texts, not every substring: a search of the text per surrogate would
         # make a text of many entities quadratic.
+        # Capitalised words of the texts: the names an address's local part may spell.
+        self._names = frozenset(word.lower() for text in texts for word in _NAME_WORD.findall(text))
         self._words = frozenset(_normal(word) for text in texts for word in text.split())
         self._real = frozenset(_normal(value) for value in real_values)
         self._given: dict[tuple[str, str], str] = {}
@@ -438,6 +452,8 @@ class Surrogates:
         if given is not None:
             return given
         make = _MAKERS[kind]
+        if kind == "email":
+            make = functools.partial(_email, names=self._names)
         candidate = value
         for draw in range(_MAX_DRAWS):
             message = f"{kind}\0{value}\0{draw}".encode()

@@ -320,6 +320,19 @@ def test_surrogates_are_consistent_within_a_trace_and_keyed() -> None:
     assert other.text != first.text
 
 
+def test_an_address_keeps_the_name_its_trace_writes() -> None:
+    """Names are not scrubbed: an address spelled from a name in the text keeps that name and gets
+    another domain, so it still belongs to the person the text names and is no real address."""
+    request = "Add a customer named Sara Cohen with email sara.cohen@example.com."
+    answer = "INSERT INTO customers (name, email) VALUES ('Sara Cohen', 'sara.cohen@example.com');"
+    prompt, completion = scrub_trace([request, answer], key=KEY)
+    address = re.search(r"sara\.cohen@([a-z]+)\.com", prompt.text)
+    assert address is not None and address[1] != "example", prompt.text
+    assert address.group() in completion.text
+    unnamed = scrub("Email sara.cohen@example.com please.", key=KEY).text
+    assert "sara" not in unnamed and "@example.com" in unnamed
+
+
 def test_a_surrogate_is_never_a_value_or_a_word_of_its_trace() -> None:
     value = "4111 1111 1111 1111"
     drawn = Surrogates(texts=[value], real_values=[value], key=KEY).surrogate("credit_card", value)
