@@ -35,7 +35,7 @@ from controlplane.db.session import get_engine, unit_of_work
 from tests.conftest import recreate_pg_database
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO_TIMEOUT_S = 1200
+DEMO_TIMEOUT_S = 1800
 REDIS_DB = 11
 PARTIAL_SHIFT = ROOT / "scenarios" / "partial_shift.toml"
 # How far the old part's hit rate may fall once the realigned drafter serves it.
