@@ -24,6 +24,7 @@ SCRIPTS = [
     "models.py",
     "router.py",
     "scrub.py",
+    "scrub_cost.py",
     "reliability.py",
     "demo_heldout.py",
     # Last: gathers the figures above into bench/results/evidence.json.
