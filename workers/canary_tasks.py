@@ -256,7 +256,8 @@ def _replay(plan: ReplayPlan, settings: Settings, progress: Progress) -> dict[st
             max_new_tokens=[n for _, n in requests],
             progress=lambda fraction, message: progress(0.05 + 0.9 * fraction, message),
             # The candidate's measured ceiling: one more arm, the cheapest of them (it needs the
-            # fewest target passes), drafting the continuations the lossless check computes anyway.
+            # fewest target passes), drafting the continuations the lossless check computes anyway:
+            # +15% on a reference-pair replay of three arms (20.8 s -> 23.8 s, medians of two).
             ceiling_of="candidate",
         )
     except ReplayCancelledError as exc:
