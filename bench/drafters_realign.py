@@ -17,8 +17,7 @@ its replay planned by ``workers.training.replay``). Then, greedy, k = 4, batch s
   structured prompts (the three arms interleaved per prompt in rotated order, each request served
   to its length under the stop string, lossless check on). Both speed-ups are over the decode
   phase (the tokens after the first, over the time after the first): the prefill is the same in
-  every arm. ``realigned_share_of_ceiling`` is the same figure, under the name ``bench/drafters.py``
-  reads.
+  every arm.
 - ``realigned_share_of_analytic_ceiling``: the same speed-up over the old formula, a cross-check:
   the speed-up of a drafter that never misses predicted from isolated step costs measured after
   the replay, (k + 1) * t_target_step / (t_verify(k + 1) + k * t_draft_step) (``bench.engine``'s
@@ -59,8 +58,11 @@ from bench.realign import (  # noqa: E402
     decode_figures,
     eval_prompts,
     load_reference,
+    make_traces,
     realign_for_domain,
 )
+from controlplane.traces.holdout import prompt_hash  # noqa: E402
+from workers import corpora  # noqa: E402
 from workers.canary.replay import NEVER_MISSING, shadow_replay  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
 from workers.training.realign import RealignConfig  # noqa: E402
@@ -80,6 +82,21 @@ REPLAY_REPEATS = 3
 
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
+
+
+def heldout_overlap(target: Any, tokenizer: Any, n_eval: int) -> int:
+    """How many evaluation prompts of either domain repeat (normalised) a prompt the realigned
+    drafter trained on: the same cached traces ``realign_for_domain`` read, the same prompts
+    ``eval_prompts`` drew."""
+    trained = {
+        prompt_hash(t.prompt)
+        for domain, n in ((SHIFTED, SHIFTED_TRACES), (BEFORE, PROSE_TRACES))
+        for t in make_traces(target, tokenizer, domain, n, TRACE_TOKENS, 0)
+    }
+    evaluated = [
+        p.text for domain in (SHIFTED, BEFORE) for p in corpora.prompts(domain, "test", n=n_eval, seed=7)
+    ]
+    return sum(prompt_hash(text) in trained for text in evaluated)
 
 
 def measure(quick: bool = False) -> dict[str, Any]:
@@ -151,7 +168,9 @@ def measure(quick: bool = False) -> dict[str, Any]:
         "prose_hit_rate_drop_points": round(drop, 2),
         "realigned_share_of_measured_ceiling": round(measured.share_of_ceiling, 4),
         "realigned_share_of_analytic_ceiling": round(decode_speedup / ceiling, 4),
-        "realigned_share_of_ceiling": round(measured.share_of_ceiling, 4),
+        # Evaluation prompts (test split) whose normalised text is also a training trace's prompt
+        # (validation split): 0 unless the corpora's splits leak. Computed, not assumed.
+        "heldout_prompt_overlap": heldout_overlap(target, tokenizer, n_eval),
         "costs": {
             "k": K,
             "target_step_ms": round(costs["target_step_ms"], 4),
