@@ -110,7 +110,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 FAST_OVERRIDES: dict[str, Any] = {
     "calibration_requests": 6,
-    "paired_requests": 24,
+    "paired_requests": 32,
     "max_shift_s": 600.0,
     "drift_policy": {"reference_requests": 60, "arl0_requests": 10_000, "cooldown_s": 60},
     "canary_policy": {
