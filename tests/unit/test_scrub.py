@@ -389,7 +389,10 @@ def test_random_tokens_are_caught_and_names_are_not() -> None:
 def test_adversarial_inputs_scrub_in_linear_time(text: str) -> None:
     started = time.process_time()  # CPU time: the test machine is shared
     scrub(text)
-    assert time.process_time() - started < 1.0
+    # A quadratic scan of these 200-400k-character inputs takes minutes; a linear one about 0.2-0.4 s
+    # of CPU, which reached 1.2 s beside a full test suite on 2 cores (cache and frequency
+    # contention count as CPU time too). 10 s keeps that margin without hiding a blow-up.
+    assert time.process_time() - started < 10.0
 
 
 def test_throughput() -> None:
