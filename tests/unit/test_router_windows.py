@@ -281,7 +281,9 @@ def test_a_window_early_by_the_control_planes_clock_is_sent_again_and_a_conflict
         assert reporter.windows is not None
         reporter.windows.add("chat", served(random.Random(1)), K, datetime.now(UTC).timestamp() - 30)
         await _until(lambda: reporter.stats.windows_rejected == 1)
-        assert reporter.spool.bytes == 0  # refused for good: dropped, counted
+        # Refused for good: dropped, counted. The counter moves before the spool's file is
+        # removed, so a loaded machine can see the two apart for a moment (949 bytes once).
+        await _until(lambda: reporter.spool.bytes == 0)
 
     _with_control_plane(handler, check, tmp_path)
     assert answers == []
