@@ -71,6 +71,7 @@ from workers.serve.traffic import (
     RequestResult,
     Scenario,
     TrafficDriver,
+    completion_body,
     plan_requests,
 )
 
@@ -559,6 +560,7 @@ def probe_heldout(
     that names another arm than the one pinned voids the figures. The prompts are recorded in
     ``ledger`` (when given) as a phase of their own, which gives their overlap with the run."""
     planned = plan_requests(phase)
+    greedy = replace(phase, temperature=0.0)
     tally = ledger.open_phase(heldout=phase.heldout) if ledger is not None else None
     arms = ("live", "baseline")
     latency = dict.fromkeys(arms, 0.0)
@@ -574,17 +576,7 @@ def probe_heldout(
             order = arms if index % 2 == 0 else arms[::-1]
             measured: dict[str, tuple[float, int, int, int]] = {}
             for arm in order:
-                body: dict[str, Any] = {
-                    "model": model,
-                    "prompt": request.prompt,
-                    "max_tokens": phase.max_tokens,
-                    "temperature": 0.0,
-                    "perf_metrics_in_response": True,
-                    "category": request.category,
-                }
-                stop = phase.stop_for(request.domain)
-                if stop:
-                    body["stop"] = list(stop)
+                body = completion_body(model, greedy, request)
                 started = time.perf_counter()
                 resp = client.post(
                     f"{url}/v1/completions",

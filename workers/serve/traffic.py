@@ -545,20 +545,7 @@ class TrafficDriver:
         self, client: httpx.AsyncClient, number: int, phase: Phase, req: PlannedRequest
     ) -> RequestResult:
         request_id = f"{self.run_id}-p{number}-{req.index}"
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": req.prompt,
-            "max_tokens": phase.max_tokens,
-            "temperature": phase.temperature,
-            "perf_metrics_in_response": True,
-            "category": req.category,
-            "document": req.document,
-        }
-        if phase.temperature > 0:
-            body["seed"] = (phase.seed * 1_000_003 + req.index) % 2**31
-        stop = phase.stop_for(req.domain)
-        if stop:
-            body["stop"] = list(stop)
+        body = completion_body(self.model, phase, req)
         t0 = time.monotonic()
         base = RequestResult(phase.name, req.index, request_id, req.domain, False, 0.0)
         try:
@@ -595,6 +582,26 @@ class TrafficDriver:
             ttft_s=float(ttft) if ttft is not None else None,
             finished_at=time.time(),
         )
+
+
+def completion_body(model: str, phase: Phase, req: PlannedRequest) -> dict[str, Any]:
+    """The `/v1/completions` body of a planned request: the phase's length, temperature (with a
+    per-request seed when sampling) and stops, the request's category and source document."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": phase.max_tokens,
+        "temperature": phase.temperature,
+        "perf_metrics_in_response": True,
+        "category": req.category,
+        "document": req.document,
+    }
+    if phase.temperature > 0:
+        body["seed"] = (phase.seed * 1_000_003 + req.index) % 2**31
+    stop = phase.stop_for(req.domain)
+    if stop:
+        body["stop"] = list(stop)
+    return body
 
 
 def fireworks_counts(acceptance: object) -> tuple[int, int]:
