@@ -624,7 +624,12 @@ class SpeculationCheck(Reply):
     )
     test_started_at: str | None
     draft_length_plan: dict[str, Any] | None = Field(
-        description="the k the live acceptance and measured step cost say pays best"
+        description="the k the live acceptance and measured step cost say pays best: best_k, "
+        "best_speedup, cost_ratio, measured_step_cost, cost_model (measured_verify_cost: split with "
+        "a shadow replay's verify-cost curve for this target, named by verify_cost_source; "
+        "flat_verify_unmeasured: Leviathan's flat verify, never acted on), verify_cost_at_live_k, "
+        "verify_cost_at_best_k, worst_case_speedup, actionable (whether the check would change k "
+        "on it) and why"
     )
     ladder: list[str] = Field(description="actions tried since speculation last paid, in order")
     history: list[SpeculationCheckAction]

@@ -31,7 +31,7 @@ from controlplane.canary.statistics import (
     relative_difference,
 )
 from controlplane.canary.tally import ArmTally
-from controlplane.tuning.draft_length import plan_draft_length
+from controlplane.tuning.draft_length import plan_draft_length, verify_cost_at, verify_cost_function
 
 PAYS_STATE_VERSION = 1
 LIVE, BASELINE = "live", "baseline"
@@ -42,6 +42,13 @@ NOT_PAYING: Verdict = "not_paying"
 # Effective requests per arm pair at which the confidence sequence is tightest: near where a 5 %
 # standing share has seen enough no-speculation requests to tell a 10 % slowdown.
 TUNING_EFFECTIVE_REQUESTS = 100.0
+# How the draft-length plan priced a step (``draft_length_plan``'s ``cost_model``).
+COST_MODEL_MEASURED = "measured_verify_cost"
+COST_MODEL_FLAT = "flat_verify_unmeasured"
+# A planned k must be expected to beat no speculation by this much before k changes: the live step
+# cost it starts from is a ratio of two means (a few percent of sampling error at the minimum
+# request counts) and the verify curve was measured by a replay, not in this server's traffic.
+PLANNED_SPEEDUP_MARGIN = 1.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,13 +148,36 @@ class PaysTest:
             f"no evidence either way yet: {ratio:.3f}x the latency per token of no speculation {over}",
         )
 
-    def draft_length_plan(self, *, k: int) -> dict[str, Any] | None:
-        """The k the live arm's per-position acceptance and measured costs say pays best.
+    def draft_length_plan(
+        self,
+        *,
+        k: int,
+        verify_cost: Mapping[int, float] | None = None,
+        verify_cost_source: str | None = None,
+    ) -> dict[str, Any] | None:
+        """The k the live arm's per-position acceptance and costs say pays best, and whether that
+        is enough to change k (``actionable``). None without the counts.
 
-        The cost of one live verify step, in no-speculation token times, is measured directly:
-        ``(live ms/token ÷ baseline ms/token) x live tokens per step``; with Leviathan's
-        assumption that verifying k + 1 tokens costs one step, the drafter's share of it gives
-        the cost ratio ``c = (cost - 1) / k`` the tuner needs. None without the counts.
+        The cost of one live verify step at the live ``k``, in no-speculation token times, is
+        measured directly: ``S = (live ms/token ÷ baseline ms/token) x live tokens per step``. It
+        is one number, and the tuner needs a curve: ``cost(j) = j c + v(j)`` (drafter share
+        ``c`` per drafted token, ``v(j)`` the cost of verifying ``j + 1`` tokens).
+
+        - ``measured_verify_cost``: with a measured ``verify_cost`` curve for this target (a
+          shadow replay's), ``v(k)`` is taken from it and the rest of ``S`` is the drafter's:
+          ``c = (S - v(k)) / k``. The plan is actionable when its best k differs from the live
+          one and its expected speed-up over no speculation is at least
+          ``PLANNED_SPEEDUP_MARGIN``. A curve whose ``v(k)`` alone exceeds ``S`` does not
+          describe this server (it was measured elsewhere or under another load): not actionable.
+        - ``flat_verify_unmeasured``: without a curve, the table is Leviathan's (``v = 1``,
+          ``c = (S - 1) / k``), shown but never acted on. Its only guard would be a worst case,
+          and the worst case of the cost model refuses every other k: with ``v`` non-decreasing
+          and ``c >= 0``, all of ``S`` may be verify cost, so a shorter ``j`` may cost ``S`` per
+          step while accepting no more than the live ``k`` (``E(j) <= E(k)``): its worst-case
+          speed-up ``E(j) / S`` is at most the live arm's, which did not pay; a longer ``j`` has no
+          bound at all. ``worst_case_speedup`` records that figure. On a compute-bound target a
+          2-token verify costing 1.44 one-token steps made a flat-model k = 1 ("1.18x") run at
+          0.91-0.96x no speculation; the check moves down its ladder instead.
         """
         live = self.arms[LIVE]
         base = self.arms[BASELINE]
@@ -159,14 +189,60 @@ class PaysTest:
         if tokens_per_step.n == 0 or live_ms.n == 0 or base_ms.n == 0 or base_ms.mean <= 0:
             return None
         step_cost = live_ms.mean / base_ms.mean * tokens_per_step.mean
-        cost_ratio = max(0.0, (step_cost - 1.0) / k)
+        counts = live.accepted_per_position[:k]
         try:
-            plan = plan_draft_length(
-                live.accepted_per_position[:k], live.verify_steps, cost_ratio, max_k=max(8, k)
-            )
+            curve = verify_cost_function(verify_cost) if verify_cost else None
+        except ValueError:
+            curve = None  # a stored curve this code cannot read is no measurement
+        try:
+            if curve is not None:
+                verify_at_k = verify_cost_at(curve, k)
+                cost_ratio = max(0.0, (step_cost - verify_at_k) / k)
+                plan = plan_draft_length(
+                    counts, live.verify_steps, cost_ratio, verify_cost=curve, max_k=max(8, k)
+                )
+            else:
+                verify_at_k = 1.0
+                cost_ratio = max(0.0, (step_cost - 1.0) / k)
+                plan = plan_draft_length(counts, live.verify_steps, cost_ratio, max_k=max(8, k))
         except ValueError:
             return None  # counts from mixed draft lengths: nothing trustworthy to plan with
-        return {**plan.as_dict(), "measured_step_cost": step_cost}
+        best = plan.row(plan.best_k)
+        worst_case = (
+            best.expected_tokens_per_step / step_cost if 0 < plan.best_k <= k and step_cost > 0 else None
+        )
+        changes_k = plan.best_k not in (0, k)
+        if curve is None:
+            cost_model = COST_MODEL_FLAT
+            actionable = False
+            why = (
+                "no measured verify cost for this target: a flat-verify plan is not acted on "
+                "(at worst every k costs the live step)"
+            )
+        elif verify_at_k > step_cost:
+            cost_model = COST_MODEL_MEASURED
+            actionable = False
+            why = (
+                f"the measured verify cost at k {k} ({verify_at_k:.2f}) exceeds the live step cost "
+                f"({step_cost:.2f}): the curve does not describe this server"
+            )
+        else:
+            cost_model = COST_MODEL_MEASURED
+            actionable = changes_k and plan.best_speedup >= PLANNED_SPEEDUP_MARGIN
+            why = f"the measured costs expect {plan.best_speedup:.2f}x no speculation at k {plan.best_k}" + (
+                "" if actionable else f" (a change needs another k at >= {PLANNED_SPEEDUP_MARGIN:g}x)"
+            )
+        return {
+            **plan.as_dict(),
+            "measured_step_cost": step_cost,
+            "cost_model": cost_model,
+            "verify_cost_source": verify_cost_source if curve is not None else None,
+            "verify_cost_at_live_k": verify_at_k,
+            "verify_cost_at_best_k": verify_cost_at(curve or {0: 1.0}, plan.best_k),
+            "worst_case_speedup": worst_case,
+            "actionable": actionable,
+            "why": why,
+        }
 
     def to_state(self) -> dict[str, Any]:
         return {

@@ -12,9 +12,13 @@ k, draft-stop threshold) starts a new test from the newest record.
 When speculation does not pay, one action, in this order, each tried once until speculation pays
 again (the ``ladder``):
 
-1. ``draft_length``: the live per-position acceptance and the measured step cost say another k
-   pays: set it (the active version cannot be canaried against itself: drafter versions are
-   canaried only as candidates) and keep testing at the new k;
+1. ``draft_length``: the live per-position acceptance, the measured live step cost and a
+   measured verify-cost curve for the deployment's target model (the newest shadow replay's, of
+   this deployment or another of the account's with the same target) say another k pays: set it
+   (the active version cannot be canaried against itself: drafter versions are canaried only as
+   candidates) and keep testing at the new k. Without a measured curve k is never changed: a
+   plan on the flat-verify assumption is recorded, not acted on
+   (:meth:`~controlplane.speculation_check.sequential.PaysTest.draft_length_plan` says why);
 2. ``realign``: the deployment realigns automatically, has traces and GPU budget left: request a
    realignment (``Job.trigger = "unprofitable"``); its candidate is canaried against no
    speculation as a drift's is;
@@ -41,6 +45,7 @@ from controlplane.adaptation.policy import AdaptationPolicy
 from controlplane.adaptation.service import deployment_gpu_seconds
 from controlplane.audit.service import record_change
 from controlplane.canary.phases import UNDECIDED
+from controlplane.canary.tuning_view import verify_cost_of
 from controlplane.config import Settings
 from controlplane.db.models import (
     AcceptanceRecordRow,
@@ -76,9 +81,33 @@ ACTION_REALIGN = "realign"
 ACTION_NGRAM = "fallback_ngram"
 ACTION_DISABLED = "fallback_disabled"
 ACTIONS = (ACTION_DRAFT_LENGTH, ACTION_REALIGN, ACTION_NGRAM, ACTION_DISABLED)
+# What the API shows of the draft-length plan (the full table stays in the service).
+DRAFT_LENGTH_PLAN_FIELDS = (
+    "best_k",
+    "best_speedup",
+    "cost_ratio",
+    "measured_step_cost",
+    "cost_model",
+    "verify_cost_source",
+    "verify_cost_at_live_k",
+    "verify_cost_at_best_k",
+    "worst_case_speedup",
+    "actionable",
+    "why",
+)
 # At most this many records are folded per run: a deployment far behind catches up over several.
 BATCH_LIMIT = 50_000
 HISTORY_KEPT = 20
+# Canaries searched for a measured verify-cost curve, newest first.
+COST_CANARIES_SEARCHED = 50
+
+
+@dataclass(frozen=True)
+class VerifyCostCurve:
+    """A measured cost of verifying k + 1 tokens relative to one, by k, and where it came from."""
+
+    verify_cost: dict[int, float]
+    source: str
 
 
 @dataclass
@@ -292,6 +321,42 @@ def _has_traces(session: Session, deployment_id: int) -> bool:
     return session.scalar(select(Trace.id).where(Trace.deployment_id == deployment_id).limit(1)) is not None
 
 
+def measured_verify_cost(*, session: Session, deployment: Deployment) -> VerifyCostCurve | None:
+    """The newest shadow replay's verify-cost curve for the deployment's target model: its own
+    canaries first, then those of the account's other deployments serving the same target (the
+    cost of a wider verify pass belongs to the target and the hardware, not to a drafter). None
+    when no replay measured one. Another account's measurements are never read."""
+    own = Canary.deployment_id == deployment.id
+    rows = session.execute(
+        select(Canary.id, Canary.deployment_id, Canary.arms)
+        .join(Deployment, Deployment.id == Canary.deployment_id)
+        .where(
+            Deployment.account_id == deployment.account_id,
+            Deployment.target_model == deployment.target_model,
+        )
+        .order_by(own.desc(), Canary.id.desc())
+        .limit(COST_CANARIES_SEARCHED)
+    )
+    for canary_id, deployment_id, arms in rows:
+        costs = ((arms or {}).get("shadow") or {}).get("costs") or {}
+        try:
+            curve = verify_cost_of(costs)
+        except (TypeError, ValueError):
+            continue  # a stored figure this code cannot read is no measurement
+        if curve:
+            where = "" if deployment_id == deployment.id else f" of deployment {deployment_id}"
+            return VerifyCostCurve(curve, f"canary {canary_id}{where} shadow replay")
+    return None
+
+
+def _plan(test: PaysTest, key: dict[str, Any], curve: VerifyCostCurve | None) -> dict[str, Any] | None:
+    return test.draft_length_plan(
+        k=int(key.get("k") or 0),
+        verify_cost=curve.verify_cost if curve is not None else None,
+        verify_cost_source=curve.source if curve is not None else None,
+    )
+
+
 def _act(
     session: Session,
     deployment: Deployment,
@@ -306,22 +371,29 @@ def _act(
     """The next rung of the ladder: (action or None, what was done or why nothing, jobs to send)."""
     mode = key["mode"]
     skipped: list[str] = []
+    # What the draft-length rung saw, audited with whichever rung acts (its cost model included).
+    considered: dict[str, Any] = {}
     if mode == SpeculationMode.draft_model.value:
         if ACTION_DRAFT_LENGTH in ladder or ACTION_REALIGN in ladder:
             skipped.append("another k was already tried")
         else:
-            plan = test.draft_length_plan(k=int(key["k"]))
-            best = int(plan["best_k"]) if plan is not None else 0
-            if plan is not None and best not in (0, key["k"]) and plan["best_speedup"] > 1.0:
+            curve = measured_verify_cost(session=session, deployment=deployment)
+            plan = _plan(test, key, curve)
+            if plan is not None and plan["actionable"]:
+                best = int(plan["best_k"])
                 _set_draft_length(session, deployment, best, plan, verdict)
                 return (
                     ACTION_DRAFT_LENGTH,
                     f"k {key['k']} -> {best}: the live acceptance and measured costs expect "
-                    f"{plan['best_speedup']:.2f}x no speculation there",
+                    f"{plan['best_speedup']:.2f}x no speculation there "
+                    f"(verify cost {plan['verify_cost_at_best_k']:.2f} at k {best}, "
+                    f"from {plan['verify_cost_source']})",
                     [],
                 )
+            if plan is not None:
+                considered = {"draft_length_plan": {f: plan[f] for f in DRAFT_LENGTH_PLAN_FIELDS}}
             skipped.append(
-                "no k pays by the live acceptance and measured costs"
+                f"k unchanged: {plan['why']}"
                 if plan is not None
                 else "no per-position acceptance to plan another k with"
             )
@@ -334,12 +406,20 @@ def _act(
                 settings=settings,
                 trigger=TRIGGER_UNPROFITABLE,
             )
-            _audit(session, deployment, ACTION_REALIGN, {"job_id": request.job.id}, verdict)
+            why_not_earlier = "; ".join(skipped)
+            _audit(
+                session,
+                deployment,
+                ACTION_REALIGN,
+                {"job_id": request.job.id, "why_not_earlier": why_not_earlier, **considered},
+                verdict,
+            )
             jobs = [request.job.id] if request.created else []
-            return ACTION_REALIGN, f"realignment job {request.job.id} requested", jobs
+            why = f" ({why_not_earlier})" if why_not_earlier else ""
+            return ACTION_REALIGN, f"realignment job {request.job.id} requested{why}", jobs
         skipped.append(realign_blocker)
     if mode in (SpeculationMode.draft_model.value, SpeculationMode.ngram.value):
-        action = _fall_back(session, deployment, key, settings, verdict, "; ".join(skipped))
+        action = _fall_back(session, deployment, key, settings, verdict, "; ".join(skipped), considered)
         target = "n-gram lookup" if action == ACTION_NGRAM else "no speculation"
         why = f" ({'; '.join(skipped)})" if skipped else ""
         return action, f"switched to {target}{why}", []
@@ -399,6 +479,11 @@ def _set_draft_length(
             "draft_token_count": k,
             "expected_speedup": plan["best_speedup"],
             "cost_ratio": plan["cost_ratio"],
+            "cost_model": plan["cost_model"],
+            "verify_cost_source": plan["verify_cost_source"],
+            "measured_step_cost": plan["measured_step_cost"],
+            "verify_cost_at_live_k": plan["verify_cost_at_live_k"],
+            "verify_cost_at_best_k": plan["verify_cost_at_best_k"],
         },
         verdict,
     )
@@ -411,6 +496,7 @@ def _fall_back(
     settings: Settings,
     verdict: PaysVerdict,
     why: str,
+    considered: dict[str, Any],
 ) -> str:
     """A drafter that does not pay gives way to n-gram lookup; n-gram lookup that does not pay, to
     no speculation (as the canary's guardrail does). The guardrail fallback it enters keeps
@@ -435,7 +521,12 @@ def _fall_back(
         session,
         deployment,
         action,
-        {"before": before, "speculation_mode": deployment.speculation_mode.value, "why_not_earlier": why},
+        {
+            "before": before,
+            "speculation_mode": deployment.speculation_mode.value,
+            "why_not_earlier": why,
+            **considered,
+        },
         verdict,
     )
     enter_guardrail_fallback(
@@ -464,7 +555,11 @@ def check_status(*, session: Session, deployment: Deployment) -> dict[str, Any]:
     stored_figures = state.get("figures")
     figures: dict[str, Any] = stored_figures if isinstance(stored_figures, dict) else {}
     test = _stored_test(state)
-    plan = test.draft_length_plan(k=int(test.key.get("k") or 0)) if test is not None else None
+    plan = (
+        _plan(test, test.key, measured_verify_cost(session=session, deployment=deployment))
+        if test is not None
+        else None
+    )
     return {
         "verdict": check.verdict if check is not None else UNKNOWN,
         "reason": check.reason if check is not None else "not checked yet",
@@ -490,9 +585,7 @@ def check_status(*, session: Session, deployment: Deployment) -> dict[str, Any]:
         "ratio_high": figures.get("ratio_high"),
         "serving": test.key if test is not None else None,
         "test_started_at": state.get("started_at"),
-        "draft_length_plan": {
-            k: plan[k] for k in ("best_k", "best_speedup", "cost_ratio", "measured_step_cost")
-        }
+        "draft_length_plan": {field: plan[field] for field in DRAFT_LENGTH_PLAN_FIELDS}
         if plan is not None
         else None,
         "ladder": list(state.get("ladder") or []),

@@ -15,7 +15,10 @@ from sqlalchemy import select
 from controlplane.config import Settings
 from controlplane.db.models import (
     AuditEntry,
+    Canary,
     Deployment,
+    DrafterState,
+    DrafterVersion,
     DriftMonitorState,
     Job,
     Role,
@@ -36,12 +39,12 @@ from tests.conftest import Database, Tenant
 BASE = "/v1/accounts/acme/deployments"
 
 
-def _create(client: TestClient, db: Database, tenant: Tenant, **extra: Any) -> int:
+def _create(client: TestClient, db: Database, tenant: Tenant, name: str = "svc", **extra: Any) -> int:
     response = client.post(
-        BASE,
+        f"/v1/accounts/{tenant.name}/deployments",
         json={
             "target_model": "reference-target",
-            "deployment_id": "svc",
+            "deployment_id": name,
             "draft_model": "reference-drafter",
             "draft_token_count": 4,
             **extra,
@@ -53,10 +56,42 @@ def _create(client: TestClient, db: Database, tenant: Tenant, **extra: Any) -> i
         return int(
             session.scalars(
                 select(Deployment.id).where(
-                    Deployment.account_id == tenant.account_id, Deployment.name == "svc"
+                    Deployment.account_id == tenant.account_id, Deployment.name == name
                 )
             ).one()
         )
+
+
+# Verify cost of k + 1 tokens over one, by k, as a shadow replay stores it (JSON keys): a target for
+# which a wider verify pass is almost free, and the 12M reference target on a CPU.
+NEAR_FLAT_VERIFY = {str(k): 1.0 + 0.02 * k for k in range(1, 9)}
+CPU_VERIFY = {"1": 1.44, "2": 1.50, "3": 1.55, "4": 1.60, "5": 1.66, "6": 1.72, "7": 1.78, "8": 1.84}
+
+
+def _store_replay_costs(db: Database, deployment_id: int, verify_cost: dict[str, float]) -> int:
+    """A decided canary of the deployment whose shadow replay measured ``verify_cost``."""
+    with db.new_session() as session:
+        version = DrafterVersion(
+            deployment_id=deployment_id,
+            version=99,
+            artifact_path="/artifacts/v99",
+            artifact_sha256="9" * 64,
+            state=DrafterState.rejected,
+            training_metrics={},
+            eval_metrics={},
+        )
+        session.add(version)
+        session.flush()
+        canary = Canary(
+            deployment_id=deployment_id,
+            candidate_version_id=version.id,
+            phase="decided",
+            decision="reject",
+            arms={"shadow": {"costs": {"cost_ratio": 0.07, "verify_cost": verify_cost}}},
+        )
+        session.add(canary)
+        session.commit()
+        return canary.id
 
 
 def _records(
@@ -179,6 +214,7 @@ def test_slower_speculation_is_found_then_k_changes_then_n_gram_takes_over(
     acme, globex = tenants
     viewer = acme.headers(Role.viewer)
     deployment_id = _create(client, db, acme, auto_realign=False)
+    canary_id = _store_replay_costs(db, deployment_id, NEAR_FLAT_VERIFY)
     rng = random.Random(11)
     first = _check(db, deployment_id, settings)
     assert first.verdict == "unknown" and first.action is None
@@ -192,8 +228,9 @@ def test_slower_speculation_is_found_then_k_changes_then_n_gram_takes_over(
     )
     assert _settle(db, deployment_id, settings).records_consumed == 0
 
-    # k = 4 with a weak drafter at 1.4x the latency per token of no speculation.
-    _ingest(client, acme, _records(rng, prefix="k4", live=400, baseline=60, k=4, p=0.3, live_ms=11.0))
+    # k = 4 with a weak drafter at 1.25x the latency per token of no speculation; a replay measured
+    # an almost free wider verify pass for this target, so the drafting is what costs: shorten k.
+    _ingest(client, acme, _records(rng, prefix="k4", live=400, baseline=60, k=4, p=0.3, live_ms=10.0))
     outcome = _settle(db, deployment_id, settings)
     # Deterministic: every request here comes from random.Random(11) or (5); the verdicts fail only
     # if the code changes.
@@ -205,6 +242,11 @@ def test_slower_speculation_is_found_then_k_changes_then_n_gram_takes_over(
         check = session.get_one(SpeculationCheck, deployment_id)
         assert check.action == ACTION_DRAFT_LENGTH and check.acted_at is not None
         assert f"k 4 -> {new_k}" in (check.reason or "")
+        assert f"from canary {canary_id} shadow replay" in (check.reason or "")
+        [audit] = session.scalars(
+            select(AuditEntry.after).where(AuditEntry.action == "speculation_check.draft_length")
+        )
+        assert audit["cost_model"] == "measured_verify_cost" and audit["expected_speedup"] >= 1.05
     body = client.get(f"{BASE}/svc/speculation-check", headers=viewer).json()
     assert body["action"] == ACTION_DRAFT_LENGTH and body["acted_at"] is not None
     assert body["ladder"] == [ACTION_DRAFT_LENGTH] and body["history"][0]["action"] == ACTION_DRAFT_LENGTH
@@ -256,6 +298,51 @@ def test_slower_speculation_is_found_then_k_changes_then_n_gram_takes_over(
         'specctl_speculation_check_actions_total{account="acme",deployment="svc",kind="fallback_ngram"} 1.0'
         in metrics
     )
+
+
+@pytest.mark.parametrize("measured", ["nothing", "another account's flat curve", "a sibling's CPU curve"])
+def test_k_stays_unless_a_measured_verify_cost_says_the_new_k_pays(
+    client: TestClient,
+    db: Database,
+    tenants: tuple[Tenant, Tenant],
+    settings: Settings,
+    measured: str,
+) -> None:
+    """The records that made k 4 -> 1 with a near-flat measured verify cost, without one (the
+    flat-verify plan is shown, not acted on; another account's measurement is never read) or
+    with a CPU's (a 2-token verify at 1.44 steps: k = 1 does not pay): n-gram lookup takes over."""
+    acme, globex = tenants
+    deployment_id = _create(client, db, acme, auto_realign=False)
+    if measured == "another account's flat curve":
+        _store_replay_costs(db, _create(client, db, globex), NEAR_FLAT_VERIFY)
+    elif measured == "a sibling's CPU curve":
+        sibling = _create(client, db, acme, name="svc-sibling")
+        _store_replay_costs(db, sibling, CPU_VERIFY)
+    _check(db, deployment_id, settings)
+    # Deterministic: the k 4 -> 1 case's records (the generator moved past its forged ones first).
+    rng = random.Random(11)
+    _records(rng, prefix="forged", live=300, baseline=60, k=4, p=0.3, live_ms=30)
+    _ingest(client, acme, _records(rng, prefix="k4", live=400, baseline=60, k=4, p=0.3, live_ms=10.0))
+    outcome = _settle(db, deployment_id, settings)
+    assert outcome.verdict == "not_paying" and outcome.action == ACTION_NGRAM
+    with db.new_session() as session:
+        assert session.get_one(Deployment, deployment_id).draft_token_count == 4
+        [audit] = session.scalars(
+            select(AuditEntry.after).where(AuditEntry.action == "speculation_check.fallback_ngram")
+        )
+    plan = audit["draft_length_plan"]
+    assert not plan["actionable"] and "k unchanged" in audit["why_not_earlier"]
+    body = client.get(f"{BASE}/svc/speculation-check", headers=acme.headers(Role.viewer)).json()
+    assert body["ladder"] == [ACTION_NGRAM] and "k unchanged" in body["reason"]
+    if measured == "a sibling's CPU curve":
+        assert plan["cost_model"] == "measured_verify_cost" and plan["best_k"] != 1
+        assert plan["verify_cost_source"].endswith(f"of deployment {sibling} shadow replay")
+        assert plan["verify_cost_at_live_k"] == pytest.approx(1.60)
+    else:
+        # The flat model alone would have shortened k, as it did before verify costs were measured.
+        assert plan["cost_model"] == "flat_verify_unmeasured" and plan["verify_cost_source"] is None
+        assert plan["best_k"] == 1 and plan["best_speedup"] > 1.05
+        assert plan["worst_case_speedup"] < 1.0
 
 
 def test_when_no_k_pays_the_check_requests_a_realignment_once(

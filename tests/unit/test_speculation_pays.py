@@ -139,21 +139,72 @@ def test_a_new_set_up_restarts_from_nothing() -> None:
     assert fresh.verdict(alpha=ALPHA, min_requests_per_arm=MIN_PER_ARM).verdict == UNKNOWN
 
 
-def test_the_draft_length_plan_uses_the_measured_step_cost() -> None:
-    # Position 1 is accepted half the time, deeper positions almost never: drafting 4 costs four
-    # drafter steps for about half a token; the measured cost says k = 1 pays.
+def _half_accepted_at_k4() -> PaysTest:
+    """Position 1 accepted half the time, deeper positions never: drafting 4 costs four drafter
+    steps for half a token. Live 10 ms/token at 1.5 tokens/step against 8 without: a live step
+    costs ~1.9 one-token steps."""
     test = PaysTest(KEY)
     rng = random.Random(2)
     for _ in range(200):
         test.add(LIVE, request(10.0 * rng.uniform(0.95, 1.05), tokens_per_step=1.5))
     for _ in range(40):
         test.add(BASELINE, request(8.0 * rng.uniform(0.95, 1.05), arm=BASELINE))
+    return test
+
+
+# A wider verify pass almost free (a memory-bound target) and one where it is not (the 12M
+# reference target on a CPU: a 2-token verify costs 1.44 one-token steps).
+FLAT_VERIFY = {k: 1.0 + 0.02 * k for k in range(1, 9)}
+CPU_VERIFY = {1: 1.44, 2: 1.50, 3: 1.55, 4: 1.60, 5: 1.66, 6: 1.72, 7: 1.78, 8: 1.84}
+
+
+def test_the_draft_length_plan_uses_the_measured_step_cost() -> None:
+    test = _half_accepted_at_k4()
     plan = test.draft_length_plan(k=4)
     assert plan is not None
-    # live 10 ms/token at 1.5 tokens/step against 8 ms/token without: a step costs ~1.9 tokens.
     assert plan["measured_step_cost"] == pytest.approx(10.0 / 8.0 * 1.5, rel=0.05)
+    # Leviathan's flat verify puts all of it on the drafter and likes k = 1, but without a
+    # measured curve that table is shown, never acted on: at worst k = 1 costs the live step too.
+    assert plan["cost_model"] == "flat_verify_unmeasured" and plan["verify_cost_source"] is None
     assert plan["best_k"] == 1 and plan["best_speedup"] > 1.0
+    assert plan["cost_ratio"] == pytest.approx((plan["measured_step_cost"] - 1.0) / 4)
+    assert not plan["actionable"] and "no measured verify cost" in plan["why"]
+    assert plan["worst_case_speedup"] == pytest.approx(1.5 / plan["measured_step_cost"])
+    assert plan["worst_case_speedup"] < 1.0
     assert PaysTest(KEY).draft_length_plan(k=4) is None  # nothing measured yet
+
+
+def test_a_measured_near_flat_verify_cost_lets_the_plan_shorten_k() -> None:
+    plan = _half_accepted_at_k4().draft_length_plan(k=4, verify_cost=FLAT_VERIFY, verify_cost_source="replay")
+    assert plan is not None and plan["cost_model"] == "measured_verify_cost"
+    # The live step splits into the measured verify of 5 tokens and the drafter's rest.
+    assert plan["verify_cost_at_live_k"] == pytest.approx(1.08)
+    assert plan["cost_ratio"] == pytest.approx((plan["measured_step_cost"] - 1.08) / 4)
+    assert plan["best_k"] == 1 and plan["verify_cost_at_best_k"] == pytest.approx(1.02)
+    assert plan["best_speedup"] >= 1.05 and plan["actionable"]
+    assert plan["verify_cost_source"] == "replay"
+
+
+def test_a_measured_verify_cost_of_1_44_at_k1_stops_the_flat_models_k1() -> None:
+    test = _half_accepted_at_k4()
+    # Same live counts and step cost; only the verify curve differs. k = 1 now costs the drafter's
+    # share plus 1.44: 1.5 tokens for ~1.5 steps, no better than no speculation.
+    plan = test.draft_length_plan(k=4, verify_cost=CPU_VERIFY, verify_cost_source="replay")
+    assert plan is not None and plan["cost_model"] == "measured_verify_cost"
+    assert plan["rows"][1]["cost_per_step"] == pytest.approx(plan["cost_ratio"] + 1.44)
+    assert plan["rows"][1]["expected_speedup"] < 1.0
+    assert plan["best_k"] == 0 and not plan["actionable"]
+    # A curve it cannot read is no curve: the flat table, not acted on.
+    unreadable = test.draft_length_plan(k=4, verify_cost={1: -1.0})
+    assert unreadable is not None and unreadable["cost_model"] == "flat_verify_unmeasured"
+
+
+def test_a_verify_curve_costlier_than_the_live_step_is_not_acted_on() -> None:
+    # Measured elsewhere: verifying 5 tokens alone would cost more than the whole live step.
+    costly = dict.fromkeys(range(1, 9), 2.5)
+    plan = _half_accepted_at_k4().draft_length_plan(k=4, verify_cost=costly, verify_cost_source="replay")
+    assert plan is not None and not plan["actionable"]
+    assert "does not describe this server" in plan["why"]
 
 
 def test_standing_weights_and_the_canary_split() -> None:
