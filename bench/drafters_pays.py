@@ -5,7 +5,10 @@ router) on a private embedded database; a deployment serving the generic (prose-
 on code traffic at a k too large for it (8), at a steady hit rate (no drift to notice), with the
 standing 5 % no-speculation share. Traffic goes through the router, which reports every reply's
 acceptance under the serving key. The beat's drift pass runs the speculation check; the bench
-only watches the API.
+only watches the API. The deployment has no shadow replay, so no measured verify cost for its
+target: the check does not change k on the flat-verify assumption (on this CPU a 2-token verify
+costs ~1.44 one-token steps, and the k=1 it used to plan ran 0.91-0.96x) and, realigning off,
+switches to n-gram lookup; ``action_detail`` says what it weighed.
 
 1. warm-up: a few code requests with speculation off (a fresh server's first requests are slow;
    nothing here is measured);
@@ -15,10 +18,10 @@ only watches the API.
    one request at a time. Each request is pinned to its arm through the router's own rule (a
    ``user`` key whose hash lands on that arm's slice of the serving config), and the arm the
    reply names is checked. Half of this traffic is the no-speculation arm's, so the check may
-   act again during it (k=1 found slower falls back to n-gram lookup): pairs are kept per
-   serving config version, pairs a change fell into are dropped, each version is warmed up
-   before it is measured, and the headline is the version in force at the end (every version's
-   figures are listed).
+   act again during it (n-gram lookup found slower falls back to no speculation): pairs are
+   kept per serving config version, pairs a change fell into are dropped, each version is warmed
+   up before it is measured, and the headline is the version in force at the end (every
+   version's figures are listed).
 
 Figures: ``unprofitable_detected_requests`` (requests sent until the check's action appeared;
 target <= 2,000) and ``after_action_speedup_vs_nospec`` (target >= 1.0): client-side ms per
@@ -445,7 +448,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
                     "deployment_id": NAME,
                     "target_model": "reference-target",
                     "disable_speculative_decoding": True,
-                    # The ladder without a GPU job: another k, then n-gram lookup, then none.
+                    # The ladder without a GPU job: another k (only where a measured verify
+                    # cost says it pays: none here), then n-gram lookup, then none.
                     "auto_realign": False,
                 },
             )
@@ -499,6 +503,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
                 "requests_sent_before_action": sent[0],
                 "action": acted.get("action") if acted else None,
                 "action_reason": acted.get("reason") if acted else watcher.last.get("reason"),
+                # What the check did and weighed (the draft-length plan's cost model included).
+                "action_detail": (acted.get("history") or [{}])[-1].get("detail") if acted else None,
                 "check_ratio_at_action": acted.get("ratio") if acted else None,
                 "check_ratio_low_at_action": acted.get("ratio_low") if acted else None,
             }

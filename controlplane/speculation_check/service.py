@@ -99,7 +99,7 @@ DRAFT_LENGTH_PLAN_FIELDS = (
 BATCH_LIMIT = 50_000
 HISTORY_KEPT = 20
 # Canaries searched for a measured verify-cost curve, newest first.
-COST_CANARIES_SEARCHED = 50
+COST_CANARIES_SEARCHED = 20
 
 
 @dataclass(frozen=True)
