@@ -505,7 +505,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
                 "action_reason": acted.get("reason") if acted else watcher.last.get("reason"),
                 # What the check did and weighed (the draft-length plan's cost model included).
                 "action_detail": (acted.get("history") or [{}])[-1].get("detail") if acted else None,
-                "check_ratio_at_action": acted.get("ratio") if acted else None,
+                # From the action's history entry: the status seen may already be a fresh test's.
+                "check_ratio_at_action": (acted.get("history") or [{}])[-1].get("ratio") if acted else None,
                 "check_ratio_low_at_action": acted.get("ratio_low") if acted else None,
             }
             if acted is None:
