@@ -61,8 +61,14 @@ def is_held_out(key: str, seed: int, share: float) -> bool:
     >>> is_held_out("prompt:1", 0, 0.0), is_held_out("prompt:1", 0, 1.0)
     (False, True)
     """
+    return holdout_rank(key, seed) < share
+
+
+def holdout_rank(key: str, seed: int) -> float:
+    """Where ``key`` falls in the split's order at this seed, in [0, 1): a key is held out at every
+    share above its rank, so the keys a larger share would hold out next have the smallest ranks."""
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < share
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 @dataclass(frozen=True, slots=True)

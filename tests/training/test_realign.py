@@ -53,14 +53,18 @@ from workers.training.realign import (
     RealignCancelledError,
     RealignConfig,
     Rows,
+    RowScores,
     TraceText,
     anchor_targets,
     build_dataset,
     choose_lr,
     completion_logits,
+    floors_of,
+    judge,
     pad_rows,
     realign,
     save_drafter,
+    steady_categories,
     teacher_targets,
     token_targets,
     verify_artifact,
@@ -226,6 +230,134 @@ def test_no_prompt_or_document_is_on_both_sides_of_the_split(tokenizer: Tokenize
     assert not {prompt_hash(t.prompt) for t in held} & {prompt_hash(t.prompt) for t in pool}
 
 
+def _few_documents(seed: int) -> tuple[list[TraceText], list[TraceText]]:
+    """(recent, older) like a partial shift: category "old" cut from 6 recurring documents (20
+    requests each, a few of them before the shift), category "new" each from its own document."""
+    rng = random.Random(seed)
+    recent, older = [], []
+    for i in range(240):
+        if i % 2:
+            doc, category = f"old:doc-{rng.randrange(6)}", "old"
+        else:
+            doc, category = f"new:doc-{i}", "new"
+        prompt = f"{category} request {i} from {doc}\n"
+        trace = TraceText(content_key(prompt, doc), prompt, LINES[i % len(LINES)], category, doc)
+        (older if category == "old" and i < 40 else recent).append(trace)
+    return recent, older
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_every_category_is_held_out_on_documents_never_trained(tokenizer: Tokenizer, seed: int) -> None:
+    recent, older = _few_documents(seed)
+    cfg = RealignConfig(seed=seed, replay_share=0.25, holdout_rows_per_category=8)
+    data = build_dataset(recent, older, tokenizer, cfg, max_len=256)
+    held = [*data.held_out.keys, *data.held_out_old.keys]
+    categories = Counter(k.split(":")[1] for k in held)  # keys are "document:<category>:doc-<n>"
+    assert categories["old"] >= 8 and categories["new"] >= 1
+    assert not set(held) & set(data.train.keys) and data.split["heldout_prompt_overlap"] == 0
+    # The hash alone holds out none of the "old" documents at some of these seeds: the split
+    # reserved some, never more than max_reserved_share of the category's traces.
+    old_keys = Counter(t.key for t in (*recent, *older) if t.category == "old")
+    by_hash = sum(n for k, n in old_keys.items() if is_held_out(k, seed, cfg.holdout_share))
+    reserved = sum(
+        n for k, n in old_keys.items() if k in held and not is_held_out(k, seed, cfg.holdout_share)
+    )
+    assert (reserved > 0) == (by_hash < 8)
+    assert reserved == 0 or by_hash + reserved <= max(8, int(cfg.max_reserved_share * sum(old_keys.values())))
+    assert data.split["held_out_reserved_keys"] == len({k for k in held if not is_held_out(k, seed, 0.1)})
+    # Without the reservation, seeds whose hash holds out no "old" document score none of it.
+    bare = build_dataset(recent, older, tokenizer, replace(cfg, holdout_rows_per_category=0), max_len=256)
+    bare_old = [k for k in (*bare.held_out.keys, *bare.held_out_old.keys) if k.startswith("document:old")]
+    assert (len(bare_old) == 0) == (by_hash == 0)
+
+
+def test_training_rows_are_capped_per_document(tokenizer: Tokenizer) -> None:
+    recent, older = _few_documents(0)
+    cfg = RealignConfig(seed=0, replay_share=0.25, max_rows_per_key=5)
+    data = build_dataset(recent, older, tokenizer, cfg, max_len=256)
+    per_key = Counter(data.train.keys)
+    assert max(per_key.values()) == 5 and data.split["dropped_over_key_cap"] > 0
+    uncapped = build_dataset(recent, older, tokenizer, replace(cfg, max_rows_per_key=None), max_len=256)
+    assert max(Counter(uncapped.train.keys).values()) > 5
+
+
+def _scores(figures: dict[str, tuple[float, int]]) -> RowScores:
+    """One row per category: (greedy agreement, positions)."""
+    out = RowScores()
+    for category, (agreement, n) in figures.items():
+        out.agree.append(agreement * n)
+        out.accept.append(agreement * n)
+        out.positions.append(n)
+        out.categories.append(category)
+    return out
+
+
+def test_weights_that_lose_a_category_are_refused_whatever_the_aggregate_gains() -> None:
+    key = "greedy_agreement"
+    incumbent = _scores({"structured": (0.10, 400), "prose": (0.60, 200), "rare": (0.5, 10)})
+    floors = floors_of(incumbent, key=key, tolerance=0.02, min_positions=128)
+    assert floors == {"structured": pytest.approx(0.08), "prose": pytest.approx(0.58)}  # "rare": too few
+    start = judge(incumbent, None, key=key, old_weight=0.0, floors=floors)
+    # Structured gains 70 points, prose loses 10: the aggregate rises from 0.27 to 0.70.
+    forgot = judge(
+        _scores({"structured": (0.80, 400), "prose": (0.50, 200), "rare": (0.0, 10)}),
+        None,
+        key=key,
+        old_weight=0.0,
+        floors=floors,
+    )
+    assert forgot.value > start.value + 0.4 and forgot.below == ["prose"]
+    assert not forgot.beats(start.value)
+    # The same prose loss on the old window's held-out rows counts as much (rows are pooled).
+    split = judge(
+        _scores({"structured": (0.80, 400)}),
+        _scores({"prose": (0.50, 200)}),
+        key=key,
+        old_weight=0.1,
+        floors=floors,
+    )
+    assert split.below == ["prose"] and not split.beats(start.value)
+    # Within the tolerance, and with no floors at all, the gain is kept.
+    close = _scores({"structured": (0.80, 400), "prose": (0.59, 200)})
+    kept = judge(close, None, key=key, old_weight=0.0, floors=floors)
+    assert kept.below == [] and kept.beats(start.value)
+    unguarded = _scores({"structured": (0.80, 400), "prose": (0.50, 200)})
+    assert judge(unguarded, None, key=key, old_weight=0.0, floors={}).beats(start.value)
+    assert unguarded.by_category()["prose"] == (200, {"expected_acceptance": 0.5, "greedy_agreement": 0.5})
+
+
+def test_only_named_categories_the_incumbent_still_serves_as_before_count_as_steady() -> None:
+    key = "greedy_agreement"
+    old = _scores({"prose": (0.60, 300), "": (0.5, 300), "code": (0.7, 300)})
+    recent = _scores({"prose": (0.59, 300), "structured": (0.1, 300), "": (0.5, 300), "code": (0.4, 300)})
+    # prose: within the tolerance; structured: not in the old window; uncategorized: unmatched;
+    # code: the incumbent fell 30 points there, so that part drifted and is relearnt.
+    assert steady_categories(recent, old, key=key, tolerance=0.02, min_positions=128) == ["prose"]
+    assert steady_categories(recent, old, key=key, tolerance=0.02, min_positions=400) == []
+    assert steady_categories(recent, None, key=key, tolerance=0.02, min_positions=1) == []
+
+
+def test_realign_keeps_the_incumbent_when_every_gain_costs_a_category(
+    tokenizer: Tokenizer, models: tuple[Transformer, Transformer]
+) -> None:
+    target, drafter = models
+    recent = [replace(t, category=("a", "b")[i % 2]) for i, t in enumerate(traces(48))]
+    older = [replace(t, category="b") for t in traces(24, "old")]
+    cfg = replace(FAST, min_category_positions=1, category_tolerance=None)
+    free = realign(target, drafter, tokenizer, recent, older, cfg).metrics
+    assert free["best_step"] > 0  # training gains on these rows when nothing guards a category
+    assert set(free["held_out_by_category"]) == {"a", "b"}
+    # A floor above the incumbent on every category (a negative tolerance: each must gain 1.0,
+    # which no weights can): every gain is refused and the incumbent's weights come back.
+    strict = realign(target, drafter, tokenizer, recent, older, replace(cfg, category_tolerance=-1.0))
+    m = strict.metrics
+    assert m["best_step"] == 0 and m["selection"]["refused"]
+    assert m["selection"]["guarded_categories"] == ["a", "b"]
+    assert m["held_out_after"] == m["held_out_before"]
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(strict.model.state_dict()[k], v.float()), k
+
+
 def test_the_overlap_is_counted_from_the_rows_not_assumed() -> None:
     a, b = content_of("Report  one", "doc-1"), content_of("report one")
     seen = TrainedContent.of([content_of("REPORT ONE", "doc-2"), content_of("two", "doc-1")])
@@ -354,7 +486,9 @@ def test_token_targets_need_no_target_pass_and_still_train(
     assert m["replay_plan"]["rows"] == m["replay_rows"]
     # Weights were judged on both windows, the old one at the replay's share of the training rows.
     assert m["select_old_weight"] == round(m["replay_rows"] / m["train_rows"], 4)
-    assert all("old_greedy_agreement" in h for h in m["history"]) == (m["replay_rows"] > 0)
+    # The old window's held-out rows are scored at every evaluation (the category guard reads
+    # them), replayed or not.
+    assert all("old_greedy_agreement" in h for h in m["history"])
     losses = [h["loss"] for h in m["history"] if "loss" in h]
     assert losses[-1] < losses[0]  # it fits the completion tokens
     # The best held-out weights are kept, so the result is never worse than the incumbent.

@@ -62,6 +62,7 @@ from controlplane.traces.holdout import (
     Content,
     TrainedContent,
     content_of,
+    holdout_rank,
     is_held_out,
     overlap_count,
 )
@@ -117,7 +118,14 @@ class RealignConfig:
     replay_share: float | None = None
     max_replay_share: float = MAX_REPLAY_SHARE
     holdout_share: float = REALIGN_HOLDOUT_SHARE  # the split the canary's replay selects from
-    max_holdout_rows: int = 32
+    max_holdout_rows: int = 32  # per window, shared among its categories
+    # Every category is scored on held-out rows: while fewer of its traces than this are held out
+    # by the hash split, more of its keys (documents) are held out, each at most
+    # max_reserved_share of the category's traces (see reserve_keys).
+    holdout_rows_per_category: int = 8
+    max_reserved_share: float = 0.25
+    # At most this many training rows per content key (source document); None: no cap.
+    max_rows_per_key: int | None = None
     min_train_rows: int = 4
     # Rows are cut to the last max_prompt_tokens of the prompt and max_completion_tokens of the
     # completion, and never beyond the drafter's context.
@@ -163,6 +171,17 @@ class RealignConfig:
     # Weight of the held-out *old* rows' figure when weights are judged (the rest on the recent
     # rows'): None for the replay share of the training rows, 0 to judge on recent traffic only.
     select_old_weight: float | None = None
+    # Weights whose held-out figure (select_on) on any category falls more than this below the
+    # incumbent's are never kept, whatever they gain elsewhere: an aggregate over categories lets
+    # a gain on the new traffic hide a loss on the old. Categories with fewer held-out completion
+    # positions than min_category_positions are not guarded (too few to tell). None: no guard.
+    category_tolerance: float | None = 0.02
+    min_category_positions: int = 128
+    # Recent rows of a category whose traffic did not drift for the incumbent (its held-out figure
+    # on the recent window within category_tolerance of the old window's: steady_categories) are
+    # fitted to the incumbent, as replayed rows are (needs replay_teacher "incumbent"): that part
+    # of the traffic is kept, not relearnt from the few documents a window may hold of it.
+    anchor_steady_categories: bool = True
     warmup_share: float = 0.1  # of the planned steps (at least 10): a fresh Adam jolts a trained drafter
     batch_rows: int = 16
     teacher_batch_rows: int = 16
@@ -185,9 +204,13 @@ class Rows:
     ids: list[torch.Tensor]  # each [T_i] int64
     starts: list[int]  # index of the first completion token in each row
     keys: list[str]
+    categories: list[str] = field(default_factory=list)  # each row's category (empty: none known)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def category(self, i: int) -> str:
+        return self.categories[i] if i < len(self.categories) else UNCATEGORIZED
 
     def completion_tokens(self) -> int:
         return sum(len(t) - s for t, s in zip(self.ids, self.starts, strict=True))
@@ -249,6 +272,7 @@ def _encode(traces: Sequence[TraceText], tokenizer: Tokenizer, cfg: RealignConfi
         rows.ids.append(torch.tensor(p + c, dtype=torch.long))
         rows.starts.append(len(p))
         rows.keys.append(trace.key)
+        rows.categories.append(_category(trace))
     return rows
 
 
@@ -275,8 +299,10 @@ def build_dataset(
     rows are a seeded choice within each category the plan names.
     """
 
+    reserved = reserve_keys([*recent, *older], cfg)
+
     def keyed_out(trace: TraceText) -> bool:
-        return is_held_out(trace.key, cfg.seed, cfg.holdout_share)
+        return trace.key in reserved or is_held_out(trace.key, cfg.seed, cfg.holdout_share)
 
     train_recent = [t for t in recent if not keyed_out(t)]
     pool = [t for t in older if not keyed_out(t)]
@@ -288,8 +314,12 @@ def build_dataset(
     dropped = len(held_keyed) - len(held) + len(held_old_keyed) - len(held_old)
     if not held and len(train_recent) > 1:  # tiny sets: hold out one request rather than none
         held = _hold_out_one(train_recent, pool)
-    held = held[: cfg.max_holdout_rows]
-    held_old = held_old[: cfg.max_holdout_rows]
+    held = _balanced(held, cfg.max_holdout_rows)
+    held_old = _balanced(held_old, cfg.max_holdout_rows)
+    capped = len(train_recent) + len(pool)
+    train_recent = _cap_per_key(train_recent, cfg.max_rows_per_key, cfg.seed)
+    pool = _cap_per_key(pool, cfg.max_rows_per_key, cfg.seed, Counter(t.key for t in train_recent))
+    capped -= len(train_recent) + len(pool)
     train = _encode(train_recent, tokenizer, cfg, max_len)
     held_rows = _encode(held, tokenizer, cfg, max_len)
     held_old_rows = _encode(held_old, tokenizer, cfg, max_len)
@@ -331,10 +361,86 @@ def build_dataset(
         "held_out_rows": len(held_rows),
         "held_out_old_rows": len(held_old_rows),
         "held_out_dropped_as_trained": dropped,
+        # Traces whose content key (document) the split held out to give a category held-out rows.
+        "held_out_reserved_keys": len(reserved),
+        # Trainable traces left out because their document already gave max_rows_per_key rows.
+        "dropped_over_key_cap": capped,
         # Held-out traces whose prompt or document is among the traces trained on (0 by construction).
         "heldout_prompt_overlap": overlap,
     }
     return RealignDataset(train, held_rows, n_recent, len(replay), held_old_rows, plan, split)
+
+
+def reserve_keys(traces: Sequence[TraceText], cfg: RealignConfig) -> set[str]:
+    """Content keys held out beyond the hash split, so that every category the traces hold is
+    scored on rows whose document never reached training.
+
+    Per category (both windows together), while fewer than ``cfg.holdout_rows_per_category`` of
+    its traces are held out, the next key in the split's own order (the smallest hash value first:
+    the keys a larger ``holdout_share`` would hold out next) is held out too, unless that would put
+    more than ``cfg.max_reserved_share`` of the category's traces on the held-out side (a key that
+    carries too much of its category is skipped). A category whose traces all share one key keeps
+    it for training. Without this, traffic cut from a few recurring documents (a handful of keys
+    per category) rarely has a held-out document at a 10% share, and the weights are then chosen
+    with no held-out view of that category at all.
+    """
+    need = cfg.holdout_rows_per_category
+    if need <= 0:
+        return set()
+    by_category: dict[str, Counter[str]] = {}
+    for t in traces:
+        by_category.setdefault(_category(t), Counter())[t.key] += 1
+    reserved: set[str] = set()
+    for counts in by_category.values():
+        if len(counts) < 2:
+            continue
+        total = sum(counts.values())
+        held = sum(n for key, n in counts.items() if is_held_out(key, cfg.seed, cfg.holdout_share))
+        cap = max(need, int(cfg.max_reserved_share * total))
+        for key in sorted(counts, key=lambda k: holdout_rank(k, cfg.seed)):
+            if held >= need:
+                break
+            if is_held_out(key, cfg.seed, cfg.holdout_share) or held + counts[key] > cap:
+                continue
+            reserved.add(key)
+            held += counts[key]
+    return reserved
+
+
+def _balanced(traces: Sequence[TraceText], limit: int) -> list[TraceText]:
+    """At most ``limit`` traces, shared among the categories as evenly as their counts allow (each
+    category's first ones, the order kept): every category keeps held-out rows however the traffic
+    mixes them, and scoring costs what ``limit`` rows cost."""
+    queues: dict[str, list[int]] = {}
+    for i, t in enumerate(traces):
+        queues.setdefault(_category(t), []).append(i)
+    picked: list[int] = []
+    depth = 0
+    while len(picked) < limit and any(depth < len(q) for q in queues.values()):
+        for queue in queues.values():
+            if depth < len(queue) and len(picked) < limit:
+                picked.append(queue[depth])
+        depth += 1
+    return [traces[i] for i in sorted(picked)]
+
+
+def _cap_per_key(
+    traces: list[TraceText], limit: int | None, seed: int, taken: Counter[str] | None = None
+) -> list[TraceText]:
+    """At most ``limit`` traces per content key, counting the ``taken`` ones already trained on
+    (a seeded choice among a key's traces, their order kept); None: all."""
+    if limit is None:
+        return traces
+    rng = np.random.default_rng([seed, 3])
+    members: dict[str, list[int]] = {}
+    for i, t in enumerate(traces):
+        members.setdefault(t.key, []).append(i)
+    keep: list[int] = []
+    for key, indices in members.items():
+        room = max(0, limit - (taken or Counter())[key])
+        chosen = rng.permutation(len(indices))[:room] if len(indices) > room else range(len(indices))
+        keep += [indices[int(j)] for j in chosen]
+    return [traces[i] for i in sorted(keep)]
 
 
 def _hold_out_one(train_recent: list[TraceText], pool: Sequence[TraceText]) -> list[TraceText]:
@@ -491,18 +597,44 @@ def anchor_targets(
     top_k: int,
     device: torch.device,
     cfg: RealignConfig,
+    picks: Sequence[int] | None = None,
 ) -> None:
-    """Replace the replayed rows' targets (the last ``data.replay_rows`` training rows) with the
-    incumbent's own top-K there, in place; with top_k 1 a point mass on its argmax."""
-    first = len(data.train) - data.replay_rows
-    replay = Rows(data.train.ids[first:], data.train.starts[first:], data.train.keys[first:])
+    """Replace the targets of the training rows ``picks`` (None: the replayed rows, the last
+    ``data.replay_rows``) with the incumbent's own top-K there, in place; with top_k 1 a point
+    mass on its argmax."""
+    if picks is None:
+        picks = range(len(data.train) - data.replay_rows, len(data.train))
+    picks = list(picks)
+    if not picks:
+        return
+    rows = Rows([data.train.ids[i] for i in picks], [data.train.starts[i] for i in picks], [])
     own = teacher_targets(
-        incumbent, replay, top_k, device, cfg.teacher_batch_rows, memory_mb=cfg.teacher_memory_mb
+        incumbent, rows, top_k, device, cfg.teacher_batch_rows, memory_mb=cfg.teacher_memory_mb
     )
     if top_k == 1:
         own = Teacher([torch.ones_like(p) for p in own.probs], own.index, 1.0)
-    teacher.probs[first:] = own.probs
-    teacher.index[first:] = own.index
+    for j, i in enumerate(picks):
+        teacher.probs[i] = own.probs[j]
+        teacher.index[i] = own.index[j]
+
+
+def steady_categories(
+    recent: RowScores, old: RowScores | None, *, key: str, tolerance: float, min_positions: int
+) -> list[str]:
+    """The named categories whose traffic did not drift for the incumbent: held out in both windows
+    (``min_positions`` each at least) and its ``key`` figure on the recent window no more than
+    ``tolerance`` below the old one's. Uncategorized traffic cannot be matched across windows."""
+    if old is None:
+        return []
+    before = old.by_category()
+    out = []
+    for category, (positions, figures) in recent.by_category().items():
+        if category == UNCATEGORIZED or category not in before:
+            continue
+        old_positions, old_figures = before[category]
+        if min(positions, old_positions) >= min_positions and figures[key] >= old_figures[key] - tolerance:
+            out.append(category)
+    return out
 
 
 def _gather(
@@ -559,7 +691,81 @@ def distill_loss(
     return loss, tvd
 
 
+@dataclass
+class RowScores:
+    """Held-out sums per row: expected acceptance (sum over positions of sum_K min(p, q)), greedy
+    agreements and completion positions, with each row's category."""
+
+    accept: list[float] = field(default_factory=list)
+    agree: list[float] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    categories: list[str] = field(default_factory=list)
+
+    def __add__(self, other: RowScores) -> RowScores:
+        return RowScores(
+            self.accept + other.accept,
+            self.agree + other.agree,
+            self.positions + other.positions,
+            self.categories + other.categories,
+        )
+
+    def figures(self, category: str | None = None) -> dict[str, float]:
+        """Expected acceptance and greedy agreement per position, over every row or one category's."""
+        picked = [i for i, c in enumerate(self.categories) if category is None or c == category]
+        n = sum(self.positions[i] for i in picked)
+        return {
+            "expected_acceptance": sum(self.accept[i] for i in picked) / max(n, 1),
+            "greedy_agreement": sum(self.agree[i] for i in picked) / max(n, 1),
+        }
+
+    def by_category(self) -> dict[str, tuple[int, dict[str, float]]]:
+        """Per category: (completion positions, figures)."""
+        out = {}
+        for category in sorted(set(self.categories)):
+            n = sum(p for p, c in zip(self.positions, self.categories, strict=True) if c == category)
+            out[category] = (n, self.figures(category))
+        return out
+
+
 @torch.no_grad()
+def score_rows(
+    drafter: Transformer,
+    rows: Rows,
+    teacher: Teacher,
+    device: torch.device,
+    batch_rows: int = 16,
+    memory_mb: float = 1024.0,
+) -> RowScores:
+    """Each row's held-out sums (see ``evaluate``), so that figures can be taken per category."""
+    was_training = drafter.training
+    drafter.eval()
+    step = rows_per_chunk(drafter.config.vocab_size, memory_mb, SCORING_BYTES_PER_LOGIT)
+    out = RowScores()
+    for lo in range(0, len(rows), batch_rows):
+        picks = list(range(lo, min(len(rows), lo + batch_rows)))
+        with autocast_for(device):
+            hidden = _completion_features(drafter, rows, picks, device)  # [N, D]
+        top_p, top_i = _gather(teacher, picks, device)
+        accept, agree = [], []
+        for start in range(0, len(hidden), step):
+            end = start + step
+            q = torch.softmax(_chunk_logits(drafter, hidden[start:end], device), dim=-1)  # [R, V]
+            accept.append(torch.minimum(top_p[start:end], q.gather(-1, top_i[start:end])).sum(-1))  # [R]
+            agree.append((q.argmax(-1) == top_i[start:end, 0]).float())  # [R]
+            del q
+        per_accept, per_agree = torch.cat(accept).cpu(), torch.cat(agree).cpu()  # [N]
+        offset = 0
+        for i in picks:
+            n = len(rows.ids[i]) - rows.starts[i]
+            out.accept.append(float(per_accept[offset : offset + n].sum()))
+            out.agree.append(float(per_agree[offset : offset + n].sum()))
+            out.positions.append(n)
+            out.categories.append(rows.category(i))
+            offset += n
+    drafter.train(was_training)
+    return out
+
+
 def evaluate(
     drafter: Transformer,
     rows: Rows,
@@ -573,28 +779,18 @@ def evaluate(
 
     q is the drafter's distribution over all of its rows, scored ``rows_per_chunk`` positions at a
     time within ``memory_mb``; the teacher's ids lie in the range both models share."""
-    was_training = drafter.training
-    drafter.eval()
-    step = rows_per_chunk(drafter.config.vocab_size, memory_mb, SCORING_BYTES_PER_LOGIT)
-    accept = agree = 0.0
-    n = 0
-    for lo in range(0, len(rows), batch_rows):
-        picks = list(range(lo, min(len(rows), lo + batch_rows)))
-        with autocast_for(device):
-            hidden = _completion_features(drafter, rows, picks, device)  # [N, D]
-        top_p, top_i = _gather(teacher, picks, device)
-        for start in range(0, len(hidden), step):
-            end = start + step
-            q = torch.softmax(_chunk_logits(drafter, hidden[start:end], device), dim=-1)  # [R, V]
-            accept += float(torch.minimum(top_p[start:end], q.gather(-1, top_i[start:end])).sum())
-            agree += float((q.argmax(-1) == top_i[start:end, 0]).sum())
-            n += len(q)
-            del q
-    drafter.train(was_training)
-    return {"expected_acceptance": accept / max(n, 1), "greedy_agreement": agree / max(n, 1)}
+    return score_rows(drafter, rows, teacher, device, batch_rows, memory_mb).figures()
 
 
 # ------------------------------------------------------------------------------------------ training
+
+
+def selection_key(cfg: RealignConfig, held_out: Rows, held_teacher: Teacher) -> str:
+    """The held-out figure weights are chosen by: ``cfg.select_on``, or for "auto" greedy agreement
+    when the held-out completions are the target's argmax (greedy traffic), else expected acceptance."""
+    if cfg.select_on != "auto":
+        return cfg.select_on
+    return "greedy_agreement" if _argmax_share(held_out, held_teacher) >= 0.95 else "expected_acceptance"
 
 
 def _argmax_share(rows: Rows, teacher: Teacher) -> float:
@@ -741,11 +937,33 @@ def realign(
     else:
         teacher = targets(data.train)
         teacher_tokens = held_tokens + row_tokens
+    # ``model`` is still the incumbent (no step taken). Token targets are top-1, and every row's
+    # targets must have one width: the incumbent's argmax then, as a point mass.
+    anchor_k = 1 if mode == "tokens" else cfg.teacher_top_k
     if cfg.replay_teacher == "incumbent" and data.replay_rows:
-        # ``model`` is still the incumbent (no step taken). Token targets are top-1, and every
-        # row's targets must have one width: the incumbent's argmax then, as a point mass.
-        anchor_k = 1 if mode == "tokens" else cfg.teacher_top_k
         anchor_targets(model, data, teacher, anchor_k, device, cfg)
+    steady: list[str] = []
+    if cfg.anchor_steady_categories and cfg.replay_teacher == "incumbent" and "teacher" in old_scoring:
+        key = selection_key(cfg, data.held_out, held_teacher)
+        steady = steady_categories(
+            score_rows(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb),
+            score_rows(
+                model,
+                data.held_out_old,
+                old_scoring["teacher"],
+                device,
+                cfg.batch_rows,
+                cfg.teacher_memory_mb,
+            ),
+            key=key,
+            tolerance=cfg.category_tolerance or 0.0,
+            min_positions=cfg.min_category_positions,
+        )
+        recent_rows = len(data.train) - data.replay_rows
+        picks = [i for i in range(recent_rows) if data.train.category(i) in steady]
+        anchor_targets(model, data, teacher, anchor_k, device, cfg, picks)
+        data.split["recent_rows_anchored"] = len(picks)
+    data.split["steady_categories"] = len(steady)
     teacher_s = time.perf_counter() - t_teacher + old_scoring.get("seconds", 0.0)
     checkpoint(
         0.1,
@@ -802,20 +1020,34 @@ def _train(
     checkpoint: Callable[[float, str], None],
 ) -> RealignResult:
     model.train()
-    t_eval = time.perf_counter()
-    before = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
-    eval_s = time.perf_counter() - t_eval
+    guard = cfg.category_tolerance is not None
     # Weights are judged on both windows, the old one at the weight the replay gave it: the
     # planned replay share says how much the old traffic matters beside the new.
     old_weight = 0.0
     if old_teacher is not None and old_before is not None:
         old_weight = selection_old_weight(cfg, data)
-    if old_weight:  # each evaluation scores the old rows too: fewer steps fit
-        eval_s *= 1 + data.held_out_old.completion_tokens() / max(1, data.held_out.completion_tokens())
+    score_old = old_teacher is not None and len(data.held_out_old) > 0 and (bool(old_weight) or guard)
+
+    def scored() -> tuple[RowScores, RowScores | None]:
+        new = score_rows(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
+        if not score_old or old_teacher is None:
+            return new, None
+        old = score_rows(model, data.held_out_old, old_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
+        return new, old
+
+    t_eval = time.perf_counter()
+    new_before, old_rows_before = scored()
+    eval_s = time.perf_counter() - t_eval
+    before = new_before.figures()
     greedy_share = _argmax_share(data.held_out, held_teacher)
-    key = cfg.select_on
-    if key == "auto":
-        key = "greedy_agreement" if greedy_share >= 0.95 else "expected_acceptance"
+    key = selection_key(cfg, data.held_out, held_teacher)
+    # The guard's floors: each category's held-out figure (both windows' rows pooled) for the
+    # incumbent, less the tolerance, where enough positions were held out to tell.
+    pooled_before = _pooled(new_before, old_rows_before)
+    categories_before = pooled_before.by_category()
+    floors = floors_of(
+        pooled_before, key=key, tolerance=cfg.category_tolerance, min_positions=cfg.min_category_positions
+    )
     train_tokens = data.train.completion_tokens()
     lr = cfg.lr or choose_lr(train_tokens, before.get("greedy_agreement"), protects_old=data.replay_rows > 0)
     opt = make_optimizer(model, lr, cfg.weight_decay)
@@ -853,6 +1085,8 @@ def _train(
     # budget left allows once the evaluations are paid for, capped at max_epochs.
     steps_per_epoch = max(1, n_rows // b)
     cap = max(2, int(cfg.max_epochs * steps_per_epoch))
+    # The incumbent's weights, taken before any step: what comes back if no evaluation beats them.
+    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     t_train = time.perf_counter()
     loss, tvd, tokens = train_step(next(stream), 0, cap)
     t_probe = time.perf_counter()
@@ -863,38 +1097,46 @@ def _train(
     total = max(2, min(cap, int(left / step_s)))
     eval_every = max(1, total // max(1, cfg.evals))
 
-    def judged(scores: dict[str, float]) -> tuple[float, dict[str, float] | None]:
-        if not old_weight or old_teacher is None:
-            return scores[key], None
-        old = evaluate(model, data.held_out_old, old_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
-        return (1 - old_weight) * scores[key] + old_weight * old[key], old
+    def judged() -> Judged:
+        new, old = scored()
+        return judge(new, old, key=key, old_weight=old_weight, floors=floors)
 
     best = dict(before)
     best_value = (1 - old_weight) * before[key] + old_weight * (old_before or {}).get(key, 0.0)
-    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    best_categories = {c: figures[key] for c, (_, figures) in categories_before.items()}
     best_step = 0
     bad_evals = 0
-    history: list[dict[str, float]] = [
-        {"step": 0, **{k: round(v, 4) for k, v in before.items()}, **_prefixed("old_", old_before)}
+    refused: list[dict[str, Any]] = []  # evaluations that gained overall but lost a category
+
+    def entry(step: int, j: Judged, loss: float | None) -> dict[str, Any]:
+        return {
+            "step": step,
+            **({"loss": round(loss, 4)} if loss is not None else {}),
+            **{k: round(v, 4) for k, v in j.scores.items()},
+            **_prefixed("old_", j.old_scores),
+            **_prefixed("category_", j.per_category),
+        }
+
+    history: list[dict[str, Any]] = [
+        {
+            "step": 0,
+            **{k: round(v, 4) for k, v in before.items()},
+            **_prefixed("old_", old_before),
+            **_prefixed("category_", best_categories),
+        }
     ]
     steps_run = 2
     stop_reason = "planned steps done"
     for step in range(2, total):
         if step % eval_every == 0:
-            scores = evaluate(
-                model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb
-            )
-            value, old_scores = judged(scores)
-            history.append(
-                {
-                    "step": step,
-                    "loss": round(loss, 4),
-                    **{k: round(v, 4) for k, v in scores.items()},
-                    **_prefixed("old_", old_scores),
-                }
-            )
-            if value > best_value + 1e-4:
-                best, best_value, best_step, bad_evals = scores, value, step, 0
+            j = judged()
+            scores = j.scores
+            history.append(entry(step, j, loss))
+            if j.value > best_value + 1e-4 and j.below:
+                refused.append({"step": step, "below_floor": j.below})
+            if j.beats(best_value + 1e-4):
+                best, best_value, best_step, bad_evals = scores, j.value, step, 0
+                best_categories = j.per_category
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             else:
                 bad_evals += 1
@@ -913,18 +1155,12 @@ def _train(
         tokens += n
         steps_run += 1
     train_s = time.perf_counter() - t_train
-    final = evaluate(model, data.held_out, held_teacher, device, cfg.batch_rows, cfg.teacher_memory_mb)
-    final_value, final_old = judged(final)
-    history.append(
-        {
-            "step": steps_run,
-            "loss": round(loss, 4),
-            **{k: round(v, 4) for k, v in final.items()},
-            **_prefixed("old_", final_old),
-        }
-    )
-    if final_value > best_value:
-        best, best_step = final, steps_run
+    last = judged()
+    history.append(entry(steps_run, last, loss))
+    if last.value > best_value and last.below:
+        refused.append({"step": steps_run, "below_floor": last.below})
+    if last.beats(best_value):
+        best, best_step, best_categories = last.scores, steps_run, last.per_category
     else:
         model.load_state_dict(best_state)
     old_after = (
@@ -963,6 +1199,23 @@ def _train(
         # before it (what it must not forget), each for the incumbent and the realigned drafter.
         "held_out_new": held_out_figures(len(data.held_out), before, best),
         "held_out_old": held_out_figures(len(data.held_out_old), old_before, old_after),
+        # Per category, both windows' held-out rows pooled: what the guard compared (select_on).
+        "held_out_by_category": {
+            c: {
+                "positions": positions,
+                "incumbent": round(figures[key], 4),
+                "realigned": round(best_categories.get(c, figures[key]), 4),
+                "floor": round(floors[c], 4) if c in floors else None,
+            }
+            for c, (positions, figures) in categories_before.items()
+        },
+        "selection": {
+            "figure": key,
+            "category_tolerance": cfg.category_tolerance,
+            "guarded_categories": sorted(floors),
+            # Evaluations that beat the best so far overall but put a category below its floor.
+            "refused": refused,
+        },
         "replay_plan": data.replay_plan.as_dict() if data.replay_plan is not None else None,
         "history": history,
         "teacher_s": round(teacher_s, 2),
@@ -984,6 +1237,62 @@ def _train(
         f"trained: held-out {key.replace('_', ' ')} {before[key]:.3f} -> {best[key]:.3f}",
     )
     return RealignResult(model, metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """One evaluation of the training drafter: the recent and old windows' figures, the value the
+    weights are chosen by, the select_on figure per category, and the guarded categories below
+    their floor (any: these weights are never kept)."""
+
+    scores: dict[str, float]
+    old_scores: dict[str, float] | None
+    value: float
+    per_category: dict[str, float]
+    below: list[str]
+
+    def beats(self, best_value: float) -> bool:
+        """Whether these weights replace the best so far: a higher value, and no category below its floor."""
+        return self.value > best_value and not self.below
+
+
+def floors_of(
+    incumbent: RowScores, *, key: str, tolerance: float | None, min_positions: int
+) -> dict[str, float]:
+    """Per category with at least ``min_positions`` held-out positions: the incumbent's ``key``
+    figure there less ``tolerance`` (None: no floors)."""
+    if tolerance is None:
+        return {}
+    return {
+        c: figures[key] - tolerance
+        for c, (positions, figures) in incumbent.by_category().items()
+        if positions >= min_positions
+    }
+
+
+def judge(
+    new: RowScores,
+    old: RowScores | None,
+    *,
+    key: str,
+    old_weight: float,
+    floors: dict[str, float],
+) -> Judged:
+    """Judge weights from their held-out row scores on the recent window (``new``) and the old one:
+    the value is the recent figure, mixed with the old one at ``old_weight``; a category whose
+    figure (both windows' rows pooled) is below its floor is named in ``below``."""
+    scores = new.figures()
+    old_scores = old.figures() if old is not None else None
+    value = scores[key]
+    if old_weight and old_scores is not None:
+        value = (1 - old_weight) * scores[key] + old_weight * old_scores[key]
+    per_category = {c: figures[key] for c, (_, figures) in _pooled(new, old).by_category().items()}
+    below = sorted(c for c, floor in floors.items() if per_category.get(c, floor) < floor)
+    return Judged(scores, old_scores, value, per_category, below)
+
+
+def _pooled(new: RowScores, old: RowScores | None) -> RowScores:
+    return new if old is None else new + old
 
 
 def selection_old_weight(cfg: RealignConfig, data: RealignDataset) -> float:
