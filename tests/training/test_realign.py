@@ -59,6 +59,7 @@ from workers.training.realign import (
     build_dataset,
     choose_lr,
     completion_logits,
+    distill_loss,
     floors_of,
     judge,
     pad_rows,
@@ -395,6 +396,21 @@ def test_replayed_rows_are_fitted_to_the_incumbent_and_recent_ones_to_the_target
     assert torch.equal(points.index[-1][:, 0].long(), teacher.index[-1][:, 0].long())
 
 
+def test_picked_recent_rows_are_fitted_to_the_incumbent_and_the_others_kept(
+    tokenizer: Tokenizer, models: tuple[Transformer, Transformer]
+) -> None:
+    target, drafter = models
+    cfg = RealignConfig(seed=0, holdout_share=0.2, replay_share=0.25, teacher_top_k=8)
+    data = build_dataset(traces(40), traces(40, prefix="old"), tokenizer, cfg, max_len=256)
+    teacher = teacher_targets(target, data.train, 8, torch.device("cpu"))
+    own = teacher_targets(drafter, data.train, 8, torch.device("cpu"))
+    before = [t.clone() for t in teacher.index]
+    anchor_targets(drafter, data, teacher, 8, torch.device("cpu"), cfg, picks=[0, 3])
+    for i in range(len(data.train)):
+        want = own.index[i] if i in (0, 3) else before[i]
+        assert torch.equal(teacher.index[i], want), i
+
+
 def test_the_learning_rate_is_capped_while_old_traffic_is_kept() -> None:
     novel = choose_lr(50_000, start_agreement=0.05)
     assert novel > PROTECTED_LR  # traffic the incumbent does not know: a large step
@@ -493,6 +509,23 @@ def test_token_targets_need_no_target_pass_and_still_train(
     assert losses[-1] < losses[0]  # it fits the completion tokens
     # The best held-out weights are kept, so the result is never worse than the incumbent.
     assert m["held_out_after"]["greedy_agreement"] >= m["held_out_before"]["greedy_agreement"]
+
+
+def test_wide_token_targets_leave_the_loss_unchanged() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = Rows([torch.randint(1, 4096, (n,), generator=g) for n in (20, 13)], [5, 9], ["a", "b"])
+    logits = torch.randn(19, 4096, generator=g)  # [N, V]: 15 + 4 completion positions
+    narrow, wide = token_targets(rows), token_targets(rows, 32, 4096)
+    assert wide.index[0].shape == (15, 32) and torch.equal(wide.index[0][:, 0], narrow.index[0][:, 0])
+    assert all(len(set(r.tolist())) == 32 for r in wide.index[1])  # distinct ids, the token first
+    for a, b in zip(
+        distill_loss(logits, torch.cat(narrow.probs), torch.cat(narrow.index), 0.5, 1.0, 0.3),
+        distill_loss(logits, torch.cat(wide.probs), torch.cat(wide.index), 0.5, 1.0, 0.3),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="vocabulary"):
+        token_targets(rows, 32)
 
 
 def test_completion_logits_match_the_full_forward(models: tuple[Transformer, Transformer]) -> None:
