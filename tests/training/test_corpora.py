@@ -4,11 +4,17 @@ scenario traffic's prompt streams are endless, rarely repeat, and keep held-out 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from workers import corpora
 from workers.corpora import generated, structured
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("domain", corpora.DOMAINS)
@@ -135,3 +141,30 @@ def test_generated_structured_documents_are_unbounded_and_split_apart() -> None:
         assert text.startswith(("Database tables: ", "Available tools: ")) and text.endswith("\n")
         markers = sum(text.count(m) for m in structured.ANSWER_MARKERS)
         assert 1 <= made.history < markers <= made.history + 2
+
+
+def test_generated_documents_do_not_depend_on_the_processs_hash_seed() -> None:
+    """Two processes with different PYTHONHASHSEED build the same documents: the traffic a scenario
+    sends, and the held-out split of what it sends, must not change with the interpreter's salt
+    (Faker's it_IT cities come from a set)."""
+    code = (
+        "import hashlib\n"
+        "from workers.corpora import generated\n"
+        "h = hashlib.sha256()\n"
+        "for i in range(200):\n"
+        "    for stream in range(3):\n"
+        "        h.update(repr(generated.document('test', stream, i)).encode())\n"
+        "print(h.hexdigest())\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1, digests

@@ -289,6 +289,15 @@ def _unique(values: list[str]) -> tuple[str, ...]:
     return tuple(sorted({v.strip() for v in values if v.strip() and "'" not in v and '"' not in v}))
 
 
+def _stable_city_order(fake: object) -> None:
+    """Sort any city list a Faker provider builds from a set (it_IT's does), so a seeded draw
+    picks the same cities in every process whatever PYTHONHASHSEED is."""
+    for provider in getattr(fake, "providers", []):
+        cities = getattr(provider, "cities", None)
+        if isinstance(cities, list):
+            provider.cities = sorted(cities)
+
+
 @cache
 def pools() -> Pools:
     """The pools, built on first use (about a second: Faker loads each locale's providers)."""
@@ -301,6 +310,7 @@ def pools() -> Pools:
     domains: list[str] = []
     for number, locale in enumerate(LOCALES):
         fake = Faker(locale)
+        _stable_city_order(fake)
         fake.seed_instance(VALUES_SEED + number)
         first += [fake.first_name() for _ in range(_PER_LOCALE)]
         last += [fake.last_name() for _ in range(_PER_LOCALE)]
