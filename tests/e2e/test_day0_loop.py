@@ -5,8 +5,11 @@ a first drafter from the target itself, canary it against no speculation and pro
 
 Everything asserted is read back through the REST API afterwards: a realignment with trigger
 ``first_drafter`` succeeded, a canary promoted its candidate, the deployment speculates with that
-drafter, and the live arm's decode throughput on it beats the live arm's before the first canary
-(when it served without speculation), from the stats API.
+drafter, and on held-out prompts sent in interleaved pairs after the promotion (the same prompt to
+the live arm and to no speculation, warm) the first drafter is faster than no speculation. The live
+arm's decode throughput before the first canary and after the promotion is printed beside it: those
+two periods are minutes apart, so a load change between them moves that ratio as much as the
+drafter does, and it is not asserted.
 """
 
 from __future__ import annotations
@@ -72,8 +75,15 @@ def test_day0_first_drafter_on_the_embedded_default(tmp_path: Path) -> None:
     assert nospec["requests"] > 0 and nospec["drafted_tokens"] == 0, nospec
     assert fresh["requests"] > 0 and fresh["drafted_tokens"] > 0, fresh
     before, after = nospec["decode_tokens_per_s"], fresh["decode_tokens_per_s"]
+    paired = demo["paired"]
     print(
         f"day 0: live decode {before:.1f} tokens/s without speculation -> {after:.1f} on the first "
-        f"drafter ({after / before:.2f}x, hit rate {fresh['hit_rate']:.1%})"
+        f"drafter ({after / before:.2f}x, not interleaved, hit rate {fresh['hit_rate']:.1%}); held out, "
+        f"interleaved: {paired['speedup_vs_nospec']}x over {paired['pairs']} pairs "
+        f"(per pair median {paired['per_pair_speedup_median']}x, range {paired['per_pair_speedup_range']})"
     )
-    assert after > before, (nospec, fresh, output)
+    assert paired["heldout_prompt_overlap"] == 0, paired
+    # Ratio of summed latencies over >= 24 interleaved pairs. Measured 1.33x with per-pair ratios
+    # from 0.80 to 1.96 (median 1.26): a per-pair spread of about 0.25 gives a standard error near
+    # 0.05 on the mean, so falling to 1.0 is about 6 standard errors away (false failure < 1e-8).
+    assert paired["pairs"] >= 24 and paired["speedup_vs_nospec"] > 1.0, (paired, output)
