@@ -39,8 +39,10 @@ lint: install
 typecheck: install
 	$(BIN)/mypy controlplane workers
 
+# Two workers (pytest-xdist): the whole-loop tests run on one while the rest of the suite runs on
+# the other; a file's tests never split across workers (tests/conftest.py sets the groups).
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # The tests that need no service and start no process: no PostgreSQL, Redis, Celery worker or
 # subprocess server (the markers are applied at collection; a test that slips through fails the
