@@ -83,20 +83,9 @@ def pytest_configure(config: pytest.Config) -> None:
         PG_ADMIN_URL = REFUSED_PG_URL
 
 
-# The whole-loop end-to-end tests: each runs every process of the service and trains a drafter.
-WHOLE_LOOPS = ("test_day0_loop.py", "test_demo_loop.py")
-
-
-# tryfirst: the groups must be on the items before pytest-xdist's own hook reads them.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test by what it needs: `e2e` and `integration` by directory, `processes` and
-    `postgres` read from the code of the test, its fixtures and what they call (tests/markers.py).
-
-    Each test also gets an `xdist_group`, for `make test`'s two workers (`--dist loadgroup`): a
-    file's tests stay on one worker, in order (they share a Redis database, a private cluster or a
-    module's fixtures), and the whole-loop tests share one group, so two loops never compete for
-    the two cores while the rest of the suite runs beside them."""
+    `postgres` read from the code of the test, its fixtures and what they call (tests/markers.py)."""
     reader = ServiceReader()
     here = Path(__file__).parent
     rings = {here / "e2e": pytest.mark.e2e, here / "integration": pytest.mark.integration}
@@ -106,8 +95,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(ring)
         for need in sorted(item_needs(item, reader)):
             item.add_marker(getattr(pytest.mark, need))
-        group = "whole-loops" if item.path.name in WHOLE_LOOPS else item.path.relative_to(here).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(wrapper=True)
