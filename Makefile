@@ -41,9 +41,11 @@ typecheck: install
 
 # Two workers (pytest-xdist), a file's tests on one worker in order: they may share a Redis
 # database, a private cluster or a module's fixtures. (Not `--dist loadgroup`: with xdist 3.8 and
-# pytest 9.2 two tests marked with one group still ran on two workers.)
+# pytest 9.2 two tests marked with one group still ran on two workers.) Files go out in collection
+# order, so the two whole-loop tests (tests/e2e, ten minutes together) start first; xdist's default
+# sends the files with the most tests first, which left them for the end (20:48 in all).
 test: lint typecheck
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tests that need no service and start no process: no PostgreSQL, Redis, Celery worker or
 # subprocess server (the markers are applied at collection; a test that slips through fails the
