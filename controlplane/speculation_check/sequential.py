@@ -194,17 +194,14 @@ class PaysTest:
             curve = verify_cost_function(verify_cost) if verify_cost else None
         except ValueError:
             curve = None  # a stored curve this code cannot read is no measurement
+        # Without a curve, v = 1 at every k (verify_cost_function(None) is that flat curve).
+        points = curve if curve is not None else verify_cost_function(None)
+        verify_at_k = verify_cost_at(points, k)
+        cost_ratio = max(0.0, (step_cost - verify_at_k) / k)
         try:
-            if curve is not None:
-                verify_at_k = verify_cost_at(curve, k)
-                cost_ratio = max(0.0, (step_cost - verify_at_k) / k)
-                plan = plan_draft_length(
-                    counts, live.verify_steps, cost_ratio, verify_cost=curve, max_k=max(8, k)
-                )
-            else:
-                verify_at_k = 1.0
-                cost_ratio = max(0.0, (step_cost - 1.0) / k)
-                plan = plan_draft_length(counts, live.verify_steps, cost_ratio, max_k=max(8, k))
+            plan = plan_draft_length(
+                counts, live.verify_steps, cost_ratio, verify_cost=curve, max_k=max(8, k)
+            )
         except ValueError:
             return None  # counts from mixed draft lengths: nothing trustworthy to plan with
         best = plan.row(plan.best_k)
@@ -238,7 +235,7 @@ class PaysTest:
             "cost_model": cost_model,
             "verify_cost_source": verify_cost_source if curve is not None else None,
             "verify_cost_at_live_k": verify_at_k,
-            "verify_cost_at_best_k": verify_cost_at(curve or {0: 1.0}, plan.best_k),
+            "verify_cost_at_best_k": verify_cost_at(points, plan.best_k),
             "worst_case_speedup": worst_case,
             "actionable": actionable,
             "why": why,
