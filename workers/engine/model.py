@@ -283,13 +283,17 @@ def _hf_sliding_window(family: str, d: dict[str, Any], n_layers: int) -> tuple[i
 
 def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     hd = cfg.hd
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    # In float32 with transformers' own expression, not float64 rounded once: the two tables differ
+    # by an ulp here and there (cos by up to 2e-6), and that alone put SmolLM2-135M's logits 2.6e-4
+    # from transformers'. With the same table the full pass is bit-identical to transformers' on a
+    # CPU, and neither table is closer to the exact rotation (both 5.4e-6 off in cos).
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     sc = cfg.rope_scaling
     if not sc:
-        return inv_freq.float()
+        return inv_freq
     kind = sc.get("rope_type", sc.get("type"))
     if kind == "linear":
-        return (inv_freq / float(sc["factor"])).float()
+        return inv_freq / float(sc["factor"])
     if kind == "llama3":
         # Same piecewise rule as transformers' _compute_llama3_parameters.
         factor = float(sc["factor"])
@@ -301,8 +305,8 @@ def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wl) & (wavelen <= low_wl)
-        return torch.where(medium, smoothed, scaled).float()
-    return inv_freq.float()
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
