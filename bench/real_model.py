@@ -515,17 +515,31 @@ def part_fidelity(bench: Bench) -> dict[str, Any]:
     }
 
 
-# (prompt ids, most new tokens) -> (output without end-of-text, output tokens, drafted, accepted)
-Arm = Callable[[list[int], int], tuple[list[int], int, int, int]]
+@dataclass(frozen=True)
+class Served:
+    """What an arm did with one request: its output (end-of-text left out), how many tokens it
+    emitted (end-of-text counted), the engine's drafted and accepted counts and its time to the
+    first token (None for transformers' arms, whose generate does not say)."""
 
-ARMS = ("nospec", "drafter", "never_missing", "hf_assisted", "hf_prompt_lookup", "hf_greedy")
+    output: list[int]
+    tokens: int
+    drafted: int = 0
+    accepted: int = 0
+    first_token_s: float | None = None
+
+
+Arm = Callable[[list[int], int], Served]  # (prompt ids, most new tokens) -> what it served
+
+ENGINE_ARMS = ("nospec", "drafter", "never_missing")
+ARMS = (*ENGINE_ARMS, "hf_assisted", "hf_prompt_lookup", "hf_greedy")
 
 
 def _engine_arm(decoder: SpeculativeDecoder) -> Arm:
-    def run(ids: list[int], max_new: int) -> tuple[list[int], int, int, int]:
+    def run(ids: list[int], max_new: int) -> Served:
         res = decoder.generate(ids, max_new, stop_at_eos=True)
         m = res.metrics
-        return res.token_ids, m.generated_tokens, m.drafted_tokens, m.accepted_tokens
+        first = m.ttft_ms / 1e3 if m.ttft_ms is not None else None
+        return Served(res.token_ids, m.generated_tokens, m.drafted_tokens, m.accepted_tokens, first)
 
     return run
 
@@ -533,9 +547,9 @@ def _engine_arm(decoder: SpeculativeDecoder) -> Arm:
 def _hf_arm(bench: Bench, **kwargs: Any) -> Arm:
     eos = bench.tokenizer.eos_id
 
-    def run(ids: list[int], max_new: int) -> tuple[list[int], int, int, int]:
+    def run(ids: list[int], max_new: int) -> Served:
         out = bench.hf_generate(ids, max_new, **kwargs)
-        return _without_eos(out, eos), len(out), 0, 0
+        return Served(_without_eos(out, eos), len(out))
 
     return run
 
@@ -583,6 +597,7 @@ def part_comparison(bench: Bench) -> dict[str, Any]:
 
     orders = arm_orders(ARMS, len(prompts))
     timings: dict[str, list[Timing]] = {name: [] for name in ARMS}
+    decode: dict[str, list[Timing]] = {name: [] for name in ENGINE_ARMS}  # after the first token
     outputs: dict[str, list[list[int]]] = {name: [] for name in ARMS}
     drafted = dict.fromkeys(ARMS, 0)
     accepted = dict.fromkeys(ARMS, 0)
@@ -590,12 +605,14 @@ def part_comparison(bench: Bench) -> dict[str, Any]:
     for i, (ids, order) in enumerate(zip(prompts, orders, strict=True)):
         for name in order:
             start = time.perf_counter()
-            out, tokens, n_drafted, n_accepted = arms[name](ids, new_tokens)
+            served = arms[name](ids, new_tokens)
             seconds = time.perf_counter() - start
-            drafted[name] += n_drafted
-            accepted[name] += n_accepted
-            timings[name].append(Timing(tokens, seconds))
-            outputs[name].append(out)
+            drafted[name] += served.drafted
+            accepted[name] += served.accepted
+            timings[name].append(Timing(served.tokens, seconds))
+            if served.first_token_s is not None:
+                decode[name].append(Timing(served.tokens - 1, seconds - served.first_token_s))
+            outputs[name].append(served.output)
         print(
             f"  prompt {i + 1}/{len(prompts)} ({traffic[i].category}, {len(ids)} tokens, "
             f"{len(outputs['nospec'][-1])} out): "
@@ -617,6 +634,28 @@ def part_comparison(bench: Bench) -> dict[str, Any]:
         ),
         "nospec_vs_hf_greedy": paired_speedup(timings["nospec"], timings["hf_greedy"]),
     }
+    # The engine's arms over the decode phase alone (the prefill is the same work in all three), as
+    # bench/drafters_realign.py measures its share of the ceiling; requests of one token drop out.
+    both = [i for i in range(len(prompts)) if all(decode[n][i].tokens > 0 for n in ENGINE_ARMS)]
+    dec = {n: [decode[n][i] for i in both] for n in ENGINE_ARMS}
+    decode_ratios = {
+        "speedup_vs_nospec": paired_speedup(dec["drafter"], dec["nospec"]),
+        "share_of_measured_ceiling": paired_speedup(dec["drafter"], dec["never_missing"]),
+        "never_missing_speedup_vs_nospec": paired_speedup(dec["never_missing"], dec["nospec"]),
+    }
+    by_category = {}
+    for category in STRUCTURED_CATEGORIES:
+        idx = [i for i, p in enumerate(traffic) if p.category == category]
+        if not idx:
+            continue
+        pick = {n: [timings[n][i] for i in idx] for n in ARMS}
+        by_category[category] = {
+            "prompts": len(idx),
+            "speedup_vs_nospec": paired_speedup(pick["drafter"], pick["nospec"])["ratio"],
+            "speedup_vs_hf_assisted": paired_speedup(pick["drafter"], pick["hf_assisted"])["ratio"],
+            "speedup_vs_prompt_lookup": paired_speedup(pick["drafter"], pick["hf_prompt_lookup"])["ratio"],
+            "never_missing_speedup_vs_nospec": paired_speedup(pick["never_missing"], pick["nospec"])["ratio"],
+        }
     reference = outputs["nospec"]
     identical = {
         name: sum(a == b for a, b in zip(outputs[name], reference, strict=True))
@@ -645,6 +684,8 @@ def part_comparison(bench: Bench) -> dict[str, Any]:
         "orders": orders,
         "outputs_identical_to_nospec": identical,
         "ratios": ratios,
+        "decode_phase_ratios": decode_ratios,
+        "by_category": by_category,
         "per_prompt": {
             name: [{"tokens": t.tokens, "seconds": round(t.seconds, 4)} for t in timings[name]]
             for name in ARMS

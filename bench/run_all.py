@@ -22,6 +22,7 @@ SCRIPTS = [
     "drafters.py",
     "eagle.py",
     "models.py",
+    "real_model.py",
     "router.py",
     "scrub.py",
     "scrub_cost.py",

@@ -1,0 +1,91 @@
+"""bench/real_model.py's pure parts: arm rotation, paired speed-ups with their interval, the
+results merge that lets parts add figures run by run, and the generated structured traffic."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "bench_real_model_under_test", ROOT / "bench" / "real_model.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+rm = _load()
+
+
+def test_every_arm_takes_every_position_once_per_rotation() -> None:
+    arms = ("a", "b", "c")
+    orders = rm.arm_orders(arms, 6)
+    assert orders[0] == ["a", "b", "c"] and orders[1] == ["b", "c", "a"]
+    for position in range(3):
+        assert Counter(order[position] for order in orders) == {"a": 2, "b": 2, "c": 2}
+    assert all(sorted(order) == sorted(arms) for order in orders)
+
+
+def test_paired_speedup_pools_tokens_over_time() -> None:
+    T = rm.Timing
+    fast = [T(100, 1.0), T(10, 1.0)]
+    slow = [T(100, 2.0), T(10, 1.0)]
+    result = rm.paired_speedup(fast, slow, resamples=200)
+    # Pooled: 110 tokens / 2 s against 110 tokens / 3 s, not the mean of per-prompt ratios (1.5).
+    assert result["ratio"] == pytest.approx(1.5)
+    assert result["per_prompt_median"] == pytest.approx(1.5)
+    assert result["share_of_prompts_faster"] == 0.5
+    lo, hi = result["ci95"]
+    # Resamples hold prompt 0 only (ratio 2), prompt 1 only (ratio 1) or both: bounded by those.
+    assert 1.0 <= lo <= result["ratio"] <= hi <= 2.0
+
+
+def test_paired_speedup_interval_is_a_point_when_every_prompt_agrees() -> None:
+    T = rm.Timing
+    fast = [T(n, 1.0) for n in (20, 40, 60)]
+    slow = [T(n, 2.0) for n in (20, 40, 60)]
+    result = rm.paired_speedup(fast, slow, resamples=100)
+    assert result["ratio"] == pytest.approx(2.0)
+    assert result["ci95"] == [pytest.approx(2.0), pytest.approx(2.0)]
+
+
+def test_paired_speedup_refuses_unpaired_timings() -> None:
+    with pytest.raises(ValueError, match="paired"):
+        rm.paired_speedup([rm.Timing(1, 1.0)], [])
+
+
+def test_merge_keeps_other_parts_and_replaces_a_rerun_part() -> None:
+    first = rm.merge_results({}, "costs", {"target_step_ms": 50.0, "detail": {"repeats": 40}}, 3.0)
+    second = rm.merge_results(first, "loop", {"day0_speedup": 1.2}, 10.0)
+    assert second["target_step_ms"] == 50.0 and second["day0_speedup"] == 1.2
+    assert set(second["parts"]) == {"costs", "loop"}
+    assert second["parts"]["costs"]["detail"] == {"repeats": 40}
+    assert second["parts"]["loop"]["figures"] == ["day0_speedup"]
+    assert "detail" not in second
+    third = rm.merge_results(second, "costs", {"target_step_ms": 48.0}, 2.0)
+    assert third["target_step_ms"] == 48.0 and third["day0_speedup"] == 1.2
+    assert third["parts"]["costs"]["wall_s"] == 2.0
+    assert first["target_step_ms"] == 50.0  # the earlier dict is not changed in place
+
+
+def test_shifted_traffic_is_seeded_and_covers_the_three_tasks() -> None:
+    a = rm.shifted_traffic(9, seed=3)
+    assert a == rm.shifted_traffic(9, seed=3)
+    assert a != rm.shifted_traffic(9, seed=4)
+    assert Counter(p.category for p in a) == {"json_extraction": 3, "tool_call": 3, "sql": 3}
+    for prompt in a:
+        roles = [m["role"] for m in prompt.messages]
+        assert roles == ["system", "user", "assistant", "user"]  # one-shot, then the request
+    # Fresh values each time: nine requests, nine different final user turns.
+    assert len({p.messages[-1]["content"] for p in a}) == 9
