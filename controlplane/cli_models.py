@@ -1,16 +1,24 @@
-"""`controlplane model ...`: register, list, get, set a target's default drafter, delete.
+"""`controlplane model ...`: register, import a GGUF file, list, get, set a target's default
+drafter, delete.
 
 Thin verbs over the REST API (``/v1/accounts/{account}/models``); registered onto the main app by
-``controlplane.cli``.
+``controlplane.cli``. `import-gguf` converts in its own process (``python -m workers.gguf_import``:
+torch and transformers, which the control plane never imports) and then registers like
+`register --path`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
 
 import typer
 
-from controlplane.config import get_settings
+from controlplane.config import Settings, get_settings
 
 model_app = typer.Typer(
     no_args_is_help=True,
@@ -32,7 +40,7 @@ def _show(data: Any) -> None:
     show(data)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     from controlplane.cli import _fail as fail
 
     fail(message)
@@ -70,6 +78,88 @@ def model_register(
     }
     client = _client()
     _show(client.request("POST", f"/v1/accounts/{client.account}/models", body, timeout_s=REGISTER_TIMEOUT_S))
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_model_name(path: Path) -> str:
+    """A registry-safe name from a GGUF file's name: `SmolLM2-135M-Instruct.Q4_1.gguf` →
+    `smollm2-135m-instruct-q4_1`."""
+    stem = path.name.removesuffix(".gguf")
+    cleaned = "".join(c if c.isalnum() or c in "_-" else "-" for c in stem.lower()).strip("-_")
+    return cleaned[:100] or "gguf-model"
+
+
+def _writable(folder: Path) -> bool:
+    """Whether ``folder`` can be written to, or created under its nearest existing parent."""
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            return False
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK)
+
+
+def default_import_root(settings: Settings) -> Path:
+    """The first writable model root, leaving out the folder the bundled models ship in."""
+    bundled = settings.reference_models_dir.resolve().parent
+    for root in settings.model_roots:
+        if root.resolve() != bundled and _writable(root):
+            return root
+    _fail(
+        "no writable model root to import into: pass --out DIR inside one of "
+        f"{', '.join(str(r) for r in settings.model_roots)} (CONTROLPLANE_MODEL_ROOTS)"
+    )
+
+
+@model_app.command("import-gguf")
+def model_import_gguf(
+    file: Annotated[Path, typer.Argument(help="a .gguf model file (llama, mistral, qwen2, qwen3)")],
+    name: Annotated[str | None, typer.Option(help="the model's name (default: from the file name)")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="the folder to write (default: <first writable model root>/NAME)"),
+    ] = None,
+    register_model: Annotated[
+        bool, typer.Option("--register", help="register the folder once imported and checked")
+    ] = False,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing output folder")] = False,
+    tolerance: Annotated[
+        float | None, typer.Option(help="largest |logit difference| accepted against transformers")
+    ] = None,
+) -> None:
+    """Convert a GGUF file into a float32 Hugging Face folder, check it against transformers, and
+    optionally register it."""
+    if not file.is_file():
+        _fail(f"{file} does not exist")
+    with open(file, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        _fail(f"{file} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    model_name = name or gguf_model_name(file)
+    folder = out if out is not None else default_import_root(get_settings()) / model_name
+    if folder.exists() and not overwrite:
+        _fail(f"{folder} already exists; choose --out DIR or --name NAME, or pass --overwrite")
+    command = [sys.executable, "-m", "workers.gguf_import", str(file), str(folder), "--name", model_name]
+    if overwrite:
+        command.append("--overwrite")
+    if tolerance is not None:
+        command += ["--tolerance", str(tolerance)]
+    # stderr stays on the terminal: loading progress, and the worker's own error line on refusal.
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode != 0:
+        _fail(f"GGUF import of {file} failed (exit status {done.returncode}); nothing was written")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    _show(summary)
+    if register_model:
+        client = _client()
+        body = {"name": model_name, "path": summary["folder"], "drafter_for": [], "default_for": []}
+        _show(
+            client.request(
+                "POST", f"/v1/accounts/{client.account}/models", body, timeout_s=REGISTER_TIMEOUT_S
+            )
+        )
 
 
 @model_app.command("list")
