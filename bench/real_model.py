@@ -96,10 +96,21 @@ GENERAL_CHAT = (
 )
 
 _JSON_SYSTEM = "You extract fields from the user's text. Reply with one JSON object and nothing else."
-_JSON_EXAMPLE = (
-    "Text: Hello, I am Tom Becker, 41, and I live in Hamburg. Mail me at tom.becker@example.com.\n"
-    "Fields: name, age, city, email",
-    '{"name": "Tom Becker", "age": 41, "city": "Hamburg", "email": "tom.becker@example.com"}',
+# A few examples per task, each a different tool or field set: with one example the 135M target
+# copied it verbatim for most tool-call requests (its values, not the request's), which flatters
+# prompt lookup and every drafter alike.
+_JSON_EXAMPLES = (
+    (
+        "Text: Hello, I am Tom Becker, 41, and I live in Hamburg. Mail me at tom.becker@example.com.\n"
+        "Fields: name, age, city, email",
+        '{"name": "Tom Becker", "age": 41, "city": "Hamburg", "email": "tom.becker@example.com"}',
+    ),
+    (
+        "Text: Invoice 5521 from Nordlicht AG: 3 x desk chair at 120 EUR each, due 2025-02-14.\n"
+        "Fields: invoice_id, company, quantity, product, unit_price, currency, due_date",
+        '{"invoice_id": "5521", "company": "Nordlicht AG", "quantity": 3, "product": "desk chair", '
+        '"unit_price": 120, "currency": "EUR", "due_date": "2025-02-14"}',
+    ),
 )
 _TOOLS_SYSTEM = (
     'You call tools. Reply with one JSON object {"name": ..., "arguments": {...}} and nothing else.\n'
@@ -110,9 +121,20 @@ _TOOLS_SYSTEM = (
     "convert_currency(amount, source, target)\n"
     "set_reminder(text, date)"
 )
-_TOOLS_EXAMPLE = (
-    "What's the weather like in Lisbon? Use celsius.",
-    '{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "celsius"}}',
+_TOOLS_EXAMPLES = (
+    (
+        "Find me a flight from Oslo to Rome on 2025-03-02.",
+        '{"name": "search_flights", "arguments": '
+        '{"origin": "Oslo", "destination": "Rome", "date": "2025-03-02"}}',
+    ),
+    (
+        "How much is 250 USD in EUR?",
+        '{"name": "convert_currency", "arguments": {"amount": 250, "source": "USD", "target": "EUR"}}',
+    ),
+    (
+        "Remind me to call Anna Berg on 2025-06-01.",
+        '{"name": "set_reminder", "arguments": {"text": "call Anna Berg", "date": "2025-06-01"}}',
+    ),
 )
 _SQL_SYSTEM = (
     "You write SQLite queries. Reply with one SQL query and nothing else.\n"
@@ -120,22 +142,26 @@ _SQL_SYSTEM = (
     "customers(id, name, city, signup_date)\n"
     "orders(id, customer_id, product, amount, order_date)"
 )
-_SQL_EXAMPLE = (
-    "How many customers live in Oslo?",
-    "SELECT COUNT(*) FROM customers WHERE city = 'Oslo';",
+_SQL_EXAMPLES = (
+    ("How many customers live in Oslo?", "SELECT COUNT(*) FROM customers WHERE city = 'Oslo';"),
+    (
+        "What did Anna Berg order in 2024?",
+        "SELECT o.product, o.amount FROM orders o JOIN customers c ON c.id = o.customer_id "
+        "WHERE c.name = 'Anna Berg' AND o.order_date BETWEEN '2024-01-01' AND '2024-12-31';",
+    ),
 )
 _CURRENCIES = ("EUR", "USD", "GBP", "JPY", "CHF", "SEK")
 _PRODUCTS = ("laptop", "desk lamp", "coffee grinder", "backpack", "monitor", "headphones", "notebook")
 _TOPICS = ("the budget", "hiring", "the product launch", "the quarterly review", "office moves")
 
 
-def _few_shot(system: str, example: tuple[str, str], request: str) -> tuple[dict[str, str], ...]:
-    return (
-        {"role": "system", "content": system},
-        {"role": "user", "content": example[0]},
-        {"role": "assistant", "content": example[1]},
-        {"role": "user", "content": request},
-    )
+def _few_shot(system: str, examples: Sequence[tuple[str, str]], request: str) -> tuple[dict[str, str], ...]:
+    shots = [
+        {"role": role, "content": text}
+        for question, answer in examples
+        for role, text in (("user", question), ("assistant", answer))
+    ]
+    return ({"role": "system", "content": system}, *shots, {"role": "user", "content": request})
 
 
 def _json_request(rng: random.Random) -> str:
@@ -193,23 +219,25 @@ def _sql_request(rng: random.Random) -> str:
     return f"How many customers signed up in {city} since {date}?"
 
 
-STRUCTURED_CATEGORIES: dict[str, tuple[str, tuple[str, str], Callable[[random.Random], str]]] = {
-    "json_extraction": (_JSON_SYSTEM, _JSON_EXAMPLE, _json_request),
-    "tool_call": (_TOOLS_SYSTEM, _TOOLS_EXAMPLE, _tool_request),
-    "sql": (_SQL_SYSTEM, _SQL_EXAMPLE, _sql_request),
+STRUCTURED_CATEGORIES: dict[str, tuple[str, Sequence[tuple[str, str]], Callable[[random.Random], str]]] = {
+    "json_extraction": (_JSON_SYSTEM, _JSON_EXAMPLES, _json_request),
+    "tool_call": (_TOOLS_SYSTEM, _TOOLS_EXAMPLES, _tool_request),
+    "sql": (_SQL_SYSTEM, _SQL_EXAMPLES, _sql_request),
 }
 
 
 def shifted_traffic(n: int, seed: int) -> list[ChatPrompt]:
-    """``n`` structured-work chat requests (JSON extraction, tool calls, SQL in turn), each a
-    one-shot exchange followed by a fresh request whose values are drawn with ``seed``."""
+    """``n`` structured-work chat requests (JSON extraction, tool calls, SQL in turn), each a few
+    worked exchanges followed by a fresh request whose values are drawn with ``seed``."""
     rng = random.Random(seed)
     names = list(STRUCTURED_CATEGORIES)
     out = []
     for i in range(n):
         category = names[i % len(names)]
-        system, example, request = STRUCTURED_CATEGORIES[category]
-        out.append(ChatPrompt(category, _few_shot(system, example, request(rng))))
+        system, examples, request = STRUCTURED_CATEGORIES[category]
+        # Examples in a fresh order per request: the target leans on the last one it saw.
+        shuffled = rng.sample(list(examples), len(examples))
+        out.append(ChatPrompt(category, _few_shot(system, shuffled, request(rng))))
     return out
 
 
