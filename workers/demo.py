@@ -64,6 +64,7 @@ from controlplane.supervisor import (
 )
 from controlplane.timestamps import parse_utc
 from workers.serve.traffic import (
+    API_PATHS,
     Callbacks,
     Phase,
     PhaseReport,
@@ -579,7 +580,7 @@ def probe_heldout(
                 body = completion_body(model, greedy, request)
                 started = time.perf_counter()
                 resp = client.post(
-                    f"{url}/v1/completions",
+                    f"{url}{API_PATHS[greedy.api]}",  # chat domains go as messages
                     json=body,
                     headers={"x-speculation-arm": arm, "x-request-id": f"{run_id}-{index}-{arm}"},
                 )

@@ -24,6 +24,15 @@ generated corpora is what carries headline figures. Documents are partitioned by
 key (``<domain>:<doc_id>``): :data:`HELDOUT_DOCUMENT_SHARE` of them only ever feed held-out
 streams, the rest only the others, so a held-out phase shares no document with any other phase.
 
+Two more domains are traffic only, for instruction-tuned targets (:mod:`workers.corpora.chat`):
+``chat`` (general assistant chat) and ``chat_structured`` (JSON extraction, tool calls, SQL). Their
+requests are lists of chat messages, carried by ``Prompt.messages`` (``text`` is their plain
+"<role>: <content>" rendering, what repeats are counted on; ``reference`` the expected answer where
+one is known), each generated as a document of its own and split by the same document hash; a
+held-out chat stream also keeps to its side of a hash of its last user turn, so the two sides never
+ask the same question. They have no fixed documents: ``documents``, ``prompts`` and ``fingerprint``
+cover the three completion domains only (:data:`DOMAINS`), as does model training.
+
 The prose and code domains depend on the interpreter's version (their text is its stdlib);
 :func:`fingerprint` records which interpreter and a sha256 per domain and split, so a model's
 recipe can name the exact corpus it was trained on.
@@ -39,14 +48,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 
-from workers.corpora import code, generated, prose, structured, values
+from workers.corpora import chat, code, generated, prose, structured, values
 from workers.corpora._common import SPLITS, Document, python_tag, split_of
+from workers.corpora.chat import CHAT_DOMAINS
 
 DOMAINS = ("prose", "code", "structured")
+# Every domain scenario traffic may draw from: the completion domains and the chat ones.
+TRAFFIC_DOMAINS = DOMAINS + CHAT_DOMAINS
 # "tool" is the name the design notes use for the structured domain.
 ALIASES = {"tool": "structured"}
 # The traffic category label that requests of each domain carry.
-CATEGORY = {"prose": "prose", "code": "code", "structured": "structured"}
+CATEGORY = {"prose": "prose", "code": "code", "structured": "structured"} | {d: d for d in CHAT_DOMAINS}
 # The share of documents (by a hash of their key) that only held-out traffic draws from: of the
 # bundled prose test split, 7 of 25 documents (20,000 of 71,000 characters; 5 long enough to cut).
 HELDOUT_DOCUMENT_SHARE = 0.3
@@ -58,9 +70,11 @@ _MIN_REST = 100
 __all__ = [
     "ALIASES",
     "CATEGORY",
+    "CHAT_DOMAINS",
     "DOMAINS",
     "HELDOUT_DOCUMENT_SHARE",
     "SPLITS",
+    "TRAFFIC_DOMAINS",
     "Document",
     "Prompt",
     "document_key",
@@ -77,7 +91,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request made from a held-out document: its prefix, and the text that really followed."""
+    """A request made from a held-out document: its prefix, and the text that really followed (for
+    a chat domain: its messages, their plain rendering and the expected answer, "" if open-ended)."""
 
     text: str
     reference: str
@@ -85,12 +100,20 @@ class Prompt:
     category: str
     doc_id: str
     kind: str
+    messages: tuple[dict[str, str], ...] = ()
 
 
 def _domain(name: str) -> str:
     name = ALIASES.get(name, name)
     if name not in DOMAINS:
         raise ValueError(f"unknown domain {name!r}; expected one of {DOMAINS} (or {sorted(ALIASES)})")
+    return name
+
+
+def _traffic_domain(name: str) -> str:
+    name = ALIASES.get(name, name)
+    if name not in TRAFFIC_DOMAINS:
+        raise ValueError(f"unknown domain {name!r}; expected one of {TRAFFIC_DOMAINS} (or {sorted(ALIASES)})")
     return name
 
 
@@ -182,7 +205,7 @@ def document_key(domain: str, doc_id: str) -> str:
     >>> document_key("prose", "topic:integers")
     'prose:topic:integers'
     """
-    return f"{_domain(domain)}:{doc_id}"
+    return f"{_traffic_domain(domain)}:{doc_id}"
 
 
 def is_heldout_document(key: str) -> bool:
@@ -265,7 +288,10 @@ def traffic_prompts(
     The same arguments always give the same stream. ``heldout`` picks the side of the document
     partition: held-out streams and the others never share a document.
     """
-    domain = _domain(domain)
+    domain = _traffic_domain(domain)
+    if domain in CHAT_DOMAINS:
+        yield from _chat_traffic(domain, split, seed, heldout)
+        return
     side = "heldout" if heldout else "open"
     rng = random.Random(f"traffic:{domain}:{split}:{seed}:{side}")
     if domain == "structured":
@@ -301,10 +327,35 @@ def traffic_prompts(
         yield _prompt(table.doc, start, end, reference_chars)
 
 
+def _chat_traffic(domain: str, split: str, seed: int, heldout: bool) -> Iterator[Prompt]:
+    """The chat domains' stream: the documents on ``heldout``'s side of both partitions, in order."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    for index in itertools.count():
+        doc = chat.document(domain, split, seed, index)
+        if is_heldout_document(document_key(domain, doc.doc_id)) != heldout:
+            continue
+        asked = " ".join(chat.last_user_turn(doc.messages).casefold().split())
+        if is_heldout_document(f"request:{asked}") != heldout:
+            continue
+        yield Prompt(
+            text=chat.plain_text(doc.messages),
+            reference=doc.reference,
+            domain=domain,
+            category=CATEGORY[domain],
+            doc_id=doc.doc_id,
+            kind=doc.kind,
+            messages=doc.messages,
+        )
+
+
 def prepare_traffic(domain: str, split: str = "test") -> None:
     """Build what ``traffic_prompts`` draws from (seconds: the corpus, its windows, Faker's pools),
     so a caller can do it before any clock starts."""
-    domain = _domain(domain)
+    domain = _traffic_domain(domain)
+    if domain in CHAT_DOMAINS:
+        chat.prepare()
+        return
     documents(domain, split)
     if domain == "structured":
         values.pools()

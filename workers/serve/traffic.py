@@ -1,9 +1,11 @@
-"""The traffic driver: replays a scenario file against an OpenAI-compatible `/v1/completions`.
+"""The traffic driver: replays a scenario file against an OpenAI-compatible `/v1/completions` or
+`/v1/chat/completions`.
 
     python -m workers.serve.traffic --scenario scenarios/demo.toml [--url URL] [--model NAME]
 
 A scenario (TOML, meant to be edited) names the server and a list of phases; each phase has a
-domain mix (shares of prose / code / structured, normalised), a size (`requests`, `duration_s`,
+domain mix (shares of prose / code / structured, or of the chat domains chat / chat_structured,
+normalised), a size (`requests`, `duration_s`,
 or both: whichever ends first), a load (`concurrency` requests in flight, closed loop; or `rate`
 requests per second, open loop, with `concurrency` as the cap on requests in flight),
 `max_tokens`, `stop` (a string or up to four: where a completion ends, as a tool-calling client
@@ -13,7 +15,9 @@ domains), `temperature`, `seed`, the corpus `split` (default "test": held out of
 split, so demo traffic is never text the generic drafter was trained on) and `heldout` (default
 false; true draws only from the documents reserved for held-out phases, which no other phase draws
 from, so the phase's figures are measured on prompts whose text and source document never reached a
-drafter trained on the run's other phases):
+drafter trained on the run's other phases), and `api` (default "completions": `/v1/completions` with
+a `prompt`; "chat": `/v1/chat/completions` with `messages`, the chat domains' own, or a prompt of
+another domain as one user message; the chat domains need it):
 
     [server]
     url = "http://127.0.0.1:8601"
@@ -28,6 +32,13 @@ drafter trained on the run's other phases):
     mix = { prose = 1.0 }
     seed = 1
 
+    [[phase]]
+    name = "chat"
+    requests = 200
+    mix = { chat = 1.0 }
+    api = "chat"
+    seed = 2
+
 Prompts come from `workers.corpora.traffic_prompts` in an order fixed by the phase's seed: request
 i of a phase always gets the same domain and prompt (the domain by a seeded draw on the mix, the
 prompt as the next of that domain's seeded stream, in which every prompt is a new draw: a structured
@@ -36,7 +47,8 @@ each phase its own seed: two phases with one seed, domain and split send the sam
 carry `x-request-id` `<run id>-p<phase>-<i>` (a fresh run id per run unless given, as the control
 plane keeps one record per request id), the domain as `category`, the source document as the
 non-standard field `document` (`<domain>:<doc id>`, what a held-out split by document keys on), and
-ask for `perf_metrics_in_response`; sampled requests (temperature > 0) get a per-request seed.
+ask for `perf_metrics_in_response`; sampled requests (temperature > 0) get a per-request seed. A chat
+request is counted on its messages' plain "<role>: <content>" rendering.
 
 Per phase it reports requests, errors, hit rate (accepted / drafted tokens summed over the
 responses' speculation records; a response without one, e.g. from a Fireworks deployment, gives its
@@ -92,8 +104,11 @@ PHASE_KEYS = frozenset(
         "stop",
         "stop_by_domain",
         "heldout",
+        "api",
     }
 )
+# Which OpenAI route a phase's requests go to, by its `api`.
+API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def _stop_strings(value: object, where: str) -> tuple[str, ...]:
@@ -119,6 +134,7 @@ class Phase:
     stop: tuple[str, ...] = ()
     stop_by_domain: dict[str, tuple[str, ...]] = field(default_factory=dict)
     heldout: bool = False
+    api: str = "completions"
 
     def stop_for(self, domain: str) -> tuple[str, ...]:
         """Where a completion of ``domain`` ends: its own stops, else the phase's."""
@@ -137,8 +153,10 @@ class Phase:
         mix: dict[str, float] = {}
         for domain, share in mix_raw.items():
             name = corpora.ALIASES.get(domain, domain)
-            if name not in corpora.DOMAINS:
-                raise ValueError(f"{where}: unknown domain {domain!r}; expected one of {corpora.DOMAINS}")
+            if name not in corpora.TRAFFIC_DOMAINS:
+                raise ValueError(
+                    f"{where}: unknown domain {domain!r}; expected one of {corpora.TRAFFIC_DOMAINS}"
+                )
             if not isinstance(share, int | float) or share < 0:
                 raise ValueError(f"{where}: share of {domain!r} must be a number >= 0")
             mix[name] = mix.get(name, 0.0) + float(share)
@@ -170,12 +188,19 @@ class Phase:
         stop_by_domain: dict[str, tuple[str, ...]] = {}
         for domain, value in by_domain_raw.items():
             name = corpora.ALIASES.get(domain, domain)
-            if name not in corpora.DOMAINS:
-                raise ValueError(f"{where}: unknown domain {domain!r}; expected one of {corpora.DOMAINS}")
+            if name not in corpora.TRAFFIC_DOMAINS:
+                raise ValueError(
+                    f"{where}: unknown domain {domain!r}; expected one of {corpora.TRAFFIC_DOMAINS}"
+                )
             stop_by_domain[name] = _stop_strings(value, f"{where} stop_by_domain.{domain}")
         heldout = raw.get("heldout", False)
         if not isinstance(heldout, bool):
             raise ValueError(f"{where}: `heldout` must be true or false")
+        api = raw.get("api", "completions")
+        if api not in API_PATHS:
+            raise ValueError(f"{where}: `api` must be one of {sorted(API_PATHS)}, not {api!r}")
+        if api != "chat" and (chat := sorted(set(mix) & set(corpora.CHAT_DOMAINS))):
+            raise ValueError(f'{where}: the chat domain(s) {chat} send messages: set api = "chat"')
         return cls(
             name=str(raw.get("name") or where),
             mix=mix,
@@ -190,6 +215,7 @@ class Phase:
             stop=stop,
             stop_by_domain=stop_by_domain,
             heldout=heldout,
+            api=api,
         )
 
 
@@ -224,8 +250,9 @@ class PlannedRequest:
     index: int
     domain: str
     category: str
-    prompt: str
+    prompt: str  # a chat request's messages as plain "<role>: <content>" lines
     document: str  # "<domain>:<doc id>" of the document the prompt was cut from
+    messages: tuple[dict[str, str], ...] = ()  # a chat domain's request (empty for the others)
 
 
 def plan_requests(phase: Phase) -> Iterator[PlannedRequest]:
@@ -240,7 +267,7 @@ def plan_requests(phase: Phase) -> Iterator[PlannedRequest]:
         domain = next((d for d, c in zip(domains, cumulative, strict=True) if u < c), domains[-1])
         prompt = next(streams[domain])
         document = corpora.document_key(domain, prompt.doc_id)
-        yield PlannedRequest(index, domain, prompt.category, prompt.text, document)
+        yield PlannedRequest(index, domain, prompt.category, prompt.text, document, prompt.messages)
         index += 1
 
 
@@ -550,7 +577,7 @@ class TrafficDriver:
         base = RequestResult(phase.name, req.index, request_id, req.domain, False, 0.0)
         try:
             resp = await client.post(
-                f"{self.url}/v1/completions", json=body, headers={"x-request-id": request_id}
+                f"{self.url}{API_PATHS[phase.api]}", json=body, headers={"x-request-id": request_id}
             )
             latency = time.monotonic() - t0
             if resp.status_code >= 400:
@@ -585,11 +612,18 @@ class TrafficDriver:
 
 
 def completion_body(model: str, phase: Phase, req: PlannedRequest) -> dict[str, Any]:
-    """The `/v1/completions` body of a planned request: the phase's length, temperature (with a
-    per-request seed when sampling) and stops, the request's category and source document."""
+    """The body of a planned request for the phase's route (`API_PATHS[phase.api]`): its `prompt`,
+    or for chat its `messages` (a prompt of a completion domain as one user message); the phase's
+    length, temperature (with a per-request seed when sampling) and stops, the request's category
+    and source document."""
+    if phase.api == "chat":
+        messages = list(req.messages) or [{"role": "user", "content": req.prompt}]
+        content: dict[str, Any] = {"messages": [dict(m) for m in messages]}
+    else:
+        content = {"prompt": req.prompt}
     body: dict[str, Any] = {
         "model": model,
-        "prompt": req.prompt,
+        **content,
         "max_tokens": phase.max_tokens,
         "temperature": phase.temperature,
         "perf_metrics_in_response": True,
@@ -654,7 +688,8 @@ def main(argv: list[str] | None = None) -> None:
     url, model = args.url or scenario.url, args.model or scenario.model
     api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
     console = Console()
-    console.print(f"traffic to {url}/v1/completions, model {model!r}, {len(scenario.phases)} phase(s)")
+    routes = ", ".join(sorted({API_PATHS[p.api] for p in scenario.phases}))
+    console.print(f"traffic to {url} ({routes}), model {model!r}, {len(scenario.phases)} phase(s)")
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
