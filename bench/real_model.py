@@ -5,9 +5,10 @@ var/models/smollm2-135m-instruct) and its drafter (``--drafter DIR``, an HF fold
 narrow first drafter built from the target, ``narrow_drafter_from_target``, untrained). Every
 figure comes from one process, batch size 1, greedy, float32, on ``--threads`` torch threads (1 by
 default), k = 4. The work is split into parts, each a function of the shared :class:`Bench` that
-returns a dict of figures; a run executes the parts chosen with ``--only`` and merges what they
-return into bench/results/real_model.json, keeping the entries of parts it did not run (another
-part, such as the loop's day-0 and realignment figures, adds itself to :data:`PARTS`):
+returns a dict of figures (and ``detail``); a run executes the parts chosen with ``--only`` and
+merges what they return into bench/results/real_model.json, keeping the entries of parts it did not
+run. A further part (the loop's day-0 and realignment figures, say) is a module of its own,
+``bench/real_model_<name>.py`` with ``measure(bench: Bench) -> dict``, found and run after these:
 
 - ``costs``: ``target_step_ms``, ``verify_cost_k_plus_1`` (a (k+1)-row verify pass over a one-row
   step) and ``drafter_c`` (drafter step over target step), from
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import random
@@ -71,7 +73,8 @@ from workers.engine.tokenizer import Tokenizer, ensure_same_tokenizer  # noqa: E
 from workers.training.first_drafter import narrow_drafter_from_target  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "var" / "models" / "smollm2-135m-instruct"
-RESULTS = ROOT / "bench" / "results" / "real_model.json"
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results" / "real_model.json"
 MAX_SEQ_LEN = 2048
 BOOTSTRAP_RESAMPLES = 4000
 
@@ -303,9 +306,11 @@ def merge_results(
     replacing what an earlier run of any part wrote under the same keys, and its entry under
     ``parts`` (the figure keys it gave, its detail, wall time, load); other parts' entries stay."""
     merged = dict(existing)
+    parts = dict(merged.get("parts", {}))
+    for stale in parts.get(part, {}).get("figures", ()):  # what this part wrote last time
+        merged.pop(stale, None)
     figures = {k: v for k, v in returned.items() if k != "detail"}
     merged.update(figures)
-    parts = dict(merged.get("parts", {}))
     parts[part] = {
         "figures": sorted(figures),
         "detail": returned.get("detail", {}),
@@ -734,17 +739,45 @@ Part = Callable[[Bench], dict[str, Any]]
 PARTS: dict[str, Part] = {"costs": part_costs, "fidelity": part_fidelity, "comparison": part_comparison}
 
 
+def part_files(bench_dir: Path = BENCH) -> dict[str, Path]:
+    """Parts kept in modules of their own: ``bench/real_model_<name>.py``, each with a
+    ``measure(bench: Bench) -> dict`` (figures, and ``detail``), run after the parts above."""
+    return {path.stem.removeprefix("real_model_"): path for path in sorted(bench_dir.glob("real_model_*.py"))}
+
+
+def part_names() -> tuple[str, ...]:
+    return (*PARTS, *(name for name in part_files() if name not in PARTS))
+
+
+def load_part(name: str, bench_dir: Path = BENCH) -> Part:
+    """The function that runs part ``name``: one of PARTS, or its module's ``measure``."""
+    if name in PARTS:
+        return PARTS[name]
+    path = part_files(bench_dir)[name]
+    spec = importlib.util.spec_from_file_location(f"bench_real_model_part_{name}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the part look their module up here
+    spec.loader.exec_module(module)
+    measure = getattr(module, "measure", None)
+    if not callable(measure):
+        raise TypeError(f"{path.name} has no measure(bench) -> dict")
+    return measure  # type: ignore[no-any-return]
+
+
 # -------------------------------------------------------------------------------------------- main
 
 
 def _parse_only(value: str) -> tuple[str, ...]:
     chosen = tuple(p.strip() for p in value.split(",") if p.strip())
-    unknown = [p for p in chosen if p not in PARTS]
+    names = part_names()
+    unknown = [p for p in chosen if p not in names]
     if unknown or not chosen:
         raise argparse.ArgumentTypeError(
-            f"unknown part(s) {unknown or '(none)'}; choose from {', '.join(PARTS)}"
+            f"unknown part(s) {unknown or '(none)'}; choose from {', '.join(names)}"
         )
-    return tuple(p for p in PARTS if p in chosen)
+    return tuple(p for p in names if p in chosen)
 
 
 def _print_summary(results: Mapping[str, Any], ran: Sequence[str]) -> None:
@@ -769,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--quick", action="store_true", help="a few-minute variant: fewer prompts, shorter answers"
     )
-    p.add_argument("--only", type=_parse_only, default=tuple(PARTS), metavar="PART,...")
+    p.add_argument("--only", type=_parse_only, default=part_names(), metavar="PART,...")
     p.add_argument("--prompts", type=int, default=None, help="comparison prompts (default 24, quick 6)")
     p.add_argument("--new-tokens", type=int, default=None, help="most output tokens (default 96, quick 48)")
     p.add_argument("--k", type=int, default=4)
@@ -809,7 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for part in args.only:
         print(f"\n=== {part} ===", flush=True)
         started = time.perf_counter()
-        returned = PARTS[part](bench)
+        returned = load_part(part)(bench)
         results = merge_results(results, part, returned, time.perf_counter() - started)
         results["parts"][part]["settings"] = {
             "model": str(args.model),

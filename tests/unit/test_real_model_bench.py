@@ -91,3 +91,29 @@ def test_shifted_traffic_is_seeded_and_covers_the_three_tasks() -> None:
         assert roles[1:-1] == ["user", "assistant"] * ((len(roles) - 2) // 2)
     # Fresh values each time: nine requests, nine different final user turns.
     assert len({p.messages[-1]["content"] for p in a}) == 9
+
+
+def test_a_rerun_part_drops_the_figures_it_no_longer_gives() -> None:
+    first = rm.merge_results({}, "comparison", {"old_key": 1.0, "kept": 2.0}, 1.0)
+    second = rm.merge_results(first, "comparison", {"kept": 3.0}, 1.0)
+    assert "old_key" not in second and second["kept"] == 3.0
+
+
+def test_part_modules_are_found_and_loaded_by_name(tmp_path: Path) -> None:
+    (tmp_path / "real_model_loop.py").write_text("def measure(bench):\n    return {'day0_speedup': bench}\n")
+    (tmp_path / "real_model_bare.py").write_text("X = 1\n")
+    (tmp_path / "other.py").write_text("")
+    found = rm.part_files(tmp_path)
+    assert set(found) == {"loop", "bare"}
+    assert rm.load_part("loop", tmp_path)(7) == {"day0_speedup": 7}
+    assert rm.load_part("costs", tmp_path) is rm.part_costs
+    with pytest.raises(TypeError, match="measure"):
+        rm.load_part("bare", tmp_path)
+
+
+def test_a_missing_model_names_the_command_that_imports_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert rm.main(["--model", str(tmp_path / "absent"), "--out", str(tmp_path / "r.json")]) == 2
+    assert "make smollm2" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
