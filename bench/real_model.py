@@ -587,6 +587,10 @@ def _hf_arm(bench: Bench, **kwargs: Any) -> Arm:
     return run
 
 
+def _count(prompts: Sequence[ChatPrompt]) -> dict[str, int]:
+    return {c: n for c in STRUCTURED_CATEGORIES if (n := sum(p.category == c for p in prompts))}
+
+
 def part_comparison(bench: Bench) -> dict[str, Any]:
     """Six arms on the shifted traffic, interleaved per prompt, warm, one thread."""
     k, new_tokens = bench.k, bench.new_tokens
@@ -629,6 +633,13 @@ def part_comparison(bench: Bench) -> dict[str, Any]:
         arms[name](warm_ids, 16)
 
     orders = arm_orders(ARMS, len(prompts))
+    print(
+        f"  {len(prompts)} prompts ({', '.join(f'{c} {n}' for c, n in _count(traffic).items())}), "
+        f"k={k}, up to {new_tokens} new tokens, {torch.get_num_threads()} thread(s); arms "
+        f"{', '.join(ARMS)}, rotated by one per prompt (prompt 1 runs them in that order, prompt 2 "
+        f"from {ARMS[1]}, ...), each warmed up by one request first",
+        flush=True,
+    )
     timings: dict[str, list[Timing]] = {name: [] for name in ARMS}
     decode: dict[str, list[Timing]] = {name: [] for name in ENGINE_ARMS}  # after the first token
     outputs: dict[str, list[list[int]]] = {name: [] for name in ARMS}
@@ -703,7 +714,7 @@ def part_comparison(bench: Bench) -> dict[str, Any]:
     figures["drafter_hit_rate"] = accepted["drafter"] / drafted["drafter"] if drafted["drafter"] else None
     figures["detail"] = {
         "prompts": len(prompts),
-        "categories": {c: sum(p.category == c for p in traffic) for c in STRUCTURED_CATEGORIES},
+        "categories": _count(traffic),
         "traffic": "shifted_traffic (bench/real_model.py): few-shot JSON extraction, tool calls, SQL",
         "k": k,
         "new_tokens": new_tokens,
