@@ -8,7 +8,9 @@ default), k = 4. The work is split into parts, each a function of the shared :cl
 returns a dict of figures (and ``detail``); a run executes the parts chosen with ``--only`` and
 merges what they return into bench/results/real_model.json, keeping the entries of parts it did not
 run. A further part (the loop's day-0 and realignment figures, say) is a module of its own,
-``bench/real_model_<name>.py`` with ``measure(bench: Bench) -> dict``, found and run after these:
+``bench/real_model_part_<name>.py`` with ``measure(bench: Bench) -> dict``, found and run after
+these. A part that raises is recorded as failed (its error, and none of its figures, not even an
+earlier run's) and the others still run:
 
 - ``costs``: ``target_step_ms``, ``verify_cost_k_plus_1`` (a (k+1)-row verify pass over a one-row
   step) and ``drafter_c`` (drafter step over target step), from
@@ -50,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -312,6 +315,7 @@ def merge_results(
     figures = {k: v for k, v in returned.items() if k != "detail"}
     merged.update(figures)
     parts[part] = {
+        "status": "ok",
         "figures": sorted(figures),
         "detail": returned.get("detail", {}),
         "wall_s": round(wall_s, 1),
@@ -319,6 +323,16 @@ def merge_results(
         "load_average_1m_after": round(os.getloadavg()[0], 2),
     }
     merged["parts"] = parts
+    return merged
+
+
+def record_failure(
+    existing: Mapping[str, Any], part: str, error: BaseException, wall_s: float
+) -> dict[str, Any]:
+    """The results file after ``part`` raised: none of its figures (an earlier run's would pass for
+    this run's), its error under ``parts``."""
+    merged = merge_results(existing, part, {}, wall_s)
+    merged["parts"][part].update(status="failed", error=f"{type(error).__name__}: {error}")
     return merged
 
 
@@ -751,9 +765,12 @@ PARTS: dict[str, Part] = {"costs": part_costs, "fidelity": part_fidelity, "compa
 
 
 def part_files(bench_dir: Path = BENCH) -> dict[str, Path]:
-    """Parts kept in modules of their own: ``bench/real_model_<name>.py``, each with a
+    """Parts kept in modules of their own: ``bench/real_model_part_<name>.py``, each with a
     ``measure(bench: Bench) -> dict`` (figures, and ``detail``), run after the parts above."""
-    return {path.stem.removeprefix("real_model_"): path for path in sorted(bench_dir.glob("real_model_*.py"))}
+    return {
+        path.stem.removeprefix("real_model_part_"): path
+        for path in sorted(bench_dir.glob("real_model_part_*.py"))
+    }
 
 
 def part_names() -> tuple[str, ...]:
@@ -800,8 +817,11 @@ def _print_summary(results: Mapping[str, Any], ran: Sequence[str]) -> None:
         return str(value)
 
     keys = [k for p in ran for k in results["parts"][p]["figures"] if not k.endswith("_ci95")]
-    width = max(len(k) for k in keys) + 2
+    width = max((len(k) for k in keys), default=0) + 2
     print("\n" + "\n".join(f"{k:<{width}}{show(k)}" for k in keys))
+    for part in ran:
+        if results["parts"][part]["status"] != "ok":
+            print(f"{part}: {results['parts'][part]['status']}: {results['parts'][part].get('error')}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -850,11 +870,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    failed: list[str] = []
     for part in args.only:
         print(f"\n=== {part} ===", flush=True)
         started = time.perf_counter()
-        returned = load_part(part)(bench)
-        results = merge_results(results, part, returned, time.perf_counter() - started)
+        try:
+            returned = load_part(part)(bench)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            traceback.print_exc()
+            results = record_failure(results, part, exc, time.perf_counter() - started)
+            failed.append(part)
+        else:
+            results = merge_results(results, part, returned, time.perf_counter() - started)
         results["parts"][part]["settings"] = {
             "model": str(args.model),
             "drafter": bench.drafter_name,
@@ -866,7 +895,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     _print_summary(results, args.only)
     print(f"load average (1 min) {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; wrote {args.out}")
-    return 0
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -100,9 +100,11 @@ def test_a_rerun_part_drops_the_figures_it_no_longer_gives() -> None:
 
 
 def test_part_modules_are_found_and_loaded_by_name(tmp_path: Path) -> None:
-    (tmp_path / "real_model_loop.py").write_text("def measure(bench):\n    return {'day0_speedup': bench}\n")
-    (tmp_path / "real_model_bare.py").write_text("X = 1\n")
-    (tmp_path / "other.py").write_text("")
+    (tmp_path / "real_model_part_loop.py").write_text(
+        "def measure(bench):\n    return {'day0_speedup': bench}\n"
+    )
+    (tmp_path / "real_model_part_bare.py").write_text("X = 1\n")
+    (tmp_path / "real_model_loop_offline.py").write_text("")  # a script of its own, not a part
     found = rm.part_files(tmp_path)
     assert set(found) == {"loop", "bare"}
     assert rm.load_part("loop", tmp_path)(7) == {"day0_speedup": 7}
@@ -117,3 +119,12 @@ def test_a_missing_model_names_the_command_that_imports_it(
     assert rm.main(["--model", str(tmp_path / "absent"), "--out", str(tmp_path / "r.json")]) == 2
     assert "make smollm2" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_failed_part_leaves_no_figures_of_an_earlier_run() -> None:
+    first = rm.merge_results({}, "fidelity", {"greedy_identical": 1, "detail": {"prompts": 8}}, 1.0)
+    failed = rm.record_failure(first, "fidelity", RuntimeError("transformers missing"), 0.5)
+    assert "greedy_identical" not in failed
+    entry = failed["parts"]["fidelity"]
+    assert entry["status"] == "failed" and entry["error"] == "RuntimeError: transformers missing"
+    assert entry["figures"] == [] and first["parts"]["fidelity"]["status"] == "ok"
