@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from sqlalchemy import func, select
@@ -55,6 +56,7 @@ from workers.training.realign import (
     Rows,
     RowScores,
     TraceText,
+    TrainVocab,
     anchor_targets,
     build_dataset,
     choose_lr,
@@ -526,6 +528,52 @@ def test_wide_token_targets_leave_the_loss_unchanged() -> None:
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="vocabulary"):
         token_targets(rows, 32)
+
+
+def test_a_sampled_training_vocabulary_keeps_the_loss_of_its_columns() -> None:
+    g = torch.Generator().manual_seed(0)
+    vocab = 4096
+    rows = Rows([torch.randint(1, 300, (n,), generator=g) for n in (20, 13)], [5, 9], ["a", "b"])
+    logits = torch.randn(19, vocab, generator=g)  # [N, V]
+    wide = token_targets(rows, 32, vocab)  # the padding ids (probability 0) are mostly not named
+    top_p, top_i = torch.cat(wide.probs), torch.cat(wide.index)
+    cpu = torch.device("cpu")
+    # The named rows are exactly the completion tokens; "auto" keeps a 4,096-row vocabulary whole.
+    sampled = TrainVocab.choose(
+        RealignConfig(train_vocab="sampled", train_vocab_negatives=64), wide, vocab, cpu
+    )
+    assert sampled is not None and set(sampled.named.tolist()) == set(top_i[:, 0].tolist())
+    assert TrainVocab.choose(RealignConfig(), wide, vocab, cpu) is None
+    rng = np.random.default_rng(0)
+    columns, column_of = sampled.draw(rng)
+    assert len(set(columns.tolist())) == len(columns) and torch.equal(
+        column_of[columns], torch.arange(len(columns))
+    )
+    local = column_of[top_i]
+    assert bool((top_p[local < 0] == 0).all())  # only zero-probability padding falls outside
+    # Each drawn row stands in for its share of the unnamed ones; the named rows are themselves.
+    named, drawn = len(sampled.named), len(columns) - len(sampled.named)
+    stand_in = sampled.stand_in(columns)
+    assert bool((stand_in[:named] == 0).all())
+    torch.testing.assert_close(
+        stand_in[named:], torch.full((drawn,), np.log((vocab - named) / drawn)).float()
+    )
+    got = distill_loss(logits[:, columns], top_p, local.clamp_min(0), 0.5, 1.0, 0.3, local >= 0)
+    # The same loss as the unpadded targets over those columns: a restricted softmax, nothing else.
+    narrow_local = column_of[top_i[:, :1]]
+    want = distill_loss(logits[:, columns], top_p[:, :1], narrow_local, 0.5, 1.0, 0.3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    # With every row a column, the sampled loss is the full one.
+    every = replace(sampled, negatives=200 * vocab)
+    columns, column_of = every.draw(rng)
+    assert len(columns) == vocab
+    local = column_of[top_i]
+    full = distill_loss(logits, top_p, top_i, 0.5, 1.0, 0.3)
+    for a, b in zip(
+        distill_loss(logits[:, columns], top_p, local, 0.5, 1.0, 0.3, local >= 0), full, strict=True
+    ):
+        torch.testing.assert_close(a, b)
 
 
 def test_completion_logits_match_the_full_forward(models: tuple[Transformer, Transformer]) -> None:

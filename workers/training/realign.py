@@ -87,6 +87,9 @@ ProgressFn = Callable[[float, str], bool]
 # float32 softmax (4). On a GPU the head's bf16 output (2) lives only while it is converted to
 # float32 (2 + 4 < 8).
 SCORING_BYTES_PER_LOGIT = 8
+# From this many vocabulary rows up, a CPU run trains over a sampled vocabulary (see
+# RealignConfig.train_vocab): the bundled pair's 4,096 rows never are, a 49k-row model always is.
+SAMPLED_VOCAB_FROM = 32_768
 # What topk returns per kept entry: a float32 probability and an int64 id.
 TOPK_BYTES_PER_ENTRY = 4 + 8
 SPEC_CONFIG_NAME = "speculative_config.json"
@@ -167,6 +170,16 @@ class RealignConfig:
     # pass costs several drafter training steps per token and would eat the budget.
     teacher: str = "auto"
     teacher_budget_share: float = 0.3
+    # What the held-out rows (both windows) are scored against. "target": its top-K from a target
+    # pass over them; "tokens": their completion tokens as point masses (no target pass: greedy
+    # agreement is agreement with what the target wrote, expected acceptance the drafter's
+    # probability of it), which implies token targets for training under teacher "auto". "auto":
+    # "tokens" when a target pass over the held-out rows, timed on one trace, would take more than
+    # scoring_budget_share of the time budget. On a CPU a 30-layer target reads 32 held-out chat
+    # rows at ~25-120 row tokens/s (SmolLM2-135M, idle to loaded): one to three minutes of a
+    # five-minute budget spent before the first step.
+    scoring_teacher: str = "auto"
+    scoring_budget_share: float = 0.1
     # Intra-op threads while training (None: leave torch's setting). Small drafters train faster
     # on one thread on a busy machine than on two that spin-wait for each other.
     train_threads: int | None = None
@@ -198,6 +211,17 @@ class RealignConfig:
     # With token targets (teacher "tokens"), anchored rows are fitted to the incumbent's top-K
     # (token rows padded to that width without changing their loss) rather than to its argmax.
     wide_anchor: bool = True
+    # The vocabulary rows the training loss normalises over. "full": every row (exact). "sampled":
+    # the rows the training targets name (every id with probability > 0 at any training position:
+    # completion tokens, teacher or anchor top-K) and ``train_vocab_negatives`` more drawn at
+    # random each step, a restricted softmax, while held-out scoring, early stopping and serving
+    # stay over every row. Why: with a large vocabulary the output projection is nearly all of a
+    # small drafter's step (SmolLM2's 49,152 rows at width 192: 18 s for a 16-row step on a loaded
+    # CPU core, 85 completion tokens/s), while a deployment's traces name a few thousand tokens;
+    # the random rows keep pushing the others down. "auto": "sampled" on a CPU from
+    # SAMPLED_VOCAB_FROM rows (where the named rows and the negatives are under half of them).
+    train_vocab: str = "auto"
+    train_vocab_negatives: int = 2048
     warmup_share: float = 0.1  # of the planned steps (at least 10): a fresh Adam jolts a trained drafter
     batch_rows: int = 16
     teacher_batch_rows: int = 16
@@ -693,6 +717,7 @@ def distill_loss(
     tvd_weight: float,
     kl_weight: float = 1.0,
     ce_weight: float = 0.0,
+    named: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, TVD) for student logits [N, V] against the teacher's top-K probs/ids [N, K].
 
@@ -703,10 +728,18 @@ def distill_loss(
     KL term: cross-entropy to the renormalised top-K teacher (KL up to a constant). TVD term: with
     the teacher's mass outside its top K taken as zero, 0.5 * (sum_K |p - q| + (1 - sum_K q)).
     CE term: cross-entropy on the teacher's most likely token (column 0: top-K is sorted).
+
+    ``named`` [N, K] (bool): the entries whose id is among the student's columns (a sampled
+    vocabulary, ``TrainVocab``); the others must have teacher probability 0 (padding of token
+    targets), their column in ``top_i`` is any valid one, and they count as q = 0, which leaves
+    every term as it would be over the full vocabulary: a zero-probability entry adds q to
+    sum |p - q| and takes it off 1 - sum q.
     """
     log_q = F.log_softmax(student_logits, dim=-1)  # [N, V]
     log_q_top = log_q.gather(-1, top_i)  # [N, K]
     q_top = log_q_top.exp()
+    if named is not None:
+        q_top = q_top * named
     tvd = 0.5 * ((top_p - q_top).abs().sum(-1) + (1 - q_top.sum(-1)).clamp_min(0)).mean()
     loss = tvd_weight * tvd
     if kl_weight:
@@ -891,6 +924,8 @@ def realign(
         raise ValueError(f"replay_teacher must be 'incumbent' or 'target', got {cfg.replay_teacher!r}")
     if cfg.teacher not in ("auto", "topk", "tokens"):
         raise ValueError(f"teacher must be 'auto', 'topk' or 'tokens', got {cfg.teacher!r}")
+    if cfg.scoring_teacher not in ("auto", "target", "tokens"):
+        raise ValueError(f"scoring_teacher must be 'auto', 'target' or 'tokens', got {cfg.scoring_teacher!r}")
     if cfg.select_on not in ("auto", "expected_acceptance", "greedy_agreement"):
         raise ValueError(
             f"select_on must be 'expected_acceptance' or 'greedy_agreement', got {cfg.select_on!r}"
@@ -930,9 +965,22 @@ def realign(
             memory_mb=cfg.teacher_memory_mb,
         )
 
+    scoring = cfg.scoring_teacher
+    probe_s_per_token: float | None = None
+    if scoring == "auto":
+        probe_s_per_token = _target_seconds_per_token(targets, recent, tokenizer, cfg, max_len)
+        windows = 2 if older else 1
+        probe_rows = _encode(recent[:1], tokenizer, cfg, max_len)
+        row_len = len(probe_rows.ids[0]) if len(probe_rows) else 0
+        projected_scoring_s = probe_s_per_token * row_len * cfg.max_holdout_rows * windows
+        scoring = "tokens" if projected_scoring_s > cfg.scoring_budget_share * cfg.time_budget_s else "target"
+
+    def scoring_targets(rows: Rows) -> Teacher:
+        return token_targets(rows) if scoring == "tokens" else targets(rows)
+
     def incumbent_on_old(rows: Rows) -> float:
         t0 = time.perf_counter()
-        old_scoring["teacher"] = targets(rows)
+        old_scoring["teacher"] = scoring_targets(rows)
         old_scoring["incumbent"] = evaluate(
             model, rows, old_scoring["teacher"], device, cfg.batch_rows, cfg.teacher_memory_mb
         )
@@ -949,11 +997,14 @@ def realign(
     )
 
     t_teacher = time.perf_counter()
-    held_teacher = targets(data.held_out)
+    held_teacher = scoring_targets(data.held_out)
     held_s = time.perf_counter() - t_teacher
     row_tokens = sum(len(t) for t in data.train.ids)
     held_tokens = sum(len(t) for t in data.held_out.ids)
-    projected_s = held_s * row_tokens / max(1, held_tokens)
+    if scoring == "tokens":
+        projected_s = (probe_s_per_token or math.inf) * row_tokens
+    else:
+        projected_s = held_s * row_tokens / max(1, held_tokens)
     mode = cfg.teacher
     if mode == "auto":
         mode = "topk" if projected_s <= cfg.teacher_budget_share * cfg.time_budget_s else "tokens"
@@ -964,7 +1015,7 @@ def realign(
         wide = cfg.replay_teacher == "incumbent" and cfg.wide_anchor
         anchor_k = anchor_k if wide else 1
         teacher = token_targets(data.train, anchor_k, columns)
-        teacher_tokens = held_tokens
+        teacher_tokens = held_tokens if scoring == "target" else 0
     else:
         teacher = targets(data.train)
         teacher_tokens = held_tokens + row_tokens
@@ -1014,9 +1065,28 @@ def realign(
             teacher_tokens=teacher_tokens,
             shared_vocab=columns,
             teacher_mode=mode,
+            scoring_mode=scoring,
             teacher_projected_s=projected_s,
             checkpoint=checkpoint,
         )
+
+
+def _target_seconds_per_token(
+    targets: Callable[[Rows], Teacher],
+    traces: Sequence[TraceText],
+    tokenizer: Tokenizer,
+    cfg: RealignConfig,
+    max_len: int,
+) -> float:
+    """Seconds the target's top-K pass takes per row token, timed on the first trace (the second
+    of two passes: the first pays one-off warm-up); infinite when no trace makes a row."""
+    rows = _encode(traces[:1], tokenizer, cfg, max_len)
+    if not len(rows):
+        return math.inf
+    targets(rows)
+    t0 = time.perf_counter()
+    targets(rows)
+    return (time.perf_counter() - t0) / len(rows.ids[0])
 
 
 @contextlib.contextmanager
@@ -1045,6 +1115,7 @@ def _train(
     teacher_tokens: int,
     shared_vocab: int,
     teacher_mode: str,
+    scoring_mode: str,
     teacher_projected_s: float,
     checkpoint: Callable[[float, str], None],
 ) -> RealignResult:
@@ -1092,17 +1163,33 @@ def _train(
 
     stream = batches()
 
+    vocab = TrainVocab.choose(cfg, teacher, model.config.vocab_size, device)
+    vocab_rng = np.random.default_rng([cfg.seed, 4])
+
     def train_step(picks: list[int], step: int, total: int) -> tuple[float, float, int]:
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, total, lr, min(max(10, int(cfg.warmup_share * total)), total // 2))
         top_p, top_i = _gather(teacher, picks, device)
+        named = None
+        if vocab is None:
+            logits = completion_logits(model, data.train, picks, device)  # [N, V]
+        else:
+            columns, column_of = vocab.draw(vocab_rng)
+            with autocast_for(device):
+                hidden = _completion_features(model, data.train, picks, device)  # [N, D]
+                logits = F.linear(hidden, model.lm_head.weight[columns]).float()  # [N, C]
+            logits = logits + vocab.stand_in(columns)  # [N, C]
+            top_i = column_of[top_i]  # [N, K]: -1 where the id is not a column (probability 0)
+            named = top_i >= 0
+            top_i = top_i.clamp_min(0)
         loss, tvd = distill_loss(
-            completion_logits(model, data.train, picks, device),
+            logits,
             top_p,
             top_i,
             cfg.tvd_weight,
             cfg.kl_weight,
             cfg.ce_weight,
+            named,
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
@@ -1221,6 +1308,9 @@ def _train(
         "stop_reason": stop_reason,
         "lr": lr,
         "teacher": teacher_mode,
+        "scoring_teacher": scoring_mode,
+        "train_vocab_rows": vocab.rows if vocab is not None else model.config.vocab_size,
+        "train_vocab_named_rows": len(vocab.named) if vocab is not None else None,
         "replay_teacher": cfg.replay_teacher if data.replay_rows else None,
         "teacher_projected_s": round(teacher_projected_s, 2),
         "teacher_top_k_mass": round(held_teacher.coverage, 4),
@@ -1272,6 +1362,63 @@ def _train(
         f"trained: held-out {key.replace('_', ' ')} {before[key]:.3f} -> {best[key]:.3f}",
     )
     return RealignResult(model, metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainVocab:
+    """A sampled training vocabulary (``RealignConfig.train_vocab``): the rows every training
+    target names, and ``negatives`` random others per step."""
+
+    named: torch.Tensor  # [M] sorted ids with probability > 0 at some training position
+    vocab_size: int
+    negatives: int
+    device: torch.device
+
+    @property
+    def rows(self) -> int:
+        """Columns of one step's logits (at most: random draws may repeat or hit named rows)."""
+        return min(self.vocab_size, len(self.named) + self.negatives)
+
+    @classmethod
+    def choose(
+        cls, cfg: RealignConfig, teacher: Teacher, vocab_size: int, device: torch.device
+    ) -> TrainVocab | None:
+        """The sampled vocabulary ``cfg.train_vocab`` asks for, or None for the full one."""
+        if cfg.train_vocab not in ("auto", "full", "sampled"):
+            raise ValueError(f"train_vocab must be 'auto', 'full' or 'sampled', got {cfg.train_vocab!r}")
+        if cfg.train_vocab == "full" or (
+            cfg.train_vocab == "auto" and (device.type != "cpu" or vocab_size < SAMPLED_VOCAB_FROM)
+        ):
+            return None
+        named = torch.unique(torch.cat([i[p > 0] for p, i in zip(teacher.probs, teacher.index, strict=True)]))
+        vocab = cls(named.to(torch.long), vocab_size, max(0, cfg.train_vocab_negatives), device)
+        if cfg.train_vocab == "auto" and vocab.rows > vocab_size // 2:
+            return None
+        return vocab
+
+    def draw(self, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(columns [C]: the named ids then fresh random ones, column_of [V]: an id's column or -1)."""
+        drawn = torch.from_numpy(rng.integers(0, self.vocab_size, self.negatives))
+        column_of = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        column_of[self.named] = 0
+        others = torch.unique(drawn[column_of[drawn] < 0])
+        columns = torch.cat([self.named, others])  # [C]
+        column_of[columns] = torch.arange(len(columns))
+        return columns.to(self.device), column_of.to(self.device)
+
+    def stand_in(self, columns: torch.Tensor) -> torch.Tensor:
+        """What to add to a step's logits [C]: 0 for the named rows, and log(unnamed rows / drawn
+        ones) for the drawn ones, so that each stands in for its share of the rows left out and
+        the softmax's normaliser estimates the full vocabulary's (the sampled-softmax correction
+        for uniform draws). Without it the unnamed rows are pushed down ~20x too gently and keep
+        probability the full softmax then gives them (measured on SmolLM2 chat: held-out greedy
+        agreement stalled at 0.17)."""
+        named = len(self.named)
+        drawn = len(columns) - named
+        out = torch.zeros(len(columns), device=columns.device)
+        if drawn:
+            out[named:] = math.log((self.vocab_size - named) / drawn)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
