@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
-from workers.engine.hf_io import load_hf_folder  # noqa: E402
+from workers.engine.hf_io import load_hf_folder, save_hf_folder  # noqa: E402
 from workers.engine.metrics import replay_greedy_rounds  # noqa: E402
 from workers.engine.model import Transformer  # noqa: E402
 from workers.engine.proposers import DraftModelProposer  # noqa: E402
@@ -55,6 +55,7 @@ from workers.training.first_drafter import FIRST_DRAFTER_MAX_EPOCHS, narrow_draf
 from workers.training.realign import RealignConfig, TraceText, realign  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "real_model_loop_offline.json"
+DAY0_DRAFTER = ROOT / "bench" / "results" / "smollm2-day0-drafter"  # the last day-0 drafter trained
 TRACE_CACHE = ROOT / "bench" / "results" / "trace-cache"
 DEFAULT_MODEL = ROOT / "var" / "models" / "smollm2-135m-instruct"
 FALLBACK_MODEL = Path("/tmp/smol/hf")
@@ -537,6 +538,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--decode", type=int, default=0, help="held-out prompts decoded for real per stage")
+    ap.add_argument("--day0-from", type=Path, help="a day-0 drafter folder to realign (no day-0 training)")
     ap.add_argument("--stage", choices=("traces", "day0", "all"), default="all")
     ap.add_argument("--set-day0", action="append", default=[])
     ap.add_argument("--set-realign", action="append", default=[])
@@ -595,15 +597,21 @@ def main() -> None:
         **_parse_sets(args.set_day0),
     )
     t0 = time.perf_counter()
-    day0 = realign(target, first, tokenizer, chat_train, (), day0_cfg, progress=_show)
+    if args.day0_from is not None:  # a day-0 drafter this bench saved before: the shift alone
+        drafter, _ = load_hf_folder(args.day0_from, max_seq_len=2048)
+        day0_metrics, day0_history = {"loaded_from": str(args.day0_from)}, []
+    else:
+        day0 = realign(target, first, tokenizer, chat_train, (), day0_cfg, progress=_show)
+        drafter = day0.model
+        day0_metrics = {k: v for k, v in day0.metrics.items() if k not in ("history", "config")}
+        day0_history = day0.metrics["history"]
+        save_hf_folder(drafter, tokenizer, DAY0_DRAFTER)
     day0_s = time.perf_counter() - t0
-    drafter = day0.model
-    day0_metrics = {k: v for k, v in day0.metrics.items() if k not in ("history", "config")}
     chat_fig = replayed_figures(target, drafter, tokenizer, chat_held, args.k)
     result["day0"] = {
         "wall_s": round(day0_s, 1),
         "train_metrics": day0_metrics,
-        "history": day0.metrics["history"],
+        "history": day0_history,
         "chat_heldout": chat_fig,
         "implied_speedup_by_k": implied_by_k(chat_fig, cost, args.k),
         "implied_speedup_vs_nospec": round(

@@ -92,6 +92,9 @@ PAIRED_SEED_OFFSET = 7919
 DEMO_DEFAULTS: dict[str, Any] = {
     "deployment": "demo",
     "target_model": "reference-target",
+    # A folder to register target_model from first (under a model root, e.g. var/models/NAME, as
+    # `make smollm2` leaves it); empty: the target is registered already (the bundled pair is).
+    "target_path": "",
     "draft_model": "reference-drafter",
     "draft_token_count": 4,
     "trace_sample_rate": 1.0,
@@ -158,6 +161,15 @@ class Api:
 
     def of(self, path: str) -> Any:
         return self("GET", f"/{self.deployment}{path}")
+
+    def register_model(self, model: str, path: str) -> None:
+        """Register a model from a folder, unless the account already has one of that name."""
+        models = self.prefix.removesuffix("/deployments") + "/models"
+        if self._http.get(f"{models}/{model}").status_code == 200:
+            return
+        response = self._http.post(models, json={"name": model, "path": path}, timeout=600.0)
+        if response.status_code >= 400:
+            raise RuntimeError(f"registering {model}: HTTP {response.status_code} {response.text[:300]}")
 
     def stats(self, **params: Any) -> dict[str, Any]:
         """The deployment's stats total over the filters (category, arm, drafter_version, start, end)."""
@@ -358,6 +370,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         account, key = admin_key(settings)
         say(f"  (dashboard login key for this run: {key})")
         api = Api(api_url, account, key, name)
+        if knobs.get("target_path"):
+            api.register_model(knobs["target_model"], str(Path(knobs["target_path"]).resolve()))
         api(
             "POST",
             "",
