@@ -115,7 +115,7 @@ def default_import_root(settings: Settings) -> Path:
 
 @model_app.command("import-gguf")
 def model_import_gguf(
-    file: Annotated[Path, typer.Argument(help="a .gguf model file (llama, mistral, qwen2, qwen3)")],
+    file: Annotated[Path, typer.Argument(help="a .gguf model file (llama, qwen2, qwen3)")],
     name: Annotated[str | None, typer.Option(help="the model's name (default: from the file name)")] = None,
     out: Annotated[
         Path | None,

@@ -17,8 +17,12 @@ base) moves logits by 1e-1 or more; two correct float32 implementations differ b
 (on SmolLM2-135M, `transformers`' own SDPA and eager attention differ by 1.0e-4), hence the default
 tolerance of 1e-3.
 
-Families: the ones both `transformers`' GGUF loader and the engine's `ModelConfig` implement
-(llama, mistral, qwen2, qwen3); any other architecture is refused by name before weights are read.
+Families: the ones both `transformers`' GGUF loader and the engine's `ModelConfig` implement:
+llama, qwen2 and qwen3 files (llama.cpp writes Mistral models as llama, and `transformers` 5.25
+loads them as Llama, the same block without a window); any other architecture is refused by name
+before weights are read. Checked on files written in the tests (llama, qwen2) and on SmolLM2
+(llama); `transformers` 5.25 loads a qwen3 file only when its head width is 128 (its qwen3 mapping
+reads none), and a file it cannot load is refused with its reason.
 GGUF files whose rotary frequencies are rescaled (Llama 3.1's `rope_freqs` tensor or
 `*.rope.scaling.*` keys) are refused too: `transformers`' GGUF loader does not carry the scaling
 over, so the check would compare two models that are both wrong past the original context.
@@ -50,6 +54,8 @@ from workers.engine.hf_io import WEIGHTS_NAME, load_hf_folder, sha256_of_file
 from workers.engine.model import FAMILIES
 
 GGUF_MAGIC = b"GGUF"
+# general.architecture values of the engine's families (llama.cpp writes Mistral models as "llama").
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DEFAULT_TOLERANCE = 1e-3
 # What the import writes besides the weights: where the folder came from and what the check measured.
 REPORT_NAME = "gguf_import.json"
@@ -117,7 +123,7 @@ def supported_architectures() -> list[str]:
     """GGUF architectures both transformers' GGUF loader and the engine implement."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return sorted(set(FAMILIES) & set(GGUF_SUPPORTED_ARCHITECTURES))
+    return [arch for arch in GGUF_ARCHITECTURES if arch in GGUF_SUPPORTED_ARCHITECTURES]
 
 
 def check_gguf_magic(path: Path) -> None:
@@ -162,8 +168,8 @@ def check_supported(header: GGUFHeader, path: Path) -> None:
     if header.architecture not in supported:
         raise UnsupportedArchitectureError(
             f"{path} holds a {header.architecture!r} model; GGUF import supports the "
-            f"{', '.join(supported)} architectures (what both transformers' GGUF loader and this "
-            "engine run)"
+            f"{', '.join(supported)} architectures (Mistral files are written as llama), what both "
+            "transformers' GGUF loader and this engine run"
         )
     if header.rope_scaled:
         raise UnsupportedArchitectureError(
@@ -277,12 +283,19 @@ def import_gguf(
     check_supported(header, source)
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; choose another folder or pass --overwrite")
-    with _quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(
-            str(source.parent), gguf_file=source.name, dtype=torch.float32
-        )
-        model.eval()  # type: ignore[no-untyped-call]
-        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    try:
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(source.parent), gguf_file=source.name, dtype=torch.float32
+            )
+            model.eval()  # type: ignore[no-untyped-call]
+            tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    except (ValueError, RuntimeError, KeyError, NotImplementedError) as exc:
+        # Metadata transformers' loader cannot map (e.g. its qwen3 mapping reads no head width, so
+        # only files with transformers' default of 128 load): nothing was written.
+        raise UnsupportedArchitectureError(
+            f"transformers could not load {source.name} as a {header.architecture} model: {exc}"
+        ) from exc
     family = str(model.config.model_type)
     if family not in FAMILIES:  # transformers may rename (a llama file named "mistral" is mistral)
         raise UnsupportedArchitectureError(f"{source} loads as {family!r}, which the engine does not run")

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from controlplane.cli import app
 from workers.engine.hf_io import load_hf_folder
+from workers.engine.model import FAMILIES
 from workers.gguf_import import (
     REPORT_NAME,
     GGUFImportError,
@@ -53,7 +54,13 @@ def _tokens() -> list[str]:
 
 
 def write_tiny_llama_gguf(
-    path: Path, *, tied: bool = True, arch: str = "llama", rope_freqs: bool = False, seed: int = 0
+    path: Path,
+    *,
+    tied: bool = True,
+    arch: str = "llama",
+    name: str = "tiny test model",
+    rope_freqs: bool = False,
+    seed: int = 0,
 ) -> Path:
     """A two-layer Llama GGUF with random weights: what llama.cpp's converter writes, in miniature."""
     rng = np.random.default_rng(seed)
@@ -61,7 +68,7 @@ def write_tiny_llama_gguf(
     vocab = len(tokens)
     hd = DIM // HEADS
     writer = GGUFWriter(str(path), arch=arch)
-    writer.add_name("tiny test model")
+    writer.add_name(name)
     writer.add_context_length(256)
     writer.add_embedding_length(DIM)
     writer.add_block_count(LAYERS)
@@ -69,6 +76,9 @@ def write_tiny_llama_gguf(
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(hd)
+    if arch == "qwen3":  # llama.cpp states Qwen3's head width; transformers reads it from here
+        writer.add_key_length(hd)
+        writer.add_value_length(hd)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
@@ -103,6 +113,14 @@ def write_tiny_llama_gguf(
         dense(f"blk.{i}.attn_k.weight", KV_HEADS * hd, DIM, 0.3)
         dense(f"blk.{i}.attn_v.weight", KV_HEADS * hd, DIM, 0.2, q8=False)
         dense(f"blk.{i}.attn_output.weight", DIM, HEADS * hd, 0.2)
+        if arch == "qwen2":  # Qwen2 biases q, k and v
+            for part, rows in (("q", HEADS * hd), ("k", KV_HEADS * hd), ("v", KV_HEADS * hd)):
+                writer.add_tensor(
+                    f"blk.{i}.attn_{part}.bias", rng.normal(0.0, 0.5, size=rows).astype(np.float32)
+                )
+        if arch == "qwen3":  # Qwen3 RMS-normalises each query and key head
+            norm(f"blk.{i}.attn_q_norm.weight", hd)
+            norm(f"blk.{i}.attn_k_norm.weight", hd)
         norm(f"blk.{i}.ffn_norm.weight", DIM)
         dense(f"blk.{i}.ffn_gate.weight", FFN, DIM, 0.2)
         dense(f"blk.{i}.ffn_up.weight", FFN, DIM, 0.2)
@@ -119,12 +137,22 @@ def write_tiny_llama_gguf(
     return path
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+# (GGUF architecture, general.name, tied embeddings) -> the family transformers and the engine load
+VARIANTS = {
+    "llama-tied": ("llama", "tiny test model", True, "llama"),
+    "llama-untied": ("llama", "tiny test model", False, "llama"),
+    "qwen2": ("qwen2", "tiny test model", True, "qwen2"),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def imported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the GGUF file, the folder imported from it)."""
+    arch, name, tied, family = VARIANTS[request.param]
     root = tmp_path_factory.mktemp("gguf")
-    gguf = write_tiny_llama_gguf(root / "Tiny-Test.Q8_0.gguf", tied=request.param)
-    import_gguf(gguf, root / "tiny")
+    gguf = write_tiny_llama_gguf(root / "Tiny-Test.Q8_0.gguf", arch=arch, name=name, tied=tied)
+    summary = import_gguf(gguf, root / "tiny")
+    assert summary.family == family
     return gguf, root / "tiny"
 
 
@@ -150,10 +178,10 @@ def test_folder_reproduces_the_gguf_model_in_transformers_and_the_engine(importe
     assert not list(folder.parent.glob(".tiny.*")), "the staging folder was left behind"
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config and "_model_name_or_path" not in config
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    assert config["architectures"] == [FAMILIES[config["model_type"]]] and config["dtype"] == "float32"
     report = json.loads((folder / REPORT_NAME).read_text())
     assert report["tensor_types"] == {
-        "F32": 4 * LAYERS + 1,  # norms, v and down
+        "F32": (4 + 3 * (config["model_type"] == "qwen2")) * LAYERS + 1,  # norms, v, down, biases
         "Q8_0": 5 * LAYERS + 1 + (not config["tie_word_embeddings"]),
     }
     assert report["tokenizer_identical"] and report["logit_max_abs_diff"] <= LOGIT_TOLERANCE
@@ -233,7 +261,8 @@ def test_refusals_name_what_they_refuse(imported: tuple[Path, Path], tmp_path: P
         import_gguf(tmp_path / "missing.gguf", tmp_path / "b")
     other = write_tiny_llama_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
     with pytest.raises(
-        UnsupportedArchitectureError, match=r"'gpt2' model; GGUF import supports the llama, mistral"
+        UnsupportedArchitectureError,
+        match=r"'gpt2' model; GGUF import supports the llama, qwen2, qwen3 architectures",
     ):
         import_gguf(other, tmp_path / "c")
     scaled = write_tiny_llama_gguf(tmp_path / "scaled.gguf", rope_freqs=True)
