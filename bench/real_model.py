@@ -20,11 +20,12 @@ earlier run's) and the others still run:
   ``transformers``' on chat prompts and their greedy answers, both the prefill path and the
   one-row decode steps) and ``greedy_identical`` (1 when the engine's speculative greedy output
   with the drafter equals ``generate(do_sample=False)`` token for token on every prompt, else 0).
-- ``comparison``: the shifted traffic (structured work: JSON extraction, tool calls, SQL, as chat
-  requests), the same prompts and k for six arms, interleaved per prompt in rotated order after one
-  warm-up request per arm: the engine without speculation, the engine with the drafter, the engine
-  with a never-missing drafter that pays the drafter's real forwards
-  (``workers.engine.never_missing``), transformers' assisted generation with the same drafter
+- ``comparison``: the shifted traffic (structured work as chat requests: JSON extraction, JSON tool
+  calls and SQL, each after two or three worked turns; ``workers.corpora``' ``chat_structured``
+  traffic, held-out side, balanced by kind), the same prompts and k for six arms, interleaved per
+  prompt in rotated order after one warm-up request per arm: the engine without speculation, the
+  engine with the drafter, the engine with a never-missing drafter that pays the drafter's real
+  forwards (``workers.engine.never_missing``), transformers' assisted generation with the same drafter
   (exported as an HF folder, ``num_assistant_tokens`` = k, constant schedule, no confidence stop),
   transformers' prompt lookup (``prompt_lookup_num_tokens`` = k) and transformers' plain greedy.
   Every request runs until end-of-text or ``--new-tokens``; tokens/s is output tokens (end-of-text
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -53,7 +55,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -65,8 +68,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from workers import corpora  # noqa: E402
 from workers.canary.replay import measure_costs  # noqa: E402
-from workers.corpora.values import pools  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
 from workers.engine.hf_io import load_hf_folder, save_hf_folder  # noqa: E402
 from workers.engine.model import Transformer  # noqa: E402
@@ -80,6 +83,9 @@ BENCH = ROOT / "bench"
 RESULTS = BENCH / "results" / "real_model.json"
 MAX_SEQ_LEN = 2048
 BOOTSTRAP_RESAMPLES = 4000
+# Traffic streams apart from the comparison's (--seed, and --seed + 1 for its warm-up request).
+FIDELITY_STREAM = 1_000
+COST_CONTEXT_STREAM = 1_001
 
 # ----------------------------------------------------------------------------------------- prompts
 
@@ -92,165 +98,35 @@ class ChatPrompt:
     messages: tuple[dict[str, str], ...]
 
 
-GENERAL_CHAT = (
-    "Explain in two sentences why the sky is blue.",
-    "Give me three short tips for a job interview.",
-    "Rewrite this sentence to sound more polite: Send me the report now.",
-    "What is the difference between a list and a tuple in Python?",
-    "Suggest a name for a small bakery and say why in one sentence.",
-    "How do I boil an egg so that the yolk stays soft?",
-)
-
-_JSON_SYSTEM = "You extract fields from the user's text. Reply with one JSON object and nothing else."
-# A few examples per task, each a different tool or field set: with one example the 135M target
-# copied it verbatim for most tool-call requests (its values, not the request's), which flatters
-# prompt lookup and every drafter alike.
-_JSON_EXAMPLES = (
-    (
-        "Text: Hello, I am Tom Becker, 41, and I live in Hamburg. Mail me at tom.becker@example.com.\n"
-        "Fields: name, age, city, email",
-        '{"name": "Tom Becker", "age": 41, "city": "Hamburg", "email": "tom.becker@example.com"}',
-    ),
-    (
-        "Text: Invoice 5521 from Nordlicht AG: 3 x desk chair at 120 EUR each, due 2025-02-14.\n"
-        "Fields: invoice_id, company, quantity, product, unit_price, currency, due_date",
-        '{"invoice_id": "5521", "company": "Nordlicht AG", "quantity": 3, "product": "desk chair", '
-        '"unit_price": 120, "currency": "EUR", "due_date": "2025-02-14"}',
-    ),
-)
-_TOOLS_SYSTEM = (
-    'You call tools. Reply with one JSON object {"name": ..., "arguments": {...}} and nothing else.\n'
-    "Tools:\n"
-    "get_weather(city, unit)\n"
-    "search_flights(origin, destination, date)\n"
-    "send_email(to, subject)\n"
-    "convert_currency(amount, source, target)\n"
-    "set_reminder(text, date)"
-)
-_TOOLS_EXAMPLES = (
-    (
-        "Find me a flight from Oslo to Rome on 2025-03-02.",
-        '{"name": "search_flights", "arguments": '
-        '{"origin": "Oslo", "destination": "Rome", "date": "2025-03-02"}}',
-    ),
-    (
-        "How much is 250 USD in EUR?",
-        '{"name": "convert_currency", "arguments": {"amount": 250, "source": "USD", "target": "EUR"}}',
-    ),
-    (
-        "Remind me to call Anna Berg on 2025-06-01.",
-        '{"name": "set_reminder", "arguments": {"text": "call Anna Berg", "date": "2025-06-01"}}',
-    ),
-)
-_SQL_SYSTEM = (
-    "You write SQLite queries. Reply with one SQL query and nothing else.\n"
-    "Schema:\n"
-    "customers(id, name, city, signup_date)\n"
-    "orders(id, customer_id, product, amount, order_date)"
-)
-_SQL_EXAMPLES = (
-    ("How many customers live in Oslo?", "SELECT COUNT(*) FROM customers WHERE city = 'Oslo';"),
-    (
-        "What did Anna Berg order in 2024?",
-        "SELECT o.product, o.amount FROM orders o JOIN customers c ON c.id = o.customer_id "
-        "WHERE c.name = 'Anna Berg' AND o.order_date BETWEEN '2024-01-01' AND '2024-12-31';",
-    ),
-)
-_CURRENCIES = ("EUR", "USD", "GBP", "JPY", "CHF", "SEK")
-_PRODUCTS = ("laptop", "desk lamp", "coffee grinder", "backpack", "monitor", "headphones", "notebook")
-_TOPICS = ("the budget", "hiring", "the product launch", "the quarterly review", "office moves")
-
-
-def _few_shot(system: str, examples: Sequence[tuple[str, str]], request: str) -> tuple[dict[str, str], ...]:
-    shots = [
-        {"role": role, "content": text}
-        for question, answer in examples
-        for role, text in (("user", question), ("assistant", answer))
-    ]
-    return ({"role": "system", "content": system}, *shots, {"role": "user", "content": request})
-
-
-def _json_request(rng: random.Random) -> str:
-    p = pools()
-    person, city = p.person(rng), rng.choice(p.cities)
-    kind = rng.randrange(3)
-    if kind == 0:
-        age = rng.randint(19, 78)
-        return (
-            f"Text: Hi, I'm {person}, {age} years old, from {city}. You can reach me at "
-            f"{p.email(rng, person)}.\nFields: name, age, city, email"
-        )
-    if kind == 1:
-        qty, price = rng.randint(1, 9), rng.randint(5, 900)
-        return (
-            f"Text: Order {rng.randint(10000, 99999)} from {rng.choice(p.companies)}: {qty} x "
-            f"{rng.choice(_PRODUCTS)} at {price} {rng.choice(_CURRENCIES)} each, ship to {city} by "
-            f"{p.date(rng)}.\nFields: order_id, company, quantity, product, unit_price, currency, city, date"
-        )
-    return (
-        f"Text: {person} booked a meeting with {p.person(rng)} on {p.date(rng)} at "
-        f"{rng.randint(8, 17)}:00 in {city} about {rng.choice(_TOPICS)}.\n"
-        "Fields: organiser, guest, date, time, city, topic"
-    )
-
-
-def _tool_request(rng: random.Random) -> str:
-    p = pools()
-    city, other = rng.sample(p.cities, 2)
-    kind = rng.randrange(5)
-    if kind == 0:
-        return f"Is it going to be cold in {city} today? Give me {rng.choice(('celsius', 'fahrenheit'))}."
-    if kind == 1:
-        return f"Find me a flight from {city} to {other} on {p.date(rng)}."
-    if kind == 2:
-        return f"Email {p.email(rng)} with the subject '{rng.choice(_TOPICS).capitalize()} notes'."
-    if kind == 3:
-        a, b = rng.sample(_CURRENCIES, 2)
-        return f"How much is {rng.randint(10, 5000)} {a} in {b}?"
-    return f"Remind me to call {p.person(rng)} on {p.date(rng)}."
-
-
-def _sql_request(rng: random.Random) -> str:
-    p = pools()
-    city, person, date = rng.choice(p.cities), p.person(rng), p.date(rng)
-    kind = rng.randrange(5)
-    if kind == 0:
-        return f"What is the total amount of all orders placed by {person}?"
-    if kind == 1:
-        return f"List the products ordered after {date}, newest first."
-    if kind == 2:
-        return f"Which {rng.randint(3, 10)} customers from {city} spent the most? Show name and total."
-    if kind == 3:
-        return f"What is the average order amount for {rng.choice(_PRODUCTS)}s?"
-    return f"How many customers signed up in {city} since {date}?"
-
-
-STRUCTURED_CATEGORIES: dict[str, tuple[str, Sequence[tuple[str, str]], Callable[[random.Random], str]]] = {
-    "json_extraction": (_JSON_SYSTEM, _JSON_EXAMPLES, _json_request),
-    "tool_call": (_TOOLS_SYSTEM, _TOOLS_EXAMPLES, _tool_request),
-    "sql": (_SQL_SYSTEM, _SQL_EXAMPLES, _sql_request),
-}
+def _balanced(stream: Iterator[corpora.Prompt], n: int) -> list[ChatPrompt]:
+    """``n`` chat requests from the first ``3 n`` of ``stream``, taken in turn by task kind (kinds in
+    name order; the stream draws them at random), so no kind's share is left to chance."""
+    by_kind: dict[str, list[ChatPrompt]] = {}
+    for prompt in itertools.islice(stream, 3 * n):
+        by_kind.setdefault(prompt.kind, []).append(ChatPrompt(prompt.kind, tuple(prompt.messages)))
+    queues = [by_kind[kind] for kind in sorted(by_kind)]
+    picked: list[ChatPrompt] = []
+    while len(picked) < n and any(queues):
+        for queue in queues:
+            if queue and len(picked) < n:
+                picked.append(queue.pop(0))
+    if len(picked) < n:
+        raise ValueError(f"the stream ended after {len(picked)} of {n} requests")
+    return picked
 
 
 def shifted_traffic(n: int, seed: int) -> list[ChatPrompt]:
-    """``n`` structured-work chat requests (JSON extraction, tool calls, SQL in turn), each a few
-    worked exchanges followed by a fresh request whose values are drawn with ``seed``."""
-    rng = random.Random(seed)
-    names = list(STRUCTURED_CATEGORIES)
-    out = []
-    for i in range(n):
-        category = names[i % len(names)]
-        system, examples, request = STRUCTURED_CATEGORIES[category]
-        # Examples in a fresh order per request: the target leans on the last one it saw.
-        shuffled = rng.sample(list(examples), len(examples))
-        out.append(ChatPrompt(category, _few_shot(system, shuffled, request(rng))))
-    return out
+    """``n`` structured-work chat requests (JSON extraction, JSON tool calls, SQL, each with two or
+    three worked turns first): stream ``seed`` of the ``chat_structured`` traffic's held-out side
+    (``workers.corpora``), the documents a drafter realigned on the other side never saw."""
+    return _balanced(corpora.traffic_prompts("chat_structured", "test", seed, heldout=True), n)
 
 
-def fidelity_prompts(n_general: int, n_structured: int) -> list[ChatPrompt]:
-    """General chat (one user turn) and structured work, on values the comparison never draws."""
-    general = [ChatPrompt("general", ({"role": "user", "content": q},)) for q in GENERAL_CHAT[:n_general]]
-    return general + shifted_traffic(n_structured, seed=10_007)
+def fidelity_prompts(n_general: int, n_structured: int, seed: int) -> list[ChatPrompt]:
+    """General chat (the ``chat`` traffic: explain, advise, rewrite, summarise, compose) and
+    structured work, held out, from streams the comparison does not draw (``seed`` apart)."""
+    general = _balanced(corpora.traffic_prompts("chat", "test", seed, heldout=True), n_general)
+    return general + shifted_traffic(n_structured, seed)
 
 
 # ------------------------------------------------------------------------------------- pure logic
@@ -448,7 +324,7 @@ def _without_eos(tokens: Sequence[int], eos: int | None) -> list[int]:
 def part_costs(bench: Bench) -> dict[str, Any]:
     """Isolated step costs at a real chat context of ``cost_position`` tokens."""
     context: list[int] = []
-    for prompt in shifted_traffic(12, seed=bench.seed + 501):
+    for prompt in shifted_traffic(12, seed=COST_CONTEXT_STREAM):
         context += bench.encode(prompt)
         if len(context) >= bench.cost_position:
             break
@@ -501,7 +377,9 @@ def _logit_gaps(bench: Bench, ids: list[int], answer: list[int]) -> dict[str, fl
 
 def part_fidelity(bench: Bench) -> dict[str, Any]:
     """Engine logits and speculative greedy output against transformers on chat prompts."""
-    prompts = fidelity_prompts(2, 1) if bench.quick else fidelity_prompts(4, 4)
+    prompts = (
+        fidelity_prompts(2, 1, FIDELITY_STREAM) if bench.quick else fidelity_prompts(4, 4, FIDELITY_STREAM)
+    )
     new_tokens = min(bench.new_tokens, 48 if bench.quick else 96)
     eos = bench.tokenizer.eos_id
     decoder = SpeculativeDecoder(
@@ -602,7 +480,7 @@ def _hf_arm(bench: Bench, **kwargs: Any) -> Arm:
 
 
 def _count(prompts: Sequence[ChatPrompt]) -> dict[str, int]:
-    return {c: n for c in STRUCTURED_CATEGORIES if (n := sum(p.category == c for p in prompts))}
+    return dict(sorted(Counter(p.category for p in prompts).items()))
 
 
 def part_comparison(bench: Bench) -> dict[str, Any]:
@@ -702,7 +580,7 @@ def part_comparison(bench: Bench) -> dict[str, Any]:
         "never_missing_speedup_vs_nospec": paired_speedup(dec["never_missing"], dec["nospec"]),
     }
     by_category = {}
-    for category in STRUCTURED_CATEGORIES:
+    for category in _count(traffic):
         idx = [i for i, p in enumerate(traffic) if p.category == category]
         if not idx:
             continue
@@ -729,7 +607,8 @@ def part_comparison(bench: Bench) -> dict[str, Any]:
     figures["detail"] = {
         "prompts": len(prompts),
         "categories": _count(traffic),
-        "traffic": "shifted_traffic (bench/real_model.py): few-shot JSON extraction, tool calls, SQL",
+        "traffic": "workers.corpora chat_structured, test split, held-out side, stream "
+        f"{bench.seed}, balanced by kind (bench/real_model.py shifted_traffic)",
         "k": k,
         "new_tokens": new_tokens,
         "threads": torch.get_num_threads(),

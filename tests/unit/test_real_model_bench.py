@@ -6,10 +6,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from workers.corpora import Prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,18 +82,41 @@ def test_merge_keeps_other_parts_and_replaces_a_rerun_part() -> None:
     assert first["target_step_ms"] == 50.0  # the earlier dict is not changed in place
 
 
-def test_shifted_traffic_is_seeded_and_covers_the_three_tasks() -> None:
+def test_shifted_traffic_is_seeded_and_balanced_over_the_three_tasks() -> None:
     a = rm.shifted_traffic(9, seed=3)
     assert a == rm.shifted_traffic(9, seed=3)
     assert a != rm.shifted_traffic(9, seed=4)
-    assert Counter(p.category for p in a) == {"json_extraction": 3, "tool_call": 3, "sql": 3}
+    assert Counter(p.category for p in a) == {"extract_json": 3, "sql": 3, "tool_call": 3}
     for prompt in a:
         roles = [m["role"] for m in prompt.messages]
-        # The task, worked examples, then the request.
-        assert roles[0] == "system" and roles[-1] == "user" and len(roles) >= 4
-        assert roles[1:-1] == ["user", "assistant"] * ((len(roles) - 2) // 2)
-    # Fresh values each time: nine requests, nine different final user turns.
+        # The task, worked turns, then the request.
+        assert roles[0] == "system" and roles[-1] == "user" and "assistant" in roles
     assert len({p.messages[-1]["content"] for p in a}) == 9
+
+
+def test_balanced_takes_kinds_in_turn_and_says_when_the_stream_runs_short() -> None:
+    def stream(kinds: str) -> Iterator[Prompt]:
+        for i, kind in enumerate(kinds):
+            yield Prompt(
+                "",
+                "",
+                "chat_structured",
+                "chat_structured",
+                str(i),
+                kind,
+                ({"role": "user", "content": str(i)},),
+            )
+
+    picked = rm._balanced(stream("aaaaab"), 4)
+    # First 12 of the stream (all six here): b runs out after one, a fills the rest.
+    assert [(p.category, p.messages[0]["content"]) for p in picked] == [
+        ("a", "0"),
+        ("b", "5"),
+        ("a", "1"),
+        ("a", "2"),
+    ]
+    with pytest.raises(ValueError, match="2 of 3"):
+        rm._balanced(stream("ab"), 3)
 
 
 def test_a_rerun_part_drops_the_figures_it_no_longer_gives() -> None:
