@@ -146,21 +146,21 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     except (ValueError, OSError) as exc:
         raise NotGGUFError(f"{path} is not a readable GGUF file: {exc}") from exc
 
-    def text(key: str) -> str | None:
+    def string_field(key: str) -> str | None:
         found = reader.fields.get(key)
         return None if found is None else str(found.contents())
 
-    architecture = text("general.architecture")
+    architecture = string_field("general.architecture")
     if architecture is None:
         raise NotGGUFError(f"{path} has no general.architecture key: not a model GGUF file")
     rope_scaled = any(t.name == "rope_freqs.weight" for t in reader.tensors) or any(
         key.startswith(f"{architecture}.rope.scaling.") and key != f"{architecture}.rope.scaling.type"
         for key in reader.fields
     )
-    if text(f"{architecture}.rope.scaling.type") not in (None, "none"):
+    if string_field(f"{architecture}.rope.scaling.type") not in (None, "none"):
         rope_scaled = True
     types = Counter(t.tensor_type.name for t in reader.tensors)
-    return GGUFHeader(architecture, text("general.name"), dict(sorted(types.items())), rope_scaled)
+    return GGUFHeader(architecture, string_field("general.name"), dict(sorted(types.items())), rope_scaled)
 
 
 def check_supported(header: GGUFHeader, path: Path) -> None:
