@@ -330,7 +330,8 @@ def complete(
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.train(False)
     eos = tokenizer.eos_id
     assert eos is not None
     ids = [tokenizer.encode(p) for p in prompts]
