@@ -17,8 +17,9 @@ from typing import Any
 
 MANIFEST_NAME = "MANIFEST.json"
 # The files a model folder needs to be loaded; everything else (READMEs, licences, pickled
-# originals under original/) is neither hashed nor read.
-MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".tiktoken")
+# originals under original/) is neither hashed nor read. The chat template (chat_template.jinja,
+# where transformers 4.43+ saves it) decides what the served model sees, so it is hashed too.
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".tiktoken", ".jinja")
 
 
 class ArtifactVerificationError(ValueError):

@@ -19,7 +19,7 @@ from controlplane.artifacts.manifest import model_files
 
 # The files a snapshot needs to be loaded (the Hub-side counterpart of MODEL_FILE_SUFFIXES):
 # pickled weights are never fetched.
-HF_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.tiktoken")
+HF_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.tiktoken", "*.jinja")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"

@@ -286,7 +286,14 @@ def test_hub_failures_become_source_errors(
         resolve_hf_snapshot("org/name", "v9", cache_dir=tmp_path)
     kwargs = download.call_args.kwargs
     assert kwargs["local_files_only"] is False
-    assert kwargs["allow_patterns"] == ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.tiktoken"]
+    assert kwargs["allow_patterns"] == [
+        "*.json",
+        "*.safetensors",
+        "tokenizer.model",
+        "*.txt",
+        "*.tiktoken",
+        "*.jinja",
+    ]
 
 
 def test_the_cache_root_defaults_to_huggingface_hubs(tmp_path: Path) -> None:
