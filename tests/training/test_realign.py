@@ -417,6 +417,12 @@ def test_the_learning_rate_is_capped_while_old_traffic_is_kept() -> None:
     novel = choose_lr(50_000, start_agreement=0.05)
     assert novel > PROTECTED_LR  # traffic the incumbent does not know: a large step
     assert choose_lr(50_000, start_agreement=0.05, protects_old=True) == PROTECTED_LR
+    # The cap holds while the incumbent knows the old traffic, and lifts as it knows less of it.
+    assert choose_lr(50_000, start_agreement=0.05, protects_old=True, old_agreement=0.6) == PROTECTED_LR
+    assert choose_lr(50_000, start_agreement=0.05, protects_old=True, old_agreement=0.2) == novel
+    assert (
+        PROTECTED_LR < choose_lr(50_000, start_agreement=0.05, protects_old=True, old_agreement=0.4) < novel
+    )
     known = choose_lr(50_000, start_agreement=0.9)
     assert known < PROTECTED_LR and choose_lr(50_000, start_agreement=0.9, protects_old=True) == known
     with pytest.raises(ValueError, match="replay_teacher"):
