@@ -3,11 +3,11 @@ calls against tool schemas in the system message, and SQL for a table schema and
 
 Every request is made by one maker from a caller's seeded ``Random`` and is well specified, the way
 a client that wants a parseable answer writes it: the system message says what to return and in
-what shape, every field asked for is in the text, and one or two worked turns of the same task (on
-other generated values) come before the real request, since a small target copies a shown format
-far more reliably than it follows a described one (SmolLM2-135M-Instruct with a worked turn of the
-same tool: the right call; without one it invented a tool name). Each request's expected answer is
-known and kept as its ``reference``: a one-line JSON object or one SQL statement.
+what shape, every field asked for is in the text, and two or three worked turns of the same task
+(on other generated values) come before the real request, since a small target copies a shown
+format far more reliably than it follows a described one: SmolLM2-135M-Instruct with no worked turn
+answered extractions with prose or nested objects, and invented tool names. Each request's expected
+answer is known and kept as its ``reference``: a one-line JSON object or one SQL statement.
 
 Tool calls and SQL reuse the requests of :mod:`workers.corpora.generated` (Faker-valued, many
 phrasings per task); extraction texts are built here from the same pools.
@@ -121,26 +121,33 @@ def _tool_line(name: str) -> str:
     return json.dumps({"name": name, **TOOL_SCHEMAS[name]})
 
 
+def _turns(shots: list[tuple[str, str]]) -> list[Message]:
+    return [
+        {"role": role, "content": text}
+        for question, answer in shots
+        for role, text in (("user", question), ("assistant", answer))
+    ]
+
+
 def _tool_call(rng: random.Random) -> Made:
     p = pools()
     tool, request, call = generated._tool_request(rng, p)
-    # A worked turn on the same tool (and sometimes one on another), as a client's history would
-    # hold: the model copies the shape of a call it has seen.
-    shots: list[tuple[str, str, str]] = []
-    while len(shots) < 1:
-        made = generated._tool_request(rng, p)
-        if made[0] == tool:
-            shots.append(made)
-    if rng.random() < 0.5:
-        shots.insert(rng.randrange(2), generated._tool_request(rng, p))
-    shown = {tool} | {name for name, _, _ in shots}
-    others = [t for t in TOOL_SCHEMAS if t not in shown]
-    names = sorted(shown | set(rng.sample(others, rng.randint(1, 2))))
+    # Two or three worked calls of different tools, the last one of the requested tool: with a
+    # single worked call the 135M target copied its values, not the request's; with the requested
+    # tool's call anywhere among several it often called another tool (1 exact call in 6), with it
+    # last 3 in 6 on the same requests.
+    wanted = 2 + (rng.random() < 0.5)
+    shots: dict[str, tuple[str, str]] = {}
+    while len(shots) < wanted:
+        name, shot_request, shot_call = generated._tool_request(rng, p)
+        if name not in shots and (name == tool or tool in shots or len(shots) < wanted - 1):
+            shots[name] = (shot_request, shot_call)
+    order = [*rng.sample([n for n in shots if n != tool], len(shots) - 1), tool]
+    others = [t for t in TOOL_SCHEMAS if t not in shots]
+    names = order + rng.sample(others, rng.randint(0, 2))  # the schemas shown, in a random order
     rng.shuffle(names)
     system = rng.choice(_TOOL_SYSTEMS).format(tools="\n".join(_tool_line(n) for n in names))
-    messages: list[Message] = [{"role": "system", "content": system}]
-    for _, shot_request, shot_call in shots:
-        messages += [{"role": "user", "content": shot_request}, {"role": "assistant", "content": shot_call}]
+    messages = [{"role": "system", "content": system}, *_turns([shots[n] for n in order])]
     messages.append({"role": "user", "content": request})
     return "tool_call", messages, call
 
@@ -154,17 +161,19 @@ def _sql(rng: random.Random) -> Made:
     maker = rng.choice(generated._SQL_MAKERS)
     question, sql = maker(rng, p)
     tables = _tables(sql)
-    # A worked question of the same shape on the same tables (the first of up to 64 draws).
-    shot = next(
+    # Two worked questions: one of another shape, then one of the same shape on the same tables
+    # (the first of up to 64 draws), last, where the target looks hardest.
+    same = next(
         (made for made in (maker(rng, p) for _ in range(64)) if _tables(made[1]) == tables),
         maker(rng, p),
     )
-    listed = sorted(tables | _tables(shot[1]) | {rng.choice(list(generated._SCHEMA))})
+    other = rng.choice([m for m in generated._SQL_MAKERS if m is not maker])(rng, p)
+    shots = [other, same]
+    listed = sorted(tables.union(*(_tables(answer) for _, answer in shots)))
     schema = "\n".join(f"{t}({', '.join(generated._SCHEMA[t])})" for t in listed)
     messages: list[Message] = [
         {"role": "system", "content": rng.choice(_SQL_SYSTEMS).format(tables=schema)},
-        {"role": "user", "content": shot[0]},
-        {"role": "assistant", "content": shot[1]},
+        *_turns(shots),
         {"role": "user", "content": question},
     ]
     return "sql", messages, sql
@@ -281,15 +290,17 @@ def _extraction(rng: random.Random, p: Pools, record: Record, count: int, templa
 
 def _extract(rng: random.Random) -> Made:
     p = pools()
-    record = rng.choice(_RECORDS)
-    count = rng.randint(2, 4)
+    # Two worked extractions from records of other kinds (other keys), then the request: with a
+    # worked one of the same kind the 135M target copied its values instead of reading the text.
+    record, *others = rng.sample(_RECORDS, 3)
     template = rng.choice(_EXTRACT_USERS)
-    messages: list[Message] = [{"role": "system", "content": rng.choice(_EXTRACT_SYSTEMS)}]
-    for _ in range(rng.randint(1, 2)):
-        shot_user, shot_answer = _extraction(rng, p, record, count, template)
-        messages += [{"role": "user", "content": shot_user}, {"role": "assistant", "content": shot_answer}]
-    user, answer = _extraction(rng, p, record, count, template)
-    messages.append({"role": "user", "content": user})
+    shots = [_extraction(rng, p, kind, rng.randint(2, 4), template) for kind in others]
+    user, answer = _extraction(rng, p, record, rng.randint(2, 4), template)
+    messages: list[Message] = [
+        {"role": "system", "content": rng.choice(_EXTRACT_SYSTEMS)},
+        *_turns(shots),
+        {"role": "user", "content": user},
+    ]
     return "extract_json", messages, answer
 
 
