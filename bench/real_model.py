@@ -29,9 +29,14 @@ earlier run's) and the others still run:
   (exported as an HF folder, ``num_assistant_tokens`` = k, constant schedule, no confidence stop),
   transformers' prompt lookup (``prompt_lookup_num_tokens`` = k) and transformers' plain greedy.
   Every request runs until end-of-text or ``--new-tokens``; tokens/s is output tokens (end-of-text
-  included) over the wall time of the whole call, prefill included, pooled over prompts. Each ratio
-  comes with a percentile-bootstrap 95 % interval from resampling prompts (a prompt's arms stay
-  together).
+  included) over the wall time of the whole call, prefill included, pooled over prompts. Figures:
+  ``tokens_per_s_<arm>``; ``speedup_vs_hf_assisted`` and ``speedup_vs_prompt_lookup`` (the engine
+  with the drafter over those arms), ``speedup_vs_nospec``, ``share_of_measured_ceiling`` (the
+  engine with the drafter over the never-missing arm), ``never_missing_speedup_vs_nospec``, HF's
+  own arms over HF greedy, ``drafter_hit_rate``; each ratio with ``<key>_ci95``, a
+  percentile-bootstrap 95 % interval from resampling prompts (a prompt's arms stay together). The
+  engine's three arms are also compared over the decode phase alone (``detail``), since
+  transformers' generate does not say when its first token came.
 
 Absolute milliseconds move with the machine's load (a shared machine); the ratios are measured
 interleaved so that load moves both sides of each together, and the 1-minute load average is
