@@ -30,7 +30,7 @@ Measured on the shared 2-core machine while three other jobs ran (target step 15
 ~50 ms idle; c 0.061-0.078, a 5-row verify 0.84-0.97 of a step), 253 chat and 332 structured
 training rows (51 of them replayed chat), 48 held-out prompts of each kind:
 - day 0 on chat, 200-300 s: held-out greedy agreement 0.10-0.17, hit rate 0.03-0.05 at k = 4,
-  implied 0.9-1.0x (1.05-1.12x at k = 2). 85-117 steps of 16 rows; the from-scratch two-layer
+  implied 0.9-1.0x (1.05-1.12x at k = 2). 76-117 steps of 16 rows; the from-scratch two-layer
   drafter is short of training by orders of magnitude, not of a setting.
 - the shift, from that drafter: at 1.5e-3 (the old cap) and 300 s, agreement 0.40, hit 0.16,
   1.35x; at 4e-3 and 200 steps (the 10-epoch cap, ~400 s), 0.74, hit 0.44, 2.16x; with 25 epochs
