@@ -189,12 +189,11 @@ def _epoch(iso: str | None) -> float | None:
     return parse_utc(iso).timestamp()
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+def merge_knobs(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
-        out[key] = (
-            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        )
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge_knobs(out[key], value) if nested else value
     return out
 
 
@@ -285,7 +284,7 @@ class Watcher(threading.Thread):
                 self.observed.decided = True
 
 
-def _phases(scenario: Scenario, fast: bool, max_tokens: int | None, sizes: list[int]) -> list[Phase]:
+def planned_phases(scenario: Scenario, fast: bool, max_tokens: int | None, sizes: list[int]) -> list[Phase]:
     phases = list(scenario.phases)
     if len(phases) != 3:
         raise SystemExit("the demo scenario needs three [[phase]]s: before the shift, the shift, after it")
@@ -315,12 +314,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with open(args.scenario, "rb") as f:
         raw = tomllib.load(f)
     scenario = Scenario.from_dict(raw)
-    knobs = _merge(DEMO_DEFAULTS, raw.get("demo", {}))
+    knobs = merge_knobs(DEMO_DEFAULTS, raw.get("demo", {}))
     if args.fast:
-        knobs = _merge(knobs, FAST_OVERRIDES)
+        knobs = merge_knobs(knobs, FAST_OVERRIDES)
         # A scenario's own fast-run knobs ([demo.fast]) win over the defaults above.
-        knobs = _merge(knobs, raw.get("demo", {}).get("fast", {}))
-    phases = _phases(scenario, args.fast, knobs.get("max_tokens"), knobs.get("phase_requests", []))
+        knobs = merge_knobs(knobs, raw.get("demo", {}).get("fast", {}))
+    phases = planned_phases(scenario, args.fast, knobs.get("max_tokens"), knobs.get("phase_requests", []))
     name = str(knobs["deployment"])
 
     from rich.console import Console

@@ -19,7 +19,7 @@ from controlplane.router.acceptance import prompt_text
 from controlplane.traces.holdout import normalised_prompt, prompt_hash
 from workers import corpora
 from workers.corpora import chat
-from workers.demo import _merge, _phases
+from workers.demo import merge_knobs, planned_phases
 from workers.serve.traffic import (
     API_PATHS,
     Phase,
@@ -194,10 +194,10 @@ def test_smollm2_scenarios_plan_and_parse_as_the_demo_reads_them(path: Path) -> 
     )
     knobs = raw["demo"]
     assert knobs["target_model"] == "smollm2-135m-instruct" and knobs["draft_model"] == ""
-    fast = _merge(knobs, knobs["fast"])
+    fast = merge_knobs(knobs, knobs["fast"])
     for phases in (
-        _phases(scenario, False, None, []),
-        _phases(scenario, True, fast["max_tokens"], fast["phase_requests"]),
+        planned_phases(scenario, False, None, []),
+        planned_phases(scenario, True, fast["max_tokens"], fast["phase_requests"]),
     ):
         figures = plan_figures(phases)
         assert all(f.repeat_share is not None and f.repeat_share <= 0.02 for f in figures)
