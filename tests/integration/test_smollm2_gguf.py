@@ -6,8 +6,6 @@ token-identical to `generate(do_sample=False)` with a draft model and with the n
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from controlplane.config import Settings
 from controlplane.db.models import Role
-from controlplane.db.session import get_engine, get_sessionmaker
 from tests.conftest import TEST_SECRET, Database, Tenant
 from workers.engine.decoder import SpeculativeDecoder
 from workers.engine.hf_io import load_hf_folder
@@ -53,17 +50,6 @@ def smollm2() -> Path:
 
 
 @pytest.fixture
-def db(sqlite_template: Path, tmp_path: Path) -> Iterator[Database]:
-    # SQLite only (the registry's PostgreSQL variants are covered by test_model_registry): this
-    # test's cost is the model, not the database.
-    path = tmp_path / "controlplane.db"
-    shutil.copy(sqlite_template, path)
-    url = f"sqlite:///{path}"
-    yield Database(url, "sqlite", get_sessionmaker(url))
-    get_engine(url).dispose()
-
-
-@pytest.fixture
 def settings(db: Database, smollm2: Path) -> Settings:
     return Settings(
         database_url=db.url,
@@ -75,6 +61,9 @@ def settings(db: Database, smollm2: Path) -> Settings:
     )
 
 
+# SQLite only (the registry's PostgreSQL variants are covered by test_model_registry): this test's
+# cost is the model, not the database.
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
 def test_smollm2_from_gguf_registers_and_decodes_like_transformers(
     client: TestClient, tenants: tuple[Tenant, Tenant], smollm2: Path
 ) -> None:
