@@ -18,8 +18,10 @@ earlier run's) and the others still run:
   real chat context of ``--cost-position`` tokens, and the analytic never-missing ceiling they imply.
 - ``fidelity``: ``logit_max_abs_diff_vs_transformers`` (the engine's logits against
   ``transformers``' on chat prompts and their greedy answers, both the prefill path and the
-  one-row decode steps) and ``greedy_identical`` (1 when the engine's speculative greedy output
-  with the drafter equals ``generate(do_sample=False)`` token for token on every prompt, else 0).
+  one-row decode steps), beside ``transformers_own_logit_max_abs_diff`` (transformers' own
+  cached steps against its own one pass: the float32 noise of the reference itself), and
+  ``greedy_identical`` (1 when the engine's speculative greedy output with the drafter equals
+  ``generate(do_sample=False)`` token for token on every prompt, else 0).
 - ``comparison``: the shifted traffic (structured work as chat requests: JSON extraction, JSON tool
   calls and SQL, each after two or three worked turns; ``workers.corpora``' ``chat_structured``
   traffic, held-out side, balanced by kind), the same prompts and k for six arms, interleaved per
@@ -373,9 +375,18 @@ def _logit_gaps(bench: Bench, ids: list[int], answer: list[int]) -> dict[str, fl
     stepped = torch.stack(steps[: len(answer) + 1])  # [A+1, V]: positions len(ids)-1 .. T-1
     ref_tail = reference[len(ids) - 1 :]
     top2 = torch.topk(ref_tail, 2, dim=-1).values  # [A+1, 2]
+    # transformers against itself: its own cached decode steps against its own one pass. The same
+    # float32 sums in another order; what the engine's gap is judged against.
+    out = bench.hf_target(torch.tensor([ids]), use_cache=True)
+    own_steps = [out.logits[0, -1]]
+    for tok in answer:
+        out = bench.hf_target(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+        own_steps.append(out.logits[0, -1])
+    own = torch.stack(own_steps[: len(answer) + 1])
     return {
         "prefill": float((prefill - reference).abs().max()),
         "steps": float((stepped - ref_tail[: stepped.shape[0]]).abs().max()),
+        "transformers_own_steps": float((own - ref_tail[: own.shape[0]]).abs().max()),
         "smallest_top2_margin": float((top2[:, 0] - top2[:, 1]).min()),
     }
 
@@ -417,7 +428,8 @@ def part_fidelity(bench: Bench) -> dict[str, Any]:
         )
         print(
             f"  {prompt.category:<16} {len(ids):>4} prompt tokens, {len(theirs):>3} out, identical "
-            f"{rows[-1]['identical']}, logit gap {rows[-1]['logit_max_abs_diff']:.2e}",
+            f"{rows[-1]['identical']}, logit gap {rows[-1]['logit_max_abs_diff']:.2e} (transformers "
+            f"against itself {rows[-1]['logit_transformers_own_steps']:.2e})",
             flush=True,
         )
     # The drafter transformers' assisted generation uses must be the engine's drafter.
@@ -433,6 +445,8 @@ def part_fidelity(bench: Bench) -> dict[str, Any]:
         )
     return {
         "logit_max_abs_diff_vs_transformers": max(r["logit_max_abs_diff"] for r in rows),
+        # The reference's own float32 noise: transformers' cached steps against its one pass.
+        "transformers_own_logit_max_abs_diff": max(r["logit_transformers_own_steps"] for r in rows),
         "greedy_identical": int(all(r["identical"] for r in rows)),
         "detail": {
             "prompts": len(rows),
