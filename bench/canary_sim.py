@@ -44,16 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controlplane.canary.policy import (  # noqa: E402
-    ARM_BASELINE,
-    ARM_CANDIDATE,
-    ARM_INCUMBENT,
-    ARMS,
     CONTINUE,
     DECISION_NAMES,
     INCONCLUSIVE,
     PROMOTE,
     REJECT,
-    CanaryPolicy,
     decide,
     decision_codes,
 )
@@ -65,6 +60,7 @@ from controlplane.canary.statistics import (  # noqa: E402
     RelativeDifference,
     relative_difference,
 )
+from controlplane.canary_policy import ARM_BASELINE, ARM_CANDIDATE, ARM_INCUMBENT, ARMS, CanaryPolicy  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 K = 4  # drafted tokens per verify step

@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from controlplane.canary_policy import CanaryPolicy
+
 DEFAULT_SECRET = "dev-insecure-secret-change-me"
 VAR_DIR = Path("var")
 
@@ -164,9 +166,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _canary_defaults_are_a_valid_policy(self) -> Settings:
-        # Imported here: the policy module brings numpy, which settings alone do not need.
-        from controlplane.canary.policy import CanaryPolicy
-
         CanaryPolicy.for_deployment(
             None, alpha=self.canary_alpha, min_samples=self.canary_min_samples_per_arm
         )

@@ -33,7 +33,6 @@ from sqlalchemy.orm import Session
 from controlplane.audit.service import record_change
 from controlplane.canary import policy as decision_policy
 from controlplane.canary.phases import CanaryDecision, CanaryPhase
-from controlplane.canary.policy import CanaryPolicy
 from controlplane.canary.service import (
     POOL_READY,
     POOL_WAITING,
@@ -54,6 +53,7 @@ from controlplane.canary.service import (
 from controlplane.canary.statistics import ArmAccumulator
 from controlplane.canary.tally import ArmTally, JudgeTally
 from controlplane.canary.tuning_view import arm_draft_stop_counts, draft_stop_plan, verify_cost_of
+from controlplane.canary_policy import CanaryPolicy
 from controlplane.config import Settings
 from controlplane.db.models import (
     AcceptanceAggregateRow,

@@ -24,7 +24,7 @@ from controlplane.artifacts.manifest import ArtifactVerificationError
 from controlplane.artifacts.store import ArtifactStoreError, VerifiedArtifactCache
 from controlplane.audit.service import record_change
 from controlplane.canary.phases import OPEN, UNDECIDED, CanaryDecision, CanaryPhase, move
-from controlplane.canary.policy import CanaryPolicy, CanaryPolicyError
+from controlplane.canary_policy import CanaryPolicy, CanaryPolicyError
 from controlplane.config import Settings, get_settings
 from controlplane.db.models import (
     Canary,

@@ -38,6 +38,7 @@ from controlplane.canary.statistics import (
     ArmAccumulator,
     MetricAccumulator,
 )
+from controlplane.speculation_math import ms_per_token
 
 # 2 added the per-category sums; a version-1 state (written before) is still read: its earlier
 # records are in the per-arm sums only, and the per-category sums start from the next record.
@@ -51,21 +52,6 @@ CATEGORY_LIMIT = 16  # named categories with their own sums per tally
 def category_key(category: str | None) -> str:
     """The bucket name of a record's category before the limit applies (``None`` -> uncategorised)."""
     return category if category else UNCATEGORISED
-
-
-def ms_per_token(
-    inter: float | None, total: float | None, ttft: float | None, generated: int
-) -> float | None:
-    """Decode latency per token of one request.
-
-    The inter-token figure when the engine reports it; else the total spread over the tokens
-    after the first (TTFT is prefill, the same for every arm).
-    """
-    if inter is not None and inter > 0:
-        return float(inter)
-    if total is not None and generated > 1:
-        return max(0.0, float(total) - float(ttft or 0.0)) / (generated - 1)
-    return None
 
 
 def _three_sums(sums: Sequence[float]) -> tuple[float, float, float]:

@@ -34,8 +34,8 @@ from typing import Any
 import orjson
 from ddsketch import DDSketch
 
-from controlplane.canary.tally import ms_per_token
 from controlplane.ingest.record import AcceptanceRecord
+from controlplane.speculation_math import ms_per_token
 
 FORMAT = "edge-window/v1"
 SKETCH_RELATIVE_ACCURACY = 0.01

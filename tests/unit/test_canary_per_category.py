@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from controlplane.canary.policy import CanaryPolicy, CanaryPolicyError, decide, judge_categories
+from controlplane.canary.policy import decide, judge_categories
 from controlplane.canary.statistics import ArmAccumulator
 from controlplane.canary.tally import CATEGORY_LIMIT, OTHER_CATEGORIES, UNCATEGORISED, JudgeTally
+from controlplane.canary_policy import CanaryPolicy, CanaryPolicyError
 
 POLICY = CanaryPolicy(min_samples_per_arm=30)
 ARM_NAMES = ("incumbent", "candidate", "baseline")

@@ -11,9 +11,6 @@ import numpy as np
 import pytest
 
 from controlplane.canary.policy import (
-    ARMS,
-    CanaryPolicy,
-    CanaryPolicyError,
     Decision,
     GuardrailThresholds,
     decide,
@@ -23,6 +20,7 @@ from controlplane.canary.policy import (
 )
 from controlplane.canary.statistics import ArmAccumulator
 from controlplane.canary.tally import ArmTally
+from controlplane.canary_policy import ARMS, CanaryPolicy, CanaryPolicyError
 
 STEP_MS = 25.0  # target step time
 SPEC_STEP = 1.5  # speculative step (verify + drafting) relative to a plain step

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from controlplane.canary.evaluate import live_k_for_a_first_drafter
-from controlplane.canary.policy import CanaryPolicy
+from controlplane.canary_policy import CanaryPolicy
 from controlplane.db.models import Canary
 
 

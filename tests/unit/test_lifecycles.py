@@ -11,7 +11,7 @@ import pytest
 
 from controlplane import lifecycle, messaging, timestamps
 from controlplane.canary import phases
-from controlplane.canary.policy import CanaryPolicy, CanaryPolicyError
+from controlplane.canary_policy import CanaryPolicy, CanaryPolicyError
 from controlplane.config import Settings
 from controlplane.db.models import DrafterState, DriftResolution, DriftState, JobState
 from controlplane.drafters import states as drafter_states
