@@ -1,11 +1,17 @@
 """The layering rules the code base keeps, checked on its source: workers hold no SQL, no module
 reaches into another package's private names, the control plane never imports torch or the
-workers, and the benchmark client imports no workers."""
+workers, the benchmark client imports no workers, and the control plane's packages import each
+other in one direction only: no import cycle between them, each importing only layers below its
+own (``LAYERS``).
+
+The package graph counts every ``import`` and ``from`` statement anywhere in a module, those
+inside functions included: an import deferred to call time still ties the two packages, and a
+cycle hidden behind it is still a cycle."""
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -145,3 +151,219 @@ def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
         "controlplane/canary/evaluate.py:2 imports controlplane.drift.service._aware",
         "workers/tasks.py:2 imports controlplane.canary.service._lock",
     ]
+
+
+# The control plane's top-level packages (and single-module packages such as config.py), bottom
+# layer first; a package may import only packages of lower layers. The lifecycles stand in the
+# order in which one acts on the other's state: a drafter version is served by the fleet, a drift
+# event is answered by a realign job (its end ends the event), a job's trained version is judged by
+# a canary (a promotion resolves the events); the continuous triggers (adaptation, the check that
+# speculation pays) request realignments and canaries; ``loop`` carries one lifecycle into the next
+# where a lower package would otherwise have to call up (see controlplane/loop/__init__.py).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # Pure leaves: no I/O, nothing of the project below them.
+    (
+        "errors",
+        "timestamps",
+        "lifecycle",
+        "messaging",
+        "speculation_math",
+        "canary_policy",
+        "adaptation_policy",
+        "artifacts",
+        "tuning",
+    ),
+    ("config", "db"),
+    ("audit", "traces"),
+    # Acceptance records, rollups and window aggregates: data every lifecycle reads.
+    ("ingest",),
+    ("accounts", "stats", "router"),
+    ("models",),
+    ("deployments",),
+    ("fleet",),
+    ("drafters",),
+    ("drift",),
+    ("jobs",),
+    ("canary",),
+    ("adaptation",),
+    ("speculation_check",),
+    ("loop",),
+    ("api",),
+    ("dashboard", "observability"),
+    ("bootstrap",),
+    ("app", "supervisor"),
+    ("cli_canary", "cli_models", "cli_scrape"),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def _imported_modules(module: str, path: Path, tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """Every module an import statement anywhere in ``tree`` names (relative imports resolved;
+    ``from package import name`` also yields ``package.name``, which may be a module)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            yield node.lineno, base
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}"
+
+
+def _top_package(module: str, root_package: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == root_package else None
+
+
+def package_imports(root: Path = ROOT, root_package: str = "controlplane") -> dict[str, dict[str, list[str]]]:
+    """importer package -> imported package -> where (file:line), over the root package's
+    top-level packages; a module directly under it (config.py) is a package of its own."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, path, tree in _modules(root_package, root):
+        importer = _top_package(module, root_package)
+        if importer is None:
+            continue
+        edges = graph.setdefault(importer, {})
+        for line, name in _imported_modules(module, path, tree):
+            imported = _top_package(name, root_package)
+            if imported is not None and imported != importer:
+                where = f"{path.relative_to(root)}:{line}"
+                if where not in edges.setdefault(imported, []):
+                    edges[imported].append(where)
+    return graph
+
+
+def import_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components of two or more packages (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def imports_against_layers(
+    graph: Mapping[str, Mapping[str, list[str]]], layers: tuple[tuple[str, ...], ...] = LAYERS
+) -> list[str]:
+    """Each import of a package in the importer's own layer or above, with where it stands."""
+    rank = {package: i for i, layer in enumerate(layers) for package in layer}
+    return [
+        f"{importer} -> {imported} ({', '.join(where)})"
+        for importer, edges in sorted(graph.items())
+        for imported, where in sorted(edges.items())
+        if rank.get(imported, len(layers)) >= rank.get(importer, -1)
+    ]
+
+
+# Shrinks to nothing as the loop moves into controlplane/loop/; a package may leave a cycle, never
+# join one.
+CYCLE_MEMBERS_AT_MOST = frozenset(
+    {
+        "adaptation",
+        "canary",
+        "deployments",
+        "drafters",
+        "drift",
+        "fleet",
+        "jobs",
+        "speculation_check",
+        "cli",
+        "cli_canary",
+        "cli_models",
+        "cli_scrape",
+    }
+)
+
+
+def test_the_control_planes_packages_form_no_import_cycle_beyond_the_known_ones() -> None:
+    cycles = import_cycles(package_imports())
+    members = {package for cycle in cycles for package in cycle}
+    assert members <= CYCLE_MEMBERS_AT_MOST, cycles
+
+
+def test_every_control_plane_package_has_a_layer() -> None:
+    packages = {
+        _top_package(module, "controlplane")
+        for module, _path, _tree in _modules("controlplane")
+        if _top_package(module, "controlplane") is not None
+    }
+    layered = [package for layer in LAYERS for package in layer]
+    assert len(layered) == len(set(layered))
+    assert sorted(packages - set(layered)) == []
+
+
+# Imports that still run up the layers; like the cycles, the list may only shrink.
+UPWARD_IMPORTS_AT_MOST = frozenset(
+    {
+        "canary -> speculation_check",
+        "cli_canary -> cli",
+        "cli_models -> cli",
+        "cli_scrape -> cli",
+        "deployments -> drafters",
+        "deployments -> jobs",
+        "drafters -> canary",
+        "drafters -> speculation_check",
+        "drift -> jobs",
+        "fleet -> drafters",
+        "jobs -> canary",
+    }
+)
+
+
+def test_packages_import_only_lower_layers_beyond_the_known_exceptions() -> None:
+    known = UPWARD_IMPORTS_AT_MOST
+    found = {line.split(" (")[0] for line in imports_against_layers(package_imports())}
+    assert found <= known, sorted(found - known)
+
+
+def test_the_graph_checks_find_what_they_look_for(tmp_path: Path) -> None:
+    # A cycle through a deferred import, a relative import and a module imported by name.
+    pkg = tmp_path / "cp"
+    for sub in ("low", "high", "other"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "leaf.py").write_text("X = 1\n")
+    (pkg / "low" / "service.py").write_text("def f():\n    from cp.high.service import g\n    return g\n")
+    (pkg / "high" / "service.py").write_text("from ..low import service\nfrom cp import leaf\ndef g(): ...\n")
+    (pkg / "other" / "a.py").write_text("import cp.leaf\n")
+    graph = package_imports(tmp_path, "cp")
+    assert graph["low"] == {"high": ["cp/low/service.py:2"]}
+    assert graph["high"] == {"low": ["cp/high/service.py:1"], "leaf": ["cp/high/service.py:2"]}
+    assert graph["other"] == {"leaf": ["cp/other/a.py:1"]}
+    assert import_cycles(graph) == [["high", "low"]]
+    assert import_cycles({"a": ["b"], "b": ["c"], "c": []}) == []
+    layers = (("leaf",), ("low",), ("high", "other"))
+    assert imports_against_layers(graph, layers) == ["low -> high (cp/low/service.py:2)"]
