@@ -3,7 +3,7 @@ none, and continuous realignment under the deployment's adaptation policy, withi
 budget. Also the policy's reads and audited writes for the API.
 
 ``adapt_deployment`` runs in the periodic monitor pass, once per deployment in its own unit of
-work: it reads the facts the pure rules need (``adaptation.policy.choose_trigger``), requests the
+work: it reads the facts the pure rules need (``adaptation_policy.choose_trigger``), requests the
 realignment the rules ask for (``jobs.service.request_realign``, with its trigger) and records a
 skip over budget in the audit log (once per hour per trigger, not once per pass). The caller
 commits, then sends the job's message.
@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.service import Principal
-from controlplane.adaptation.policy import (
+from controlplane.adaptation_policy import (
     DAY,
     FIRST_DRAFTER,
     AdaptationPolicy,

@@ -22,8 +22,7 @@ watch or by hand), even after the watch closed.
 
 from __future__ import annotations
 
-import enum
-
+from controlplane.db.models import CanaryDecision, CanaryPhase
 from controlplane.lifecycle import IllegalTransitionError, Lifecycle
 
 __all__ = [
@@ -36,21 +35,6 @@ __all__ = [
     "can_move",
     "move",
 ]
-
-
-class CanaryPhase(enum.StrEnum):
-    shadow = "shadow"
-    live = "live"
-    decided = "decided"
-    watching = "watching"
-    closed = "closed"
-    rolled_back = "rolled_back"
-
-
-class CanaryDecision(enum.StrEnum):
-    promote = "promote"
-    reject = "reject"
-    inconclusive = "inconclusive"
 
 
 # Still to be judged: a candidate in these phases may be promoted or rejected.

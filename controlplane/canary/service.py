@@ -40,6 +40,7 @@ from controlplane.deployments.lookup import lock_deployment, resource_name, reso
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.drafters import service as drafters
 from controlplane.drafters.serving import incumbent_location
+from controlplane.drafters.weights import canary_weights, standing_share
 from controlplane.drift.events import end_unanswered_events
 from controlplane.drift.service import latest_record_id
 from controlplane.errors import ConflictError, NotFoundError, ValidationProblem
@@ -52,7 +53,7 @@ from controlplane.jobs.service import (
     guardrail_fallback,
     resume_guardrail_fallback,
 )
-from controlplane.speculation_check.policy import canary_weights, standing_share
+from controlplane.models.location import location_of_version
 from controlplane.timestamps import parse_utc, utcnow
 
 # --- policy ---------------------------------------------------------------------------------
@@ -483,7 +484,7 @@ def _refuse_unverified(version: DrafterVersion) -> None:
     if version.manifest_sha256 is None:
         return
     settings = get_settings()
-    location = drafters.location_of_version(version)
+    location = location_of_version(version)
     cache = VerifiedArtifactCache(settings.artifact_cache_dir, s3_endpoint_url=settings.s3_endpoint_url)
     try:
         cache.local_folder(location.uri, location.manifest_sha256)

@@ -44,12 +44,11 @@ from controlplane.db.models import (
 )
 from controlplane.deployments.lookup import lock_deployment
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
-from controlplane.drafters.service import location_of_version
 from controlplane.drafters.serving import incumbent_location, target_location
 from controlplane.jobs.realign import holdout_of, trained_content
 from controlplane.jobs.service import fail_job, finish_job, start_job
 from controlplane.jobs.states import TERMINAL
-from controlplane.models.location import ModelLocation
+from controlplane.models.location import ModelLocation, location_of_version
 from controlplane.timestamps import as_utc, utcnow
 from controlplane.traces.holdout import content_key, content_of, is_held_out, overlap_count
 

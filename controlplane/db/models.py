@@ -108,6 +108,23 @@ class DriftResolution(enum.StrEnum):
     dismissed = "dismissed"
 
 
+class CanaryPhase(enum.StrEnum):
+    """Where a canary stands (stored as a string; see controlplane.canary.phases)."""
+
+    shadow = "shadow"
+    live = "live"
+    decided = "decided"
+    watching = "watching"
+    closed = "closed"
+    rolled_back = "rolled_back"
+
+
+class CanaryDecision(enum.StrEnum):
+    promote = "promote"
+    reject = "reject"
+    inconclusive = "inconclusive"
+
+
 class TraceSource(enum.StrEnum):
     sampled = "sampled"
     dataset = "dataset"
@@ -178,7 +195,7 @@ class Deployment(Base):
     # Drafting stops at the first token the drafter gives less than this probability (NULL: off).
     draft_confidence_threshold: Mapped[float | None] = mapped_column(Float)
     # Standing no-speculation share, continuous realignment, a first drafter for a deployment
-    # without one (controlplane.adaptation.policy).
+    # without one (controlplane.adaptation_policy).
     adaptation_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict, server_default="{}")
     drift_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     canary_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
@@ -23,7 +22,7 @@ from controlplane.deployments.lookup import resource_of
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.drafters import states
 from controlplane.errors import ConflictError, NotFoundError
-from controlplane.models.location import ModelLocation
+from controlplane.models.location import drafter_kind_of
 from controlplane.timestamps import utcnow
 
 # --- reads ----------------------------------------------------------------------------------
@@ -359,24 +358,3 @@ def roll_back(*, session: Session, deployment: Deployment, actor: str, reason: s
         },
     )
     return RolledBack(removed=current, restored=previous)
-
-
-def drafter_kind_of(version: DrafterVersion) -> str:
-    """What the version is: "draft_model" (a small causal LM) or "eagle3" (a head over the target's
-    states), as the job that trained it recorded; versions from before heads are small models."""
-    kind = (version.training_metrics or {}).get("drafter_kind")
-    return kind if kind in ("draft_model", "eagle3") else "draft_model"
-
-
-def location_of_version(version: DrafterVersion) -> ModelLocation:
-    """Where a trained version's artifact is (its URI; rows from before the store hold a bare
-    path) and the manifest digest every load checks."""
-    uri = version.artifact_path
-    if "://" not in uri:
-        uri = Path(uri).resolve().as_uri()
-    return ModelLocation(
-        name=f"drafter-v{version.version}",
-        uri=uri,
-        manifest_sha256=version.manifest_sha256,
-        identity=version.manifest_sha256 or version.artifact_sha256,
-    )

@@ -21,16 +21,15 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.canary.phases import CanaryPhase
-from controlplane.db.models import Canary, Deployment, DrafterVersion, SpeculationMode
+from controlplane.db.models import Canary, CanaryPhase, Deployment, DrafterVersion, SpeculationMode
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
-from controlplane.drafters.service import active_drafter, location_of_version
+from controlplane.drafters.service import active_drafter
+from controlplane.drafters.weights import canary_weights, standing_share, standing_weights
 from controlplane.errors import ConflictError
 from controlplane.fleet.backends import backend_summary, list_backends
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
-from controlplane.models.location import ModelLocation
+from controlplane.models.location import ModelLocation, location_of_version
 from controlplane.models.service import drafter_choice, find_model, location_of
-from controlplane.speculation_check.policy import canary_weights, standing_share, standing_weights
 
 
 def target_location(*, session: Session, deployment: Deployment) -> ModelLocation:

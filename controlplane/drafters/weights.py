@@ -1,6 +1,6 @@
-"""The routing weights that a deployment's standing no-speculation share implies, outside and
-during a live canary. Pure: no database. The share itself is a field of the deployment's
-adaptation policy (:class:`controlplane.adaptation.policy.AdaptationPolicy`).
+"""The routing weights of the serving config that a deployment's standing no-speculation share
+implies, outside and during a live canary. Pure: no database. The share itself is a field of the
+deployment's adaptation policy (:class:`controlplane.adaptation_policy.AdaptationPolicy`).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from controlplane.adaptation.policy import AdaptationPolicy
+from controlplane.adaptation_policy import AdaptationPolicy
 
 # A live canary's split always leaves the incumbent at least this share (as its policy does).
 MIN_INCUMBENT_WEIGHT = 0.1

@@ -38,11 +38,11 @@ from controlplane.config import Settings, get_settings
 from controlplane.db.models import Account, ActuatorDelivery, Canary, Deployment, DrafterVersion
 from controlplane.deployments.lookup import resource_name
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
-from controlplane.drafters.service import drafter_kind_of, location_of_version
 from controlplane.errors import NotFoundError, ValidationProblem
 from controlplane.fleet import payloads
 from controlplane.fleet.backends import check_http_url
 from controlplane.messaging import ACTUATOR_DELIVER, TaskMessage
+from controlplane.models.location import drafter_kind_of, location_of_version
 from controlplane.timestamps import as_utc, utcnow
 
 ACTUATOR_REFERENCE, ACTUATOR_WEBHOOK, ACTUATOR_COMMAND = "reference", "webhook", "command"

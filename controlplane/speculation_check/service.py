@@ -41,8 +41,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.adaptation.policy import AdaptationPolicy
 from controlplane.adaptation.service import deployment_gpu_seconds
+from controlplane.adaptation_policy import AdaptationPolicy
 from controlplane.audit.service import record_change
 from controlplane.canary.phases import UNDECIDED
 from controlplane.canary.tuning_view import verify_cost_of
@@ -59,6 +59,7 @@ from controlplane.deployments.lookup import lock_deployment, resource_of
 from controlplane.deployments.spec import speculation_of
 from controlplane.drafters.service import active_drafter
 from controlplane.drafters.serving import incumbent_location
+from controlplane.drafters.weights import standing_share
 from controlplane.drift.service import latest_record_id
 from controlplane.errors import NotFoundError
 from controlplane.ingest.record import ARM_BASELINE, ARM_LIVE
@@ -70,7 +71,6 @@ from controlplane.jobs.service import (
     guardrail_fallback,
     request_realign,
 )
-from controlplane.speculation_check.policy import standing_share
 from controlplane.speculation_check.sequential import NOT_PAYING, PAYS, UNKNOWN, PaysTest, PaysVerdict
 from controlplane.timestamps import as_utc, utcnow
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from controlplane.adaptation.policy import (
+from controlplane.adaptation_policy import (
     CONTINUOUS,
     FIRST_DRAFTER,
     AdaptationPolicy,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.speculation_check.policy import canary_weights, standing_share, standing_weights
+from controlplane.drafters.weights import canary_weights, standing_share, standing_weights
 from controlplane.speculation_check.sequential import (
     BASELINE,
     LIVE,
