@@ -131,7 +131,10 @@ FAST_OVERRIDES: dict[str, Any] = {
     # Requests per phase (before, shift cap, after) and tokens per request. A scenario may set its
     # own fast-run knobs in [demo.fast] (a mixed phase splits its requests between domains, and
     # each domain's figures need enough of them; a drafter for two domains needs more training).
-    "phase_requests": [90, 2000, 30],
+    # The shift ends at the decision or at max_shift_s; its count is a cap set far enough out that
+    # a loaded machine, whose worker trains and replays slowly while requests keep flowing, does
+    # not spend it first.
+    "phase_requests": [90, 8000, 30],
     "max_tokens": 32,
 }
 
