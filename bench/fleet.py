@@ -464,8 +464,9 @@ def start_api(url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
 
 def monitor_loop(url: str, shard: int, shards: int, stop: Any, out: Any) -> None:
     """One shard's monitor, as the Celery task runs it, in a loop; reports each pass."""
-    from controlplane.drift.aggregate_monitor import DetectorCache, monitor_aggregates
+    from controlplane.drift.aggregate_monitor import DetectorCache
     from controlplane.errors import ConflictError
+    from controlplane.loop.drift import monitor_aggregates
 
     settings = Settings(database_url=url, environment="test", secret_key=SECRET)
     factory = get_sessionmaker(url)

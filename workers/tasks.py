@@ -24,10 +24,9 @@ from controlplane.artifacts.store import open_store
 from controlplane.config import Settings, get_settings
 from controlplane.db.models import DriftResolution
 from controlplane.db.session import TRANSIENT_DATABASE_ERRORS, unit_of_work
-from controlplane.drift.aggregate_monitor import DetectorCache, monitor_aggregates
-from controlplane.drift.service import advance_monitor, deployments_with_new_records
+from controlplane.drift.aggregate_monitor import DetectorCache
+from controlplane.drift.service import deployments_with_new_records
 from controlplane.errors import ConflictError, DomainError
-from controlplane.jobs import realign as realign_job
 from controlplane.jobs.recovery import heartbeat_interval_s
 from controlplane.jobs.service import (
     claim_stale_queued_realigns,
@@ -37,6 +36,8 @@ from controlplane.jobs.service import (
     renew_lease,
     report_progress,
 )
+from controlplane.loop import realign as realign_job
+from controlplane.loop.drift import advance_monitor, monitor_aggregates
 from controlplane.speculation_check.service import CheckOutcome, run_check
 from controlplane.timestamps import utcnow
 from controlplane.traces.service import apply_retention

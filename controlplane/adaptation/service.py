@@ -41,10 +41,11 @@ from controlplane.db.models import (
     SpeculationMode,
     Trace,
 )
+from controlplane.deployments.guardrail import guardrail_fallback
 from controlplane.deployments.lookup import lock_deployment, resource_name, resource_of
 from controlplane.drafters.serving import incumbent_location
 from controlplane.errors import ValidationProblem
-from controlplane.jobs.service import active_realign_job, guardrail_fallback, request_realign
+from controlplane.jobs.service import active_realign_job, request_realign
 from controlplane.timestamps import as_utc, utcnow
 
 ACTOR = "adaptation"

@@ -22,11 +22,10 @@ from controlplane.deployments.service import (
     DeploymentChanges,
     create_deployment,
     delete_deployment,
-    describe,
     list_deployments,
-    update_deployment,
 )
 from controlplane.deployments.spec import SpeculationRequest
+from controlplane.loop.deployments import describe, update_deployment
 
 router = APIRouter(prefix="/v1/accounts/{account}", tags=["deployments"])
 

@@ -8,8 +8,9 @@ from pydantic import BaseModel, ConfigDict
 from controlplane.api import schemas
 from controlplane.api.deps import Admin, AdminDeployment, ReadableDeployment, RowId, SessionDep, SettingsDep
 from controlplane.drift.events import dismiss_event, event_summary, get_event, list_events
-from controlplane.drift.service import monitor_status, update_policy
+from controlplane.drift.service import update_policy
 from controlplane.jobs.service import dismissed_during_fallback
+from controlplane.loop.drift import monitor_status
 
 router = APIRouter(prefix="/v1/accounts/{account}/deployments/{deployment}", tags=["drift"])
 

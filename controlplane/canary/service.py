@@ -36,6 +36,7 @@ from controlplane.db.models import (
     JobState,
     SpeculationMode,
 )
+from controlplane.deployments.guardrail import guardrail_fallback
 from controlplane.deployments.lookup import lock_deployment, resource_name, resource_of
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.drafters import service as drafters
@@ -50,7 +51,6 @@ from controlplane.jobs.service import (
     TRIGGER_MANUAL,
     candidate_lost_to_fallback,
     end_guardrail_fallback,
-    guardrail_fallback,
     resume_guardrail_fallback,
 )
 from controlplane.models.location import location_of_version

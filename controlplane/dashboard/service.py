@@ -29,10 +29,10 @@ from controlplane.db.models import (
     JobState,
 )
 from controlplane.deployments.lookup import resource_name
-from controlplane.deployments.service import describe
 from controlplane.errors import ValidationProblem
 from controlplane.ingest.service import fold_before_reading
 from controlplane.jobs.service import job_summary
+from controlplane.loop.deployments import describe
 from controlplane.stats.service import acceptance_series
 from controlplane.timestamps import as_utc
 

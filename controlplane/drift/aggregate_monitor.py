@@ -53,6 +53,7 @@ from controlplane.drift.service import (
     MONITORED_ARM,
     SERVING_MODE_KEY,
     DetectorPair,
+    DriftResponse,
     next_alarm_not_before,
     raise_drift_event,
 )
@@ -148,6 +149,7 @@ def monitor_aggregates(
     *,
     session: Session,
     settings: Settings,
+    respond: DriftResponse,
     shard: int = 0,
     shards: int = 1,
     cache: DetectorCache | None = None,
@@ -349,6 +351,7 @@ def monitor_aggregates(
                 examined=examined,
                 last_record_id=None,
                 now=now,
+                respond=respond,
             )
             outcome.events_raised.append(event_id)
             if job_id is not None:

@@ -17,7 +17,7 @@ baseline on a fresh reference window.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
@@ -37,6 +37,7 @@ from controlplane.db.models import (
     DriftMonitorState,
     DriftState,
 )
+from controlplane.deployments.guardrail import guardrail_fallback
 from controlplane.deployments.lookup import resource_name
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, MAX_DRAFT_TOKENS
 from controlplane.drafters.service import active_drafter
@@ -47,7 +48,6 @@ from controlplane.drift.mixture_sr import MixtureSR
 from controlplane.drift.observation import RequestObservation
 from controlplane.errors import ConflictError
 from controlplane.ingest.aggregates import full_matrix, moment_length
-from controlplane.jobs.service import guardrail_fallback, guardrail_recovery_status, realign_on_drift
 from controlplane.timestamps import as_utc, utcnow
 
 MONITORED_ARM = "live"
@@ -186,6 +186,12 @@ def _observation(row: Any) -> RequestObservation | None:
         return None
 
 
+# What follows a new drift event, in the transaction that records it: the id of a realign job
+# created for the event, or None. The monitor only detects and records; the loop decides the
+# response (controlplane.loop.drift.respond_to_drift) and hands it in.
+DriftResponse = Callable[[Session, Deployment, DriftEvent], int | None]
+
+
 def latest_record_id(session: Session, deployment_id: int) -> int:
     latest = session.scalar(
         select(func.max(AcceptanceRecordRow.id)).where(AcceptanceRecordRow.deployment_id == deployment_id)
@@ -194,9 +200,15 @@ def latest_record_id(session: Session, deployment_id: int) -> int:
 
 
 def advance_monitor(
-    *, session: Session, deployment_id: int, settings: Settings, batch_limit: int = DEFAULT_BATCH_LIMIT
+    *,
+    session: Session,
+    deployment_id: int,
+    settings: Settings,
+    respond: DriftResponse,
+    batch_limit: int = DEFAULT_BATCH_LIMIT,
 ) -> MonitorOutcome:
-    """Feed new settled records to the deployment's detector; record an event on alarm.
+    """Feed new settled records to the deployment's detector; record an event on alarm and
+    ``respond`` to it.
 
     Runs in the caller's transaction; raises ``ConflictError`` if another monitor advanced the
     same deployment meanwhile (the caller rolls back: that run's work is simply not needed).
@@ -320,6 +332,7 @@ def advance_monitor(
             examined=examined,
             last_record_id=row.id,
             now=now,
+            respond=respond,
         )
         events.append(event_id)
         if job_id is not None:
@@ -361,9 +374,11 @@ def raise_drift_event(
     examined: int,
     last_record_id: int | None,
     now: datetime,
+    respond: DriftResponse,
 ) -> tuple[int, int | None]:
-    """Record the alarm of ``detectors`` as an open drift event and, when the deployment
-    realigns on drift, its realign job (same transaction); returns (event id, new job id or None)."""
+    """Record the alarm of ``detectors`` as an open drift event and ``respond`` to it in the same
+    transaction (a realign job, when the deployment realigns on drift); returns (event id, the
+    new job's id or None)."""
     evidence = detectors.evidence()
     event = DriftEvent(
         deployment_id=deployment.id,
@@ -383,8 +398,7 @@ def raise_drift_event(
     )
     session.add(event)
     session.flush()
-    realign = realign_on_drift(session=session, deployment=deployment, event=event)
-    return event.id, (realign.job.id if realign is not None and realign.created else None)
+    return event.id, respond(session, deployment, event)
 
 
 def next_alarm_not_before(
@@ -446,8 +460,15 @@ def update_policy(
     return after
 
 
-def monitor_status(*, session: Session, deployment: Deployment, settings: Settings) -> dict[str, Any]:
-    """The detector's current statistic vs threshold, watermark and open events."""
+def monitor_status(
+    *,
+    session: Session,
+    deployment: Deployment,
+    settings: Settings,
+    guardrail_recovery: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The detector's current statistic vs threshold, watermark and open events; with
+    ``guardrail_recovery``, what the jobs service says of a guardrail fallback."""
     state = session.get(DriftMonitorState, deployment.id)
     policy = drift_policy.resolve(deployment.drift_policy, settings)
     open_events = session.scalar(
@@ -463,7 +484,7 @@ def monitor_status(*, session: Session, deployment: Deployment, settings: Settin
         "updated_at": state.updated_at.isoformat() if state and state.updated_at else None,
         "detector": None,
         # Why a realignment is queued while a guardrail keeps the deployment on its fallback.
-        "guardrail_recovery": guardrail_recovery_status(session=session, deployment=deployment),
+        "guardrail_recovery": guardrail_recovery,
     }
     if state is not None and state.detector_state:
         detectors = DetectorPair.from_state(state.detector_state, policy)

@@ -1,11 +1,11 @@
-"""The realign job's reads and writes, for the worker that runs it: claim the job, find the traffic
-it trains on (since the drift point), and register what it trained as a candidate and hand it to
-its canary. The worker (``workers.tasks``) holds no SQL; it trains between these calls. Afterwards,
-``trained_content`` reads back which prompts and documents a version may have trained on, so that
-nothing presented as held out shares one with them.
+"""The realign job's reads and writes, for the worker that runs it: claim the job and find the
+traffic it trains on (since the drift point). Registering what it trained as a candidate and
+handing it to its canary is the loop's step (``controlplane.loop.realign``). The worker
+(``workers.tasks``) holds no SQL; it trains between these calls. Afterwards, ``trained_content``
+reads back which prompts and documents a version may have trained on, so that nothing presented
+as held out shares one with them.
 
-Every function runs in the caller's unit of work and is safe to call again for the same job: a
-redelivered message finds the version already registered and never registers a second one.
+Every function runs in the caller's unit of work and is safe to call again for the same job.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from controlplane.canary.service import start_canary
 from controlplane.db.models import (
     AcceptanceRecordRow,
     Deployment,
@@ -27,12 +26,12 @@ from controlplane.db.models import (
     JobState,
     Trace,
 )
+from controlplane.deployments.guardrail import guardrail_fallback
 from controlplane.drafters import service as drafters
 from controlplane.drafters.serving import incumbent_location, target_location
 from controlplane.ingest.record import ARM_LIVE
-from controlplane.jobs.service import finish_job, guardrail_fallback, start_attempt, start_job
+from controlplane.jobs.service import finish_job, start_attempt, start_job
 from controlplane.jobs.states import TERMINAL
-from controlplane.messaging import SHADOW_REPLAY, TaskMessage
 from controlplane.models.location import ModelLocation
 from controlplane.models.service import default_drafter_of, find_model, location_of
 from controlplane.timestamps import as_utc, parse_utc, utcnow
@@ -82,7 +81,7 @@ def claim_job(
         return Claim({"job_id": job_id, "skipped": "no such job"})
     if (existing := drafters.version_of_job(session=session, job_id=job_id)) is not None:
         return Claim(
-            {"job_id": job_id, **_succeed_with(session, job, existing), "skipped": "already registered"}
+            {"job_id": job_id, **succeed_with(session, job, existing), "skipped": "already registered"}
         )
     if job.state in TERMINAL:
         return Claim({"job_id": job_id, "skipped": f"job is {job.state.value}"})
@@ -103,7 +102,7 @@ def claim_job(
     )
 
 
-def _succeed_with(session: Session, job: Job, version: DrafterVersion) -> dict[str, Any]:
+def succeed_with(session: Session, job: Job, version: DrafterVersion) -> dict[str, Any]:
     result = {"drafter_version": version.version, "drafter_version_id": version.id}
     if job.state in (JobState.queued, JobState.running):
         if job.state == JobState.queued:
@@ -304,64 +303,3 @@ def realign_inputs(*, session: Session, job_id: int) -> RealignInputs:
         drift_event_id=job.drift_event_id,
         params=params,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Registered:
-    """What registering a trained drafter did: the task's result, and the messages to send once
-    the transaction has committed (the candidate's shadow replay)."""
-
-    result: dict[str, Any]
-    messages: list[TaskMessage]
-
-
-def register_trained(
-    *,
-    session: Session,
-    job_id: int,
-    inputs: RealignInputs,
-    artifact_path: str,
-    artifact_sha256: str,
-    manifest_sha256: str,
-    metrics: dict[str, Any],
-    attempt: int | None = None,
-) -> Registered:
-    """Register the job's drafter as a candidate, finish the job and, on a deployment with
-    ``auto_realign``, open its canary. Under a lock on the job row, and only if the job has no
-    version yet and ``attempt`` is still its running one: never two versions for one job, and
-    never the work of an attempt that was given up."""
-    job = session.get_one(Job, job_id, with_for_update=True)
-    if (existing := drafters.version_of_job(session=session, job_id=job_id)) is not None:
-        return Registered({"job_id": job_id, **_succeed_with(session, job, existing)}, [])
-    if job.state != JobState.running:
-        return Registered({"job_id": job_id, "skipped": f"job became {job.state.value} while training"}, [])
-    if attempt is not None and job.attempts != attempt:
-        return Registered(
-            {"job_id": job_id, "skipped": f"attempt {attempt} was superseded by attempt {job.attempts}"}, []
-        )
-    version = drafters.register_candidate(
-        session=session,
-        trained=drafters.TrainedDrafter(
-            deployment_id=inputs.deployment_id,
-            training_job_id=job_id,
-            parent_version_id=inputs.parent_version_id,
-            target_model=inputs.target_model,
-            artifact_path=artifact_path,
-            artifact_sha256=artifact_sha256,
-            manifest_sha256=manifest_sha256,
-            traffic_window_start=inputs.window_start,
-            traffic_window_end=inputs.window_end,
-            training_metrics=metrics,
-            drift_event_id=job.drift_event_id,
-        ),
-        actor=f"job:{job_id}",
-    )
-    result = {"job_id": job_id, **_succeed_with(session, job, version)}
-    deployment = session.get_one(Deployment, job.deployment_id)
-    if not deployment.auto_realign:
-        return Registered(result, [])  # the version stays a candidate for a person to judge
-    # No human in the loop: the candidate goes straight to its canary (shadow replay first).
-    _canary, canary_job = start_canary(
-        session=session, version=version, actor=f"job:{job_id}", reason=f"realign job {job_id} succeeded"
-    )
-    return Registered(result, [TaskMessage(SHADOW_REPLAY, (canary_job.id,))])

@@ -38,6 +38,7 @@ from controlplane.db.models import (
     JobState,
     SpeculationMode,
 )
+from controlplane.deployments.guardrail import FALLBACK_MODES, GUARDRAIL_FALLBACK, guardrail_fallback
 from controlplane.deployments.lookup import resource_name
 from controlplane.drift import policy as drift_policy
 from controlplane.drift.events import end_events_of_job, mark_realigning
@@ -252,25 +253,15 @@ def request_realign(
 
 # Modes whose drafter is a model that realignment can train; an n-gram or disabled deployment has none.
 REALIGNABLE_MODES = frozenset({SpeculationMode.default, SpeculationMode.draft_model})
-FALLBACK_MODES = frozenset({SpeculationMode.ngram, SpeculationMode.disabled})
 
 # --- realigning after a guardrail switch ------------------------------------------------------
 #
-# A guardrail that switches a deployment to its fallback (n-gram or no speculation) records why in
-# ``deployment.drift_policy[GUARDRAIL_FALLBACK]`` (the policy resolver ignores the key): when, to
-# what, the drafter that served before, and how many candidates have lost to the fallback since.
-# While it stands, the loop keeps realigning that drafter on the traffic since the switch, each
-# try after a longer wait; a promotion, or a person changing the mode, ends it.
-GUARDRAIL_FALLBACK = "guardrail_fallback"
+# A guardrail that switches a deployment to its fallback (n-gram or no speculation) leaves a marker
+# on it (controlplane.deployments.guardrail): when, to what, the drafter that served before, and
+# how many candidates have lost to the fallback since. While it stands, the loop keeps realigning
+# that drafter on the traffic since the switch, each try after a longer wait; a promotion, or a
+# person changing the mode, ends it.
 GUARDRAIL_ACTOR = "guardrail"
-
-
-def guardrail_fallback(deployment: Deployment) -> dict[str, Any] | None:
-    """Why the deployment serves its fallback, when a guardrail (not a person) switched it there."""
-    marker = (deployment.drift_policy or {}).get(GUARDRAIL_FALLBACK)
-    if not isinstance(marker, dict) or deployment.speculation_mode not in FALLBACK_MODES:
-        return None
-    return marker
 
 
 def _guardrail_reason(marker: dict[str, Any]) -> str:

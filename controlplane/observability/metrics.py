@@ -45,8 +45,8 @@ from controlplane.db.models import (
 )
 from controlplane.deployments.lookup import resource_name
 from controlplane.drafters.service import active_drafter
-from controlplane.drift.service import monitor_status
 from controlplane.ingest.service import fold_before_reading, quarantined_counts
+from controlplane.loop.drift import monitor_status
 from controlplane.speculation_check.metrics import speculation_families
 from controlplane.timestamps import as_utc
 

@@ -55,6 +55,7 @@ from controlplane.db.models import (
     SpeculationMode,
     Trace,
 )
+from controlplane.deployments.guardrail import guardrail_fallback
 from controlplane.deployments.lookup import lock_deployment, resource_of
 from controlplane.deployments.spec import speculation_of
 from controlplane.drafters.service import active_drafter
@@ -68,7 +69,6 @@ from controlplane.jobs.service import (
     TRIGGER_UNPROFITABLE,
     active_realign_job,
     enter_guardrail_fallback,
-    guardrail_fallback,
     request_realign,
 )
 from controlplane.speculation_check.sequential import NOT_PAYING, PAYS, UNKNOWN, PaysTest, PaysVerdict

@@ -392,7 +392,7 @@ class AccountSeeder:
         return str(event_id)
 
     def _drift_through_monitor(self, seeded: SeededObjects, pk: int) -> int:
-        from controlplane.drift.service import advance_monitor
+        from controlplane.loop.drift import advance_monitor
 
         def run_monitor() -> list[int]:
             raised: list[int] = []
@@ -416,7 +416,8 @@ class AccountSeeder:
 
     def _raise_from_stored_detector(self, pk: int) -> int:
         from controlplane.drift import policy as drift_policy
-        from controlplane.drift.service import DetectorPair, latest_record_id, raise_drift_event
+        from controlplane.drift.service import DetectorPair, latest_record_id
+        from controlplane.loop.drift import raise_drift_event
         from controlplane.timestamps import utcnow
 
         with unit_of_work(self.database_url) as session:

@@ -15,8 +15,8 @@ from sqlalchemy import func, select
 from controlplane.config import Settings
 from controlplane.db.models import DriftEvent, DriftMonitorState, Role
 from controlplane.db.session import get_engine, get_sessionmaker
-from controlplane.drift.service import advance_monitor
 from controlplane.errors import ConflictError
+from controlplane.loop.drift import advance_monitor
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, prepare_database, recreate_pg_database
 
 

@@ -20,9 +20,10 @@ from controlplane.db.models import (
     EdgeWindowRow,
     Role,
 )
-from controlplane.drift.aggregate_monitor import DetectorCache, monitor_aggregates
+from controlplane.drift.aggregate_monitor import DetectorCache
 from controlplane.ingest.aggregates import EdgeWindow, WindowAccumulator
 from controlplane.ingest.record import AcceptanceRecord
+from controlplane.loop.drift import monitor_aggregates
 from tests.conftest import Database, Tenant
 
 K = 4

@@ -44,7 +44,6 @@ from controlplane.db.models import (
     TraceSource,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
-from controlplane.drift.service import advance_monitor
 from controlplane.jobs.recovery import MIN_GUARDRAIL_REALIGN_DELAY_S
 from controlplane.jobs.service import (
     GUARDRAIL_ACTOR,
@@ -53,6 +52,7 @@ from controlplane.jobs.service import (
     finish_job,
     start_job,
 )
+from controlplane.loop.drift import advance_monitor
 from controlplane.timestamps import as_utc, utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant
 from tests.fleet.canary_setup import arm_records, passing_shadow

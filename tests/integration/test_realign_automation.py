@@ -56,7 +56,6 @@ from controlplane.db.models import (
 )
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.drafters.serving import serving_config
-from controlplane.drift.service import advance_monitor
 from controlplane.ingest.formats import parse_batch
 from controlplane.ingest.service import store_records
 from controlplane.jobs.service import (
@@ -65,6 +64,7 @@ from controlplane.jobs.service import (
     realign_on_drift,
     request_realign,
 )
+from controlplane.loop.drift import advance_monitor
 from controlplane.models.service import ModelSource, register_model
 from controlplane.timestamps import utcnow
 from tests import s3_server

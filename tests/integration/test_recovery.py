@@ -55,7 +55,6 @@ from controlplane.db.models import (
     TraceSource,
 )
 from controlplane.db.session import get_engine, get_sessionmaker
-from controlplane.drift.service import advance_monitor, monitor_status
 from controlplane.jobs.realign import claim_job
 from controlplane.jobs.service import (
     claim_stale_queued_realigns,
@@ -63,6 +62,7 @@ from controlplane.jobs.service import (
     recover_lapsed_leases,
     request_realign,
 )
+from controlplane.loop.drift import advance_monitor, monitor_status
 from controlplane.models.service import ModelSource, register_model
 from controlplane.timestamps import as_utc, utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, recreate_pg_database

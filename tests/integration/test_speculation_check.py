@@ -25,7 +25,7 @@ from controlplane.db.models import (
     SpeculationCheck,
     SpeculationMode,
 )
-from controlplane.drift.service import advance_monitor
+from controlplane.loop.drift import advance_monitor
 from controlplane.speculation_check.sequential import PaysTest
 from controlplane.speculation_check.service import (
     ACTION_DRAFT_LENGTH,
