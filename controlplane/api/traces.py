@@ -8,9 +8,11 @@ seconds, so they run off the event loop.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.orm import Session
 
 from controlplane.api import schemas
 from controlplane.api.deps import (
@@ -21,7 +23,9 @@ from controlplane.api.deps import (
     WritableDeployment,
     read_body_limited,
 )
+from controlplane.db.models import Deployment
 from controlplane.errors import DomainError, PayloadTooLargeError, ValidationProblem
+from controlplane.models.service import find_model
 from controlplane.timestamps import utcnow
 from controlplane.traces.formats import (
     MAX_DATASET_BYTES,
@@ -92,6 +96,13 @@ _DATASET_BODY = {
 }
 
 
+def _chat_folder(session: Session, deployment: Deployment) -> str | None:
+    """The deployment's registered target folder, whose chat template renders traced chats (None
+    where the target is not registered or its folder is not on this machine)."""
+    model = find_model(session=session, account_id=deployment.account_id, name=deployment.target_model)
+    return model.location if model is not None and Path(model.location).is_dir() else None
+
+
 @router.post("/traces", openapi_extra={"requestBody": _BATCH_BODY})
 async def post_traces(
     account: str,
@@ -112,7 +123,8 @@ async def post_traces(
             items = parse_trace_batch(body)
         except TraceValidationError as exc:
             raise _refusal(exc) from exc
-        result = store_traces(session=session, deployment_id=deployment.id, items=items)
+        folder = _chat_folder(session, deployment)
+        result = store_traces(session=session, deployment_id=deployment.id, items=items, chat_folder=folder)
         session.commit()
         return schemas.TraceBatchResult.model_validate(
             {**result.as_dict(), "sample_rate": deployment.trace_sample_rate}
@@ -151,7 +163,13 @@ async def post_dataset(
             items: list[TraceInput] = parse_dataset(body)
         except TraceValidationError as exc:
             raise _refusal(exc) from exc
-        result = store_dataset(session=session, deployment_id=deployment.id, name=dataset_name, items=items)
+        result = store_dataset(
+            session=session,
+            deployment_id=deployment.id,
+            name=dataset_name,
+            items=items,
+            chat_folder=_chat_folder(session, deployment),
+        )
         session.commit()
         return result
 

@@ -133,6 +133,21 @@ def prompt_text(body: Mapping[str, Any]) -> str | None:
     return None
 
 
+def trace_messages(body: Mapping[str, Any]) -> list[dict[str, str]] | None:
+    """A chat request's messages as the trace keeps them ({role, content}), or None for a
+    completion or a chat whose contents are not all text. Ingestion renders them with the
+    target's chat template: the prompt the target was given, not ``prompt_text``'s plain lines."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            return None
+        out.append({"role": str(message.get("role")), "content": message["content"]})
+    return out
+
+
 def usage_completion_tokens(reply: Mapping[str, Any]) -> int | None:
     usage = reply.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

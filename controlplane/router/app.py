@@ -51,6 +51,7 @@ from controlplane.router.acceptance import (
     completion_text,
     native,
     prompt_text,
+    trace_messages,
 )
 from controlplane.router.arms import client_key, pick_arm, unit_hash
 from controlplane.router.config import (
@@ -458,7 +459,9 @@ class Router:
         if call.body is not None:
             prompt = prompt_text(call.body)
             if prompt is not None and text:
-                self.reporter.trace(call.deployment, prompt, text, call.category, call.document)
+                self.reporter.trace(
+                    call.deployment, prompt, text, call.category, call.document, trace_messages(call.body)
+                )
 
     # ------------------------------------------------------------------------------- the rest
     async def models(self, send: Send) -> None:

@@ -114,9 +114,21 @@ class ControlPlaneReporter:
         self.windows.add(deployment, record, positions, time.time())
 
     def trace(
-        self, deployment: str, prompt: str, completion: str, category: str | None, document: str | None = None
+        self,
+        deployment: str,
+        prompt: str,
+        completion: str,
+        category: str | None,
+        document: str | None = None,
+        messages: list[dict[str, str]] | None = None,
     ) -> None:
-        item: dict[str, Any] = {"prompt": prompt, "completion": completion}
+        """Buffer one trace: a chat goes as its ``messages`` (ingestion renders them with the
+        target's chat template), anything else as its ``prompt``."""
+        item: dict[str, Any] = {"completion": completion}
+        if messages is not None:
+            item["messages"] = messages
+        else:
+            item["prompt"] = prompt
         if category is not None:
             item["category"] = category
         if document is not None:

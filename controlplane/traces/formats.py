@@ -7,8 +7,11 @@ database, no web framework; the API maps the error onto 413 or 422.
 
 Dataset lines take three shapes: ``{"prompt", "completion"}``, the aliases ``{"input",
 "output"}``, and OpenAI chat ``{"messages": [...]}`` where the completion is the last assistant
-message and the prompt is every message before it, one ``role: content`` line each (messages
-after the last assistant message have no completion to pair with and are dropped). Unknown keys
+message and the conversation is every message before it (messages after the last assistant
+message have no completion to pair with and are dropped). A batch item gives either ``prompt`` or
+``messages`` (the conversation its completion answers). A conversation is kept as its messages and
+as its plain rendering (``controlplane.traces.chat_template.PLAIN_TEMPLATE``); storing renders it
+with the deployment's target chat template, the prompt the target was given. Unknown keys
 are ignored in datasets (exports carry ids and metadata) and refused in batches (a typo such as
 "completon" would otherwise store an empty completion). Either shape may name the request's
 ``category`` and the ``document`` its prompt was cut from (the held-out split's unit).
@@ -22,6 +25,8 @@ from typing import Any, Final
 
 import orjson
 
+from controlplane.traces.chat_template import render_chat
+
 MAX_TRACES_PER_BATCH: Final = 1_000
 MAX_TEXT_BYTES: Final = 64 * 1024  # per prompt and per completion, UTF-8
 MAX_CATEGORY_CHARS: Final = 100  # the traces.category column
@@ -34,17 +39,20 @@ MAX_TRACE_RETENTION_DAYS: Final = 3_650
 # A reply listing every bad line of a 100,000-line file would itself be huge.
 MAX_REPORTED_PROBLEMS: Final = 100
 
-_BATCH_ITEM_KEYS: Final = frozenset({"prompt", "completion", "category", "document"})
+_BATCH_ITEM_KEYS: Final = frozenset({"prompt", "messages", "completion", "category", "document"})
 
 
 @dataclass(frozen=True, slots=True)
 class TraceInput:
-    """One prompt and completion as the caller sent it (not yet scrubbed)."""
+    """One prompt and completion as the caller sent it (not yet scrubbed). A chat carries its
+    ``messages`` ({role, content}, the conversation the completion answers) and ``prompt`` is their
+    plain rendering, used where the target has no chat template."""
 
     prompt: str
     completion: str
     category: str | None = None
     document: str | None = None  # the source document's label, as the client named it
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,13 +191,25 @@ def parse_trace_batch(body: bytes) -> list[TraceInput]:
             problems.add(index, "", "each trace must be a JSON object")
             continue
         for key in sorted(set(raw) - _BATCH_ITEM_KEYS):
-            problems.add(index, key, "unknown field (expected prompt, completion, category, document)")
-        prompt = _check_text(raw.get("prompt"), index, "prompt", problems)
+            problems.add(
+                index, key, "unknown field (expected prompt or messages, completion, category, document)"
+            )
+        messages: tuple[dict[str, str], ...] | None = None
+        if "messages" in raw:
+            if "prompt" in raw:
+                problems.add(index, "messages", "give either prompt or messages, not both")
+                continue
+            messages = _conversation(raw["messages"], index, problems)
+            if messages is None:
+                continue
+            prompt = _check_text(render_chat(None, messages), index, "messages", problems)
+        else:
+            prompt = _check_text(raw.get("prompt"), index, "prompt", problems)
         completion = _check_text(raw.get("completion"), index, "completion", problems)
         category = _check_category(raw.get("category"), index, problems)
         document = _check_document(raw.get("document"), index, problems)
         if prompt is not None and completion is not None:
-            items.append(TraceInput(prompt, completion, category, document))
+            items.append(TraceInput(prompt, completion, category, document, messages))
     problems.raise_if_any("index")
     return items
 
@@ -205,28 +225,37 @@ def _message_text(content: Any) -> str | None:
     return None
 
 
-def _from_chat(messages: Any, line: int, problems: _Problems) -> tuple[Any, Any]:
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+def _conversation(messages: Any, place: int, problems: _Problems) -> tuple[dict[str, str], ...] | None:
+    """Chat messages as {role, content} with text content, or None with the problem added."""
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
     ):
-        problems.add(line, "messages", 'must be a list of {"role": ..., "content": ...} objects')
+        problems.add(place, "messages", 'must be a non-empty list of {"role": ..., "content": ...} objects')
+        return None
+    out: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        text = _message_text(message.get("content"))
+        if text is None and message.get("content") is not None:
+            problems.add(place, f"messages[{i}].content", "must be a string or a list of text parts")
+            return None
+        out.append({"role": message["role"], "content": text or ""})
+    return tuple(out)
+
+
+def _from_chat(
+    messages: Any, line: int, problems: _Problems
+) -> tuple[tuple[dict[str, str], ...] | None, Any]:
+    """A dataset's chat line: (the conversation before the last assistant message, its text)."""
+    conversation = _conversation(messages, line, problems)
+    if conversation is None:
         return None, None
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    last = max((i for i, m in enumerate(conversation) if m["role"] == "assistant"), default=None)
     if last is None:
         problems.add(line, "messages", "has no assistant message to use as the completion")
         return None, None
-    completion = _message_text(messages[last].get("content"))
-    if completion is None:
-        problems.add(line, f"messages[{last}].content", "the last assistant message has no text content")
-        return None, None
-    lines: list[str] = []
-    for i, message in enumerate(messages[:last]):
-        text = _message_text(message.get("content"))
-        if text is None and message.get("content") is not None:
-            problems.add(line, f"messages[{i}].content", "must be a string or a list of text parts")
-            return None, None
-        lines.append(f"{message['role']}: {text or ''}")
-    return "\n".join(lines), completion
+    return conversation[:last], conversation[last]["content"]
 
 
 def _aliased(obj: dict[str, Any], name: str, alias: str, line: int, problems: _Problems) -> Any:
@@ -264,10 +293,12 @@ def parse_dataset(body: bytes) -> list[TraceInput]:
         if not isinstance(obj, dict):
             problems.add(number, "", "each line must be a JSON object")
             continue
+        conversation: tuple[dict[str, str], ...] | None = None
         if "messages" in obj:
-            raw_prompt, raw_completion = _from_chat(obj["messages"], number, problems)
-            if raw_prompt is None:
+            conversation, raw_completion = _from_chat(obj["messages"], number, problems)
+            if conversation is None:
                 continue
+            raw_prompt = render_chat(None, conversation)
         else:
             before = problems.total
             raw_prompt = _aliased(obj, "prompt", "input", number, problems)
@@ -284,7 +315,7 @@ def parse_dataset(body: bytes) -> list[TraceInput]:
         category = _check_category(obj.get("category"), number, problems)
         document = _check_document(obj.get("document"), number, problems)
         if prompt is not None and completion is not None:
-            items.append(TraceInput(prompt, completion, category, document))
+            items.append(TraceInput(prompt, completion, category, document, conversation))
     if records == 0:
         problems.add(None, "", "file holds no records")
     problems.raise_if_any("line")

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.db.models import Deployment, Trace, TraceSource
 from controlplane.timestamps import as_utc, utcnow
+from controlplane.traces.chat_template import InvalidMessages, TemplateError, render_chat
 from controlplane.traces.formats import MAX_CATEGORY_CHARS, MAX_TRACE_RETENTION_DAYS, TraceInput
 from controlplane.traces.scrub import Entity, scrub, scrub_trace
 
@@ -62,8 +63,12 @@ def store_traces(
     source: TraceSource = TraceSource.sampled,
     dataset_name: str | None = None,
     now: datetime | None = None,
+    chat_folder: str | None = None,
 ) -> StoreResult:
-    """Scrub and add every item in the caller's transaction; count the entities scrubbed."""
+    """Scrub and add every item in the caller's transaction; count the entities scrubbed. A chat
+    is stored as the prompt the target was given: rendered with the chat template of
+    ``chat_folder``, the deployment's target folder (the plain rendering where there is none, or
+    where its template refuses the conversation)."""
     created_at = as_utc(now or utcnow())
     totals = dict.fromkeys((entity.value for entity in Entity), 0)
     rows: list[dict[str, Any]] = []
@@ -80,7 +85,8 @@ def store_traces(
 
     for item in items:
         # One trace's texts together: a value gets the same surrogate in prompt and completion.
-        texts = [item.prompt, item.completion] + ([item.category] if item.category is not None else [])
+        prompt = _as_served(item, chat_folder)
+        texts = [prompt, item.completion] + ([item.category] if item.category is not None else [])
         results = scrub_trace(texts)
         for result in results:
             for entity, count in result.counts.items():
@@ -104,6 +110,18 @@ def store_traces(
     return StoreResult(stored=len(rows), scrubbed=totals)
 
 
+def _as_served(item: TraceInput, folder: str | None) -> str:
+    """A trace's prompt as the target saw it: a chat rendered with the target's chat template."""
+    if item.messages is None or folder is None:
+        return item.prompt
+    try:
+        return render_chat(folder, item.messages)
+    except (InvalidMessages, TemplateError):
+        # A conversation the template refuses could not have been served with it: the plain
+        # rendering keeps the trace's text rather than losing it.
+        return item.prompt
+
+
 def store_dataset(
     *,
     session: Session,
@@ -111,8 +129,10 @@ def store_dataset(
     name: str,
     items: Sequence[TraceInput],
     now: datetime | None = None,
+    chat_folder: str | None = None,
 ) -> StoreResult:
-    """Store an uploaded sample dataset, replacing any earlier upload of the same name."""
+    """Store an uploaded sample dataset, replacing any earlier upload of the same name (chats
+    rendered as :func:`store_traces` renders them)."""
     removed = _execute_dml(
         session,
         delete(Trace).where(Trace.deployment_id == deployment_id, Trace.dataset_name == name),
@@ -124,6 +144,7 @@ def store_dataset(
         source=TraceSource.dataset,
         dataset_name=name,
         now=now,
+        chat_folder=chat_folder,
     )
     return StoreResult(stored=stored.stored, scrubbed=stored.scrubbed, replaced=removed)
 

@@ -7,14 +7,18 @@ Roles and other-account 404s for these routes are covered by test_access_control
 from __future__ import annotations
 
 import re
+import shutil
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import orjson
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
 
+from controlplane.config import Settings
 from controlplane.db.models import Deployment, Role, Trace
+from controlplane.models.service import ModelSource, find_model, register_model
 from controlplane.traces.formats import MAX_DATASET_BYTES, MAX_TEXT_BYTES, TraceInput
 from controlplane.traces.scrub import luhn_ok
 from controlplane.traces.service import apply_retention, store_traces
@@ -224,8 +228,9 @@ def test_dataset_upload_in_every_line_shape(
         ("2+2=", "4", "math"),
         ("Hi", "Hello!", None),
         (
+            # The reference target has no chat template: the plain rendering it is served with.
             "system: You are terse.\nuser: Mail <EMAIL> the report.\nassistant: Which report?\n"
-            "user: The Q3 one.",
+            "user: The Q3 one.\nassistant: ",
             "Sent to Bob.",
             None,
         ),
@@ -414,3 +419,84 @@ def test_retention_is_bounded_and_one_stored_outlier_cannot_stop_the_cleanup(
     assert apply_retention(session=session, now=now) == {short: 1}  # the other account's cleanup still runs
     session.commit()
     session.close()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_traced_chat_is_stored_as_the_prompt_its_target_was_given(
+    client: TestClient, tenants: tuple[Tenant, Tenant], db: Database, settings: Settings, tmp_path: Path
+) -> None:
+    """A chat trace (the router sends its messages) is rendered with the deployment's target chat
+    template before scrubbing, in batches and datasets alike; a target without a template keeps
+    the plain rendering the reference server uses; prompt and messages together are refused."""
+    acme, _ = tenants
+    session = db.new_session()
+    try:
+        reference = find_model(session=session, account_id=acme.account_id, name="reference-target")
+        assert reference is not None
+        folder = tmp_path / "chatty"
+        shutil.copytree(reference.location, folder)
+        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        register_model(
+            session=session,
+            account_id=acme.account_id,
+            name="chatty",
+            source=ModelSource(path=str(folder)),
+            settings=settings,
+            roots=[tmp_path],
+        )
+        session.commit()
+    finally:
+        session.close()
+    response = client.post(
+        f"/v1/accounts/{acme.name}/deployments",
+        json={"target_model": "chatty", "deployment_id": "chat"},
+        headers=acme.headers(Role.admin),
+    )
+    assert response.status_code == 201, response.text
+    chat = f"/v1/accounts/{acme.name}/deployments/chat"
+    plain = _deployment(client, acme, "plain")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Write to jane.doe@mailbox.org"},
+    ]
+    for base in (chat, plain):
+        response = client.post(
+            f"{base}/traces",
+            json={"traces": [{"messages": messages, "completion": "Done.", "category": "chat"}]},
+            headers=acme.headers(Role.ingest),
+        )
+        assert response.status_code == 200, response.text
+    dataset = _jsonl({"messages": [*messages, {"role": "assistant", "content": "Sent."}]})
+    response = client.post(
+        f"{chat}/datasets?name=chats", content=dataset, headers={**NDJSON, **acme.headers(Role.admin)}
+    )
+    assert response.status_code == 200, response.text
+
+    rows = _rows(db)
+    assert len(rows) == 3
+    for row in rows:
+        # The address is scrubbed in the rendered prompt like any other text.
+        assert "jane.doe@mailbox.org" not in row.prompt
+    templated = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWrite to "
+    assert rows[0].prompt.startswith(templated) and rows[0].prompt.endswith(
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert rows[1].prompt.startswith("system: Be brief.\nuser: Write to ")
+    assert rows[1].prompt.endswith("\nassistant: ")
+    assert rows[2].prompt.startswith(templated) and rows[2].completion == "Sent."
+
+    both = {"traces": [{"prompt": "p", "messages": messages, "completion": "c"}]}
+    response = client.post(f"{chat}/traces", json=both, headers=acme.headers(Role.ingest))
+    assert response.status_code == 422 and "not both" in response.text
+    response = client.post(
+        f"{chat}/traces",
+        json={"traces": [{"messages": [{"role": "user", "content": 3}], "completion": "c"}]},
+        headers=acme.headers(Role.ingest),
+    )
+    assert response.status_code == 422 and "messages[0].content" in response.text
+    assert _count(db) == 3

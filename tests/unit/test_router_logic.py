@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 
 from controlplane.ingest.formats import parse_record
-from controlplane.router.acceptance import SseScanner, UnreadableReply, acceptance_record, prompt_text
+from controlplane.router.acceptance import (
+    SseScanner,
+    UnreadableReply,
+    acceptance_record,
+    prompt_text,
+    trace_messages,
+)
 from controlplane.router.arms import client_key, pick_arm, unit_hash
 from controlplane.router.config import RouterConfigError, load_config, parse_config
 from controlplane.router.follower import ArmSpec, parse_serving_config
@@ -231,6 +237,22 @@ def test_chat_prompts_are_kept_as_plain_role_lines() -> None:
     assert prompt_text(body) == "system: Be brief.\nuser: Hi\nassistant: "
     assert prompt_text({"prompt": "p"}) == "p"
     assert prompt_text({"messages": [{"role": "user", "content": [{"type": "text"}]}]}) is None
+
+
+def test_a_chat_trace_carries_its_messages_for_the_target_template() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief.", "name": "x"},
+            {"role": "user", "content": "Hi"},
+        ]
+    }
+    assert trace_messages(body) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert trace_messages({"prompt": "p"}) is None
+    assert trace_messages({"messages": []}) is None
+    assert trace_messages({"messages": [{"role": "user", "content": [{"type": "text"}]}]}) is None
 
 
 def test_the_spool_keeps_whole_batches_oldest_first_and_evicts_the_oldest_when_full(tmp_path: Path) -> None:
