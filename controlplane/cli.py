@@ -6,15 +6,14 @@ development the key falls back to var/admin.key written at first start).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
-import httpx
 import typer
 
-from controlplane.config import Settings, dev_key_file, environment_for_child, get_settings
+from controlplane.cli_client import ApiClient, fail, show
+from controlplane.config import environment_for_child, get_settings
 
 app = typer.Typer(no_args_is_help=True, help="Control plane for speculative-decoding drafters.")
 deployment_app = typer.Typer(no_args_is_help=True, help="Create, update, get, list and delete deployments.")
@@ -27,58 +26,6 @@ job_app = typer.Typer(no_args_is_help=True, help="List, get and cancel realignme
 app.add_typer(job_app, name="job")
 
 
-class ApiClient:
-    """A small HTTP client that turns API errors into readable CLI failures."""
-
-    def __init__(self, settings: Settings) -> None:
-        key = settings.api_key
-        if key is None and dev_key_file(settings).exists():
-            key = dev_key_file(settings).read_text().strip()
-        if not key:
-            _fail("no API key: set CONTROLPLANE_API_KEY (printed once by `controlplane init`)")
-        self._http = httpx.Client(
-            base_url=settings.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30.0
-        )
-        self._account: str | None = None
-
-    @property
-    def account(self) -> str:
-        if self._account is None:
-            self._account = str(self.request("GET", "/v1/whoami")["account"])
-        return self._account
-
-    def request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None
-    ) -> Any:
-        try:
-            response = self._http.request(
-                method, path, json=body, timeout=timeout_s if timeout_s is not None else self._http.timeout
-            )
-        except httpx.HTTPError as exc:
-            _fail(f"cannot reach the API at {self._http.base_url}: {exc}")
-        if response.status_code >= 400:
-            try:
-                error = response.json().get("error", {})
-                message = error.get("message", response.text)
-                details = error.get("details")
-            except ValueError:
-                message, details = response.text, None
-            _fail(
-                f"{response.status_code}: {message}"
-                + (f"\n{json.dumps(details, indent=2)}" if details else "")
-            )
-        return response.json() if response.content else None
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=1)
-
-
-def _show(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2, sort_keys=True))
-
-
 @app.command()
 def init(account: Annotated[str, typer.Option(help="name of the first account")] = "default") -> None:
     """Migrate the database and create the first account, printing its admin key once."""
@@ -88,7 +35,7 @@ def init(account: Annotated[str, typer.Option(help="name of the first account")]
     settings = get_settings()
     issued = init_account(settings, account_name=account)
     if issued is None:
-        _fail("an account already exists; keys are only printed when they are created")
+        fail("an account already exists; keys are only printed when they are created")
     typer.echo(f"account: {account}\nadmin API key (shown once, store it now): {issued.secret}")
 
 
@@ -324,7 +271,7 @@ def deployment_create(
             draft_model, draft_token_count, ngram_speculation_length, disable_speculative_decoding
         ),
     }
-    _show(client.request("POST", f"/v1/accounts/{client.account}/deployments", body))
+    show(client.request("POST", f"/v1/accounts/{client.account}/deployments", body))
 
 
 @deployment_app.command("update")
@@ -347,15 +294,15 @@ def deployment_update(
     if display_name is not None:
         body["display_name"] = display_name
     if not body:
-        _fail("nothing to update: pass at least one flag")
-    _show(client.request("PATCH", f"/v1/accounts/{client.account}/deployments/{deployment_id}", body))
+        fail("nothing to update: pass at least one flag")
+    show(client.request("PATCH", f"/v1/accounts/{client.account}/deployments/{deployment_id}", body))
 
 
 @deployment_app.command("get")
 def deployment_get(deployment_id: Annotated[str, typer.Argument()]) -> None:
     """Show one deployment."""
     client = ApiClient(get_settings())
-    _show(client.request("GET", f"/v1/accounts/{client.account}/deployments/{deployment_id}"))
+    show(client.request("GET", f"/v1/accounts/{client.account}/deployments/{deployment_id}"))
 
 
 @deployment_app.command("list")
@@ -392,7 +339,7 @@ def deployment_realign(
     params: dict[str, object] = {"time_budget_s": time_budget_s} if time_budget_s is not None else {}
     if drafter_kind is not None:
         params["drafter_kind"] = drafter_kind
-    _show(
+    show(
         client.request(
             "POST", f"/v1/accounts/{client.account}/deployments/{deployment_id}:realign", {"params": params}
         )
@@ -424,7 +371,7 @@ def job_get(
 ) -> None:
     """Show one job: state, attempts, progress, result."""
     client = ApiClient(get_settings())
-    _show(client.request("GET", f"/v1/accounts/{client.account}/deployments/{deployment_id}/jobs/{job_id}"))
+    show(client.request("GET", f"/v1/accounts/{client.account}/deployments/{deployment_id}/jobs/{job_id}"))
 
 
 @job_app.command("cancel")
@@ -434,7 +381,7 @@ def job_cancel(
     """Cancel a queued or running job (a running one stops at its next progress checkpoint)."""
     client = ApiClient(get_settings())
     path = f"/v1/accounts/{client.account}/deployments/{deployment_id}/jobs/{job_id}:cancel"
-    _show(client.request("POST", path))
+    show(client.request("POST", path))
 
 
 @key_app.command("create")
@@ -446,14 +393,14 @@ def key_create(
 ) -> None:
     """Issue a key; the secret is printed once."""
     client = ApiClient(get_settings())
-    _show(client.request("POST", f"/v1/accounts/{client.account}/api-keys", {"name": name, "role": role}))
+    show(client.request("POST", f"/v1/accounts/{client.account}/api-keys", {"name": name, "role": role}))
 
 
 @key_app.command("list")
 def key_list() -> None:
     """List the account's keys (never their secrets)."""
     client = ApiClient(get_settings())
-    _show(client.request("GET", f"/v1/accounts/{client.account}/api-keys"))
+    show(client.request("GET", f"/v1/accounts/{client.account}/api-keys"))
 
 
 @key_app.command("revoke")

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from controlplane.cli_client import ApiClient, show
 from controlplane.config import get_settings
 
 drafter_app = typer.Typer(
@@ -18,16 +19,8 @@ drafter_app = typer.Typer(
 canary_app = typer.Typer(no_args_is_help=True, help="Canaries: list, get, promote, reject.")
 
 
-def _client() -> Any:
-    from controlplane.cli import ApiClient  # the main CLI module owns the HTTP client
-
+def _client() -> ApiClient:
     return ApiClient(get_settings())
-
-
-def _show(data: Any) -> None:
-    from controlplane.cli import _show as show
-
-    show(data)
 
 
 def _base(client: Any, deployment_id: str) -> str:
@@ -37,7 +30,7 @@ def _base(client: Any, deployment_id: str) -> str:
 def _act(deployment_id: str, suffix: str, reason: str) -> None:
     """POST an audited action (its reason goes to the audit log) and show the answer."""
     client = _client()
-    _show(client.request("POST", f"{_base(client, deployment_id)}{suffix}", {"reason": reason}))
+    show(client.request("POST", f"{_base(client, deployment_id)}{suffix}", {"reason": reason}))
 
 
 Reason = Annotated[str, typer.Option(help="recorded in the audit log")]
@@ -61,7 +54,7 @@ def drafter_get(
 ) -> None:
     """Show one version: state, lineage, checksum, training metrics."""
     client = _client()
-    _show(client.request("GET", f"{_base(client, deployment_id)}/drafter-versions/{version}"))
+    show(client.request("GET", f"{_base(client, deployment_id)}/drafter-versions/{version}"))
 
 
 @drafter_app.command("promote")
@@ -114,7 +107,7 @@ def canary_get(
 ) -> None:
     """Show one canary: arms, figures, decision and why."""
     client = _client()
-    _show(client.request("GET", f"{_base(client, deployment_id)}/canaries/{canary_id}"))
+    show(client.request("GET", f"{_base(client, deployment_id)}/canaries/{canary_id}"))
 
 
 @canary_app.command("promote")

@@ -14,10 +14,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated
 
 import typer
 
+from controlplane.cli_client import ApiClient, fail, show
 from controlplane.config import Settings, get_settings
 
 model_app = typer.Typer(
@@ -28,22 +29,8 @@ model_app = typer.Typer(
 REGISTER_TIMEOUT_S = 1800.0
 
 
-def _client() -> Any:
-    from controlplane.cli import ApiClient  # the main CLI module owns the HTTP client
-
+def _client() -> ApiClient:
     return ApiClient(get_settings())
-
-
-def _show(data: Any) -> None:
-    from controlplane.cli import _show as show
-
-    show(data)
-
-
-def _fail(message: str) -> NoReturn:
-    from controlplane.cli import _fail as fail
-
-    fail(message)
 
 
 @model_app.command("register")
@@ -66,7 +53,7 @@ def model_register(
 ) -> None:
     """Register a model from a folder (--path) or a Hugging Face id (--hf-id)."""
     if (path is None) == (hf_id is None):
-        _fail("give exactly one of --path DIR or --hf-id ORG/NAME[@REVISION]")
+        fail("give exactly one of --path DIR or --hf-id ORG/NAME[@REVISION]")
     drafts = list(drafter_for or [])
     defaults = list(default_for or [])
     body = {
@@ -77,7 +64,7 @@ def model_register(
         "default_for": defaults,
     }
     client = _client()
-    _show(client.request("POST", f"/v1/accounts/{client.account}/models", body, timeout_s=REGISTER_TIMEOUT_S))
+    show(client.request("POST", f"/v1/accounts/{client.account}/models", body, timeout_s=REGISTER_TIMEOUT_S))
 
 
 GGUF_MAGIC = b"GGUF"
@@ -107,7 +94,7 @@ def default_import_root(settings: Settings) -> Path:
     for root in settings.model_roots:
         if root.resolve() != bundled and _writable(root):
             return root
-    _fail(
+    fail(
         "no writable model root to import into: pass --out DIR inside one of "
         f"{', '.join(str(r) for r in settings.model_roots)} (CONTROLPLANE_MODEL_ROOTS)"
     )
@@ -132,15 +119,15 @@ def model_import_gguf(
     """Convert a GGUF file into a float32 Hugging Face folder, check it against transformers, and
     optionally register it."""
     if not file.is_file():
-        _fail(f"{file} does not exist")
+        fail(f"{file} does not exist")
     with open(file, "rb") as f:
         magic = f.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
-        _fail(f"{file} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+        fail(f"{file} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
     model_name = name or gguf_model_name(file)
     folder = out if out is not None else default_import_root(get_settings()) / model_name
     if folder.exists() and not overwrite:
-        _fail(f"{folder} already exists; choose --out DIR or --name NAME, or pass --overwrite")
+        fail(f"{folder} already exists; choose --out DIR or --name NAME, or pass --overwrite")
     command = [sys.executable, "-m", "workers.gguf_import", str(file), str(folder), "--name", model_name]
     if overwrite:
         command.append("--overwrite")
@@ -149,13 +136,13 @@ def model_import_gguf(
     # stderr stays on the terminal: loading progress, and the worker's own error line on refusal.
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
-        _fail(f"GGUF import of {file} failed (exit status {done.returncode}); nothing was written")
+        fail(f"GGUF import of {file} failed (exit status {done.returncode}); nothing was written")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    _show(summary)
+    show(summary)
     if register_model:
         client = _client()
         body = {"name": model_name, "path": summary["folder"], "drafter_for": [], "default_for": []}
-        _show(
+        show(
             client.request(
                 "POST", f"/v1/accounts/{client.account}/models", body, timeout_s=REGISTER_TIMEOUT_S
             )
@@ -181,7 +168,7 @@ def model_list() -> None:
 def model_get(name: Annotated[str, typer.Argument()]) -> None:
     """Show one model: family, size, dtype, tokenizer, files and their sha256."""
     client = _client()
-    _show(client.request("GET", f"/v1/accounts/{client.account}/models/{name}"))
+    show(client.request("GET", f"/v1/accounts/{client.account}/models/{name}"))
 
 
 @model_app.command("set-default-drafter")
@@ -191,7 +178,7 @@ def model_set_default(
 ) -> None:
     """Choose the drafter deployments of this target get when they set no speculation flags."""
     client = _client()
-    _show(
+    show(
         client.request(
             "PATCH", f"/v1/accounts/{client.account}/models/{target}", {"default_drafter": drafter}
         )

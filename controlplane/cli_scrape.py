@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from controlplane.cli_client import ApiClient, show
 from controlplane.config import get_settings
 
 scrape_app = typer.Typer(
@@ -18,16 +19,8 @@ scrape_app = typer.Typer(
 )
 
 
-def _client() -> Any:
-    from controlplane.cli import ApiClient  # the main CLI module owns the HTTP client
-
+def _client() -> ApiClient:
     return ApiClient(get_settings())
-
-
-def _show(data: Any) -> None:
-    from controlplane.cli import _show as show
-
-    show(data)
 
 
 def _path(client: Any, deployment: str, name: str | None = None) -> str:
@@ -51,7 +44,7 @@ def scrape_add(
     """Register a scrape target; beat pulls it from then on (every 15 s)."""
     client = _client()
     body = {"name": name, "urls": list(url), "arm": arm, "drafter_version": drafter_version}
-    _show(client.request("POST", _path(client, deployment), body))
+    show(client.request("POST", _path(client, deployment), body))
 
 
 @scrape_app.command("list")
@@ -84,7 +77,7 @@ def scrape_now(deployment: Annotated[str, typer.Argument()], name: Annotated[str
     """Scrape a target now and show what it stored (or why it failed; exit status 1 then)."""
     client = _client()
     outcome = client.request("POST", f"{_path(client, deployment, name)}/scrape")
-    _show(outcome)
+    show(outcome)
     if not outcome["ok"]:
         raise typer.Exit(code=1)
 

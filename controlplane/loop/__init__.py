@@ -30,7 +30,8 @@ tests/unit/test_architecture.py, which holds the same list):
 13. canary (a promotion resolves the drift events and ends a guardrail fallback)
 14. adaptation, then speculation_check (standing triggers that request realignments)
 15. loop
-16. api, then dashboard and observability, bootstrap, app and supervisor, the CLI
+16. api, then dashboard and observability, bootstrap, app and supervisor, then the CLI: its
+    HTTP client (cli_client), the verb modules (cli_canary, cli_models, cli_scrape), cli itself
 
 Two places differ from the first sketch of this order (accounts < models < deployments < ingest <
 drafters < jobs < canary < drift): ingest sits below accounts, because ingest imports no lifecycle
