@@ -28,6 +28,7 @@ SCRIPTS = [
     "scrub_cost.py",
     "reliability.py",
     "demo_heldout.py",
+    "house.py",
     # Last: gathers the figures above into bench/results/evidence.json.
     "evidence.py",
 ]
