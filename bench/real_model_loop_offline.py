@@ -5,14 +5,16 @@ general chat and its realignment on structured work, measured held out, in minut
         [--chat-train 320] [--structured-train 320] [--day0-budget-s 300] [--realign-budget-s 300]
         [--set-day0 key=value ...] [--set-realign key=value ...] [--stage day0|realign|all]
 
-Traces: chat prompts (``chat_requests``: explain, advise, compare, rewrite, plan, email; one topic
-per source document) and structured prompts (``structured_requests``: JSON extraction, JSON tool
-calls, SQL over a stated table; one record per source document), rendered with the model folder's
-chat template as the server renders them (``workers.serve.chat.render_chat``), completed by the
+Traces: the scenario's own chat traffic (``workers.corpora``' ``chat`` domain: explanations,
+how-to questions, advice, rewrites, summaries, messages; and ``chat_structured``: JSON extraction,
+JSON tool calls and SQL after two or three worked turns), training requests from the open side of
+the document partition and evaluation requests from the held-out side (no document or request in
+common), rendered with the model folder's chat template as the server renders them
+(``workers.serve.chat.render_chat``), completed by the
 target greedily up to ``--chat-tokens`` / ``--structured-tokens`` new tokens or its end-of-turn
 token, batched (left padding, ``transformers``' generate on the same float32 weights, one thread)
-and cached under bench/results/trace-cache. Held-out prompts are on documents (topics, records)
-no training prompt uses.
+and cached under bench/results/trace-cache. Before 2026-12-08 the bench drew from generators of its
+own (the figures below); they are the scenario's streams now.
 
 The drafter is trained with the realign task's own code path: ``narrow_drafter_from_target`` then
 ``workers.training.realign.realign`` with the first drafter's epoch cap (day 0), and the day-0
@@ -42,8 +44,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
-import random
 import sys
 import time
 from dataclasses import fields, replace
@@ -55,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from workers import corpora  # noqa: E402
 from workers.engine.decoder import SpeculativeDecoder  # noqa: E402
 from workers.engine.hf_io import load_hf_folder, save_hf_folder  # noqa: E402
 from workers.engine.metrics import replay_greedy_rounds  # noqa: E402
@@ -70,254 +73,23 @@ DAY0_DRAFTER = ROOT / "bench" / "results" / "smollm2-day0-drafter"  # the last d
 TRACE_CACHE = ROOT / "bench" / "results" / "trace-cache"
 DEFAULT_MODEL = ROOT / "var" / "models" / "smollm2-135m-instruct"
 FALLBACK_MODEL = Path("/tmp/smol/hf")
-HELD_OUT_EVERY = 5  # one document in five is held out (never trained on)
 # Draft lengths replayed beside --k (bench.engine.measure_costs times their verify passes).
 OTHER_KS = (2, 6)
 
 # ------------------------------------------------------------------------------------------ prompts
 
-CHAT_TOPICS = (
-    "photosynthesis",
-    "compound interest",
-    "the water cycle",
-    "black holes",
-    "vaccines",
-    "inflation",
-    "machine learning",
-    "the stock market",
-    "climate change",
-    "volcanoes",
-    "the immune system",
-    "electric cars",
-    "solar panels",
-    "the internet",
-    "blockchain",
-    "recycling",
-    "meditation",
-    "sleep",
-    "time management",
-    "public speaking",
-    "learning a new language",
-    "remote work",
-    "saving money",
-    "healthy eating",
-    "running a marathon",
-    "gardening",
-    "baking bread",
-    "renewable energy",
-    "the French Revolution",
-    "the Roman Empire",
-    "democracy",
-    "gravity",
-    "the moon landing",
-    "DNA",
-    "earthquakes",
-    "coffee",
-    "tea",
-    "chess",
-    "jazz",
-    "photography",
-    "budget travel",
-    "job interviews",
-    "writing a resume",
-    "negotiating a salary",
-    "starting a business",
-    "customer service",
-    "teamwork",
-    "leadership",
-    "stress",
-    "exercise",
-    "yoga",
-    "cooking pasta",
-    "composting",
-    "bird watching",
-    "camping",
-    "hiking safety",
-    "first aid",
-    "fire safety",
-    "cyber security",
-    "strong passwords",
-    "cloud computing",
-    "databases",
-    "open source software",
-    "the printing press",
-    "ancient Egypt",
-    "the Renaissance",
-    "the human heart",
-    "the solar system",
-    "rainforests",
-    "coral reefs",
-    "bees",
-    "dinosaurs",
-    "ocean tides",
-    "rainbows",
-    "electricity",
-    "magnets",
-    "nuclear power",
-    "artificial intelligence",
-    "social media",
-    "online privacy",
-    "reading habits",
-    "note taking",
-    "studying for exams",
-    "making friends",
-    "moving to a new city",
-    "adopting a dog",
-    "caring for a cat",
-    "houseplants",
-    "home workouts",
-    "drinking enough water",
-    "credit scores",
-    "retirement savings",
-    "renting an apartment",
-    "buying a used car",
-    "volunteering",
-)
-CHAT_TEMPLATES = (
-    ("explain", "Explain {topic} to a beginner in a short paragraph."),
-    ("explain", "What is {topic}? Keep the answer brief."),
-    ("advise", "Give me three practical tips about {topic}."),
-    ("advise", "I want to get better at {topic}. Where should I start?"),
-    ("summarize", "Summarize the most important facts about {topic} in two or three sentences."),
-    ("plan", "Write a short plan for learning about {topic} in one week."),
-    ("email", "Write a short, friendly email to my colleague {name} inviting them to a talk about {topic}."),
-    (
-        "rewrite",
-        'Rewrite this sentence so it sounds more professional: "{topic} is kind of a big deal and stuff."',
-    ),
-)
-
-STRUCTURED_SYSTEM = {
-    "json": "You extract data. Reply with one JSON object only, no explanation.",
-    "tool": (
-        'You call tools. Reply with one JSON object only: {"tool": <name>, "arguments": {...}}.\n'
-        "Tools: get_weather(city, date), search_flights(origin, destination, date), "
-        "send_email(to, subject, body), convert_currency(amount, from_currency, to_currency), "
-        "set_reminder(text, time), book_table(restaurant, city, people, time)."
-    ),
-    "sql": (
-        "You write SQL for SQLite. Tables: employees(id, name, department, salary, hire_date, city), "
-        "orders(id, customer, product, amount, status, order_date). Reply with one SQL query only."
-    ),
-}
-JOBS = (
-    "teacher",
-    "nurse",
-    "engineer",
-    "designer",
-    "chef",
-    "pilot",
-    "lawyer",
-    "accountant",
-    "farmer",
-    "writer",
-)
-PRODUCTS = (
-    "desk lamp",
-    "coffee grinder",
-    "yoga mat",
-    "chess set",
-    "water bottle",
-    "garden hose",
-    "backpack",
-    "headphones",
-    "office chair",
-    "phone case",
-    "rain jacket",
-    "blender",
-)
-DEPARTMENTS = ("sales", "engineering", "marketing", "finance", "support", "legal", "research", "operations")
-STATUSES = ("pending", "shipped", "delivered", "cancelled", "returned")
-CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CHF", "CAD")
+TRAFFIC_SPLIT = "test"  # the scenarios' split: training and held-out prompts are its two sides
 
 
-def _doc_held_out(document: str) -> bool:
-    digest = hashlib.sha256(document.encode()).digest()
-    return digest[0] % HELD_OUT_EVERY == 0
-
-
-def _names() -> tuple[list[str], list[str], list[str]]:
-    from workers.corpora.values import pools
-
-    p = pools()
-    ascii_only = [c for c in p.cities if c.isascii() and c.replace(" ", "").isalpha()]
-    return list(p.first_names), list(p.last_names), ascii_only
-
-
-def chat_requests(held_out: bool, n: int, seed: int) -> list[tuple[str, list[dict[str, str]], str]]:
-    """(category, messages, document) for ``n`` chat requests on held-out or training topics."""
-    firsts, _, _ = _names()
-    rng = random.Random(seed)
-    topics = [t for t in CHAT_TOPICS if _doc_held_out("chat:" + t) == held_out]
-    pairs = [(t, c) for t in topics for c in CHAT_TEMPLATES]
-    rng.shuffle(pairs)
-    out = []
-    for topic, (kind, template) in pairs[:n]:
-        text = template.format(topic=topic, name=rng.choice(firsts))
-        out.append((f"chat-{kind}", [{"role": "user", "content": text}], "chat:" + topic))
-    return out
-
-
-def _structured_one(
-    rng: random.Random, firsts: list[str], lasts: list[str], cities: list[str]
-) -> tuple[str, str, str]:
-    """(kind, request text, record): the record (a person and a city) is the source document."""
-    name = f"{rng.choice(firsts)} {rng.choice(lasts)}"
-    city = rng.choice(cities)
-    kind = rng.choice(("json", "json", "tool", "tool", "sql", "sql"))
-    if kind == "json":
-        age, job = rng.randint(19, 78), rng.choice(JOBS)
-        text = rng.choice(
-            (
-                f"Extract name, age, city and job as JSON.\nText: {name} is a {age}-year-old {job} "
-                f"from {city}.",
-                f"Return JSON with keys name, age, city, job.\nText: Meet {name}, {age}, who works as "
-                f"a {job} in {city}.",
-                f"Extract the customer as JSON (name, city, product, quantity).\nText: {name} from {city} "
-                f"ordered {rng.randint(1, 9)} x {rng.choice(PRODUCTS)}.",
-            )
-        )
-    elif kind == "tool":
-        other = rng.choice(cities)
-        day = f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-        text = rng.choice(
-            (
-                f"What will the weather be in {city} on {day}?",
-                f"Find me a flight from {city} to {other} on {day}.",
-                f"Convert {rng.randint(2, 900) * 5} {rng.choice(CURRENCIES)} to {rng.choice(CURRENCIES)}.",
-                f"Remind me to call {name} at {rng.randint(7, 20)}:00.",
-                f"Book a table for {rng.randint(2, 8)} at Luigi's in {city} at {rng.randint(17, 22)}:30.",
-                f"Email {name} with the subject 'Meeting in {city}' and say I will be late.",
-            )
-        )
-    else:
-        text = rng.choice(
-            (
-                f"List the names of employees in {rng.choice(DEPARTMENTS)} who live in {city}.",
-                f"What is the average salary in the {rng.choice(DEPARTMENTS)} department?",
-                f"Count the {rng.choice(STATUSES)} orders placed by {name}.",
-                f"Show the total amount of orders for {rng.choice(PRODUCTS)} since "
-                f"2024-{rng.randint(1, 12):02d}-01.",
-                f"Find employees hired after {2010 + rng.randint(0, 14)}-01-01 earning more than "
-                f"{rng.randint(4, 12)}0000.",
-            )
-        )
-    return kind, text, name + "|" + city
-
-
-def structured_requests(held_out: bool, n: int, seed: int) -> list[tuple[str, list[dict[str, str]], str]]:
-    """(category, messages, document) for ``n`` structured requests whose record (a person and a
-    city) is held out or not."""
-    firsts, lasts, cities = _names()
-    rng = random.Random(seed)
-    out: list[tuple[str, list[dict[str, str]], str]] = []
-    while len(out) < n:
-        kind, text, record = _structured_one(rng, firsts, lasts, cities)
-        if _doc_held_out("structured:" + record) != held_out:
-            continue
-        messages = [{"role": "system", "content": STRUCTURED_SYSTEM[kind]}, {"role": "user", "content": text}]
-        out.append((f"structured-{kind}", messages, "structured:" + record))
-    return out
+def requests(domain: str, held_out: bool, n: int, seed: int) -> list[tuple[str, list[dict[str, str]], str]]:
+    """(category, messages, document) of the first ``n`` requests of ``domain``'s scenario traffic
+    (``workers.corpora.traffic_prompts``, the stream scenarios/smollm2.toml sends) on the held-out
+    or the open side of its document partition: the two sides share no document and no request."""
+    stream = corpora.traffic_prompts(domain, TRAFFIC_SPLIT, seed, heldout=held_out)
+    return [
+        (f"{domain}-{p.kind}", [dict(m) for m in p.messages], f"{domain}:{p.doc_id}")
+        for p in itertools.islice(stream, n)
+    ]
 
 
 # ------------------------------------------------------------------------------------------- traces
@@ -561,10 +333,10 @@ def main() -> None:
     target, tokenizer = load_hf_folder(args.model, max_seq_len=2048)
     result: dict[str, Any] = {"model": str(args.model), "k": args.k, "threads": args.threads}
     chat_train, s1 = complete(
-        args.model, tokenizer, chat_requests(False, args.chat_train, 1), args.chat_tokens, "chat-train"
+        args.model, tokenizer, requests("chat", False, args.chat_train, 1), args.chat_tokens, "chat-train"
     )
     chat_held, s2 = complete(
-        args.model, tokenizer, chat_requests(True, args.chat_heldout, 2), args.chat_tokens, "chat-heldout"
+        args.model, tokenizer, requests("chat", True, args.chat_heldout, 2), args.chat_tokens, "chat-heldout"
     )
     struct_train: list[TraceText] = []
     struct_held: list[TraceText] = []
@@ -573,14 +345,14 @@ def main() -> None:
         struct_train, s3 = complete(
             args.model,
             tokenizer,
-            structured_requests(False, args.structured_train, 3),
+            requests("chat_structured", False, args.structured_train, 3),
             args.structured_tokens,
             "structured-train",
         )
         struct_held, s4 = complete(
             args.model,
             tokenizer,
-            structured_requests(True, args.structured_heldout, 4),
+            requests("chat_structured", True, args.structured_heldout, 4),
             args.structured_tokens,
             "structured-heldout",
         )
