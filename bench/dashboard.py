@@ -349,7 +349,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="rebuild the bench-dashboard deployment")
     args = parser.parse_args()
     if not Path(CHROMIUM).exists():
-        raise SystemExit("Debian's chromium is missing: run `make install`")
+        raise SystemExit("Debian's chromium is missing: run `make chromium`")
     url = prepare_database()
     target = ingest_bench_target(url, args.records) or built_target(url, args.records, args.fresh)
     print(
