@@ -125,7 +125,7 @@ def live_app(sqlite_template: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     if not CHROMIUM.exists():
-        pytest.fail("Debian's chromium is missing: `make test` or `make chromium` installs it (apt-get install chromium)")
+        pytest.fail("Debian's chromium is missing: `make chromium` installs it (apt-get)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
