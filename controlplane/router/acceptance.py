@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from controlplane.ingest.formats import NATIVE_FIELDS, BatchValidationError, parse_record
 from controlplane.ingest.record import AcceptanceRecord
+from controlplane.traces.chat_template import render_chat
 
 # Substrings of an SSE event that may carry acceptance or usage; other events are not decoded.
 _METRIC_HINTS: Final = (
@@ -122,15 +123,8 @@ def prompt_text(body: Mapping[str, Any]) -> str | None:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
-    messages = body.get("messages")
-    if isinstance(messages, list) and messages:
-        lines = []
-        for message in messages:
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                return None
-            lines.append(f"{message.get('role')}: {message['content']}\n")
-        return "".join(lines) + "assistant: "
-    return None
+    messages = trace_messages(body)
+    return render_chat(None, messages) if messages is not None else None
 
 
 def trace_messages(body: Mapping[str, Any]) -> list[dict[str, str]] | None:

@@ -21,6 +21,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from controlplane.traces.chat_template import render_chat
 from workers.corpora import chat_general, chat_structured
 from workers.corpora.chat_general import Message
 
@@ -58,7 +59,7 @@ def plain_text(messages: Sequence[Message]) -> str:
     rendering for a model without a chat template and the prompt the router's traces keep
     (``controlplane.router.acceptance.prompt_text``), so repeats and held-out overlap are counted
     on the very text a trace holds."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return render_chat(None, messages)
 
 
 def last_user_turn(messages: Sequence[Message]) -> str:
