@@ -203,10 +203,13 @@ def up(
     raise typer.Exit(run_up(get_settings(), options, echo=typer.echo))
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+# `--help` goes through to the demo's own parser, which lists every option (typer knows none).
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False
+)
 def demo(ctx: typer.Context) -> None:
     """The whole loop on this machine: traffic shifts, the service detects, realigns, canaries and
-    promotes on its own; prints a summary table (options: --fast, --scenario FILE, --summary FILE).
+    promotes on its own; prints a summary table (every option: controlplane demo --help).
 
     Runs in its own process: it drives the reference engine's traffic, which the control plane
     never imports.
@@ -411,9 +414,14 @@ def key_revoke(key_id: Annotated[int, typer.Argument()]) -> None:
     typer.echo(f"revoked key {key_id}")
 
 
-@models_app.command("build", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+# `--help` goes through to the builder's own parser, which lists every option (typer knows none).
+@models_app.command(
+    "build",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
 def models_build(ctx: typer.Context) -> None:
-    """Train the reference models from the built-in corpora (resumable; see --help of the builder).
+    """Train the reference models from the built-in corpora (resumable; every option: --help).
 
     Runs in its own process: training needs torch, which the control plane never imports.
     """
