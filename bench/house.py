@@ -25,9 +25,12 @@ Figures and the exact rule behind each:
     dict key, appended to a list stored under a key, or returned from a function, whose name
     matches ``LABELS`` below (ms per token: ``ms_per_token``, ``per_token_ms``,
     ``latency_per_token``, ``seconds_per_token``...; speed-up: ``speedup`` or ``speed_up``); or
-  - (ms per token only) it divides a duration by a token count: the dividend's words (identifiers
+  - (ms per token) it divides a duration by a token count: the dividend's words (identifiers
     and attribute names split at ``_``) include one of ``DURATION_WORDS`` and none of
-    ``TOKEN_WORDS``, the divisor's include one of ``TOKEN_WORDS``.
+    ``TOKEN_WORDS``, the divisor's include one of ``TOKEN_WORDS``; or
+  - (speed-up) it divides like quantities of two runs: both operands name a throughput (the words
+    ``per`` and ``s``, or ``tps``: ``decode_tokens_per_s / base.decode_tokens_per_s``) or both
+    name a latency per token (``per`` and ``token`` with ``ms`` or ``latency``).
 
   A function named for the figure that divides is one place however many divisions it holds.
   Reading a stored figure (``plan.best_speedup``) or calling the function that defines it
@@ -73,6 +76,14 @@ LABELS = {
 }
 DURATION_WORDS = frozenset({"ms", "latency", "elapsed", "duration", "seconds", "secs", "ttft", "inter"})
 TOKEN_WORDS = frozenset({"token", "tokens", "generated"})
+
+
+def is_throughput(names: set[str]) -> bool:
+    return {"per", "s"} <= names or "tps" in names
+
+
+def is_latency_per_token(names: set[str]) -> bool:
+    return {"per", "token"} <= names and bool(names & {"ms", "latency"})
 
 
 def package_cycles(root: Path = ROOT, root_package: str = "controlplane") -> list[list[str]]:
@@ -228,6 +239,8 @@ class _FormulaFinder(ast.NodeVisitor):
             dividend, divisor = words(node.left), words(node.right)
             if dividend & DURATION_WORDS and not dividend & TOKEN_WORDS and divisor & TOKEN_WORDS:
                 self._record("ms_per_token", node.lineno)
+            if any(like(dividend) and like(divisor) for like in (is_throughput, is_latency_per_token)):
+                self._record("speedup", node.lineno)
 
 
 def formula_places(root: Path = ROOT, packages: tuple[str, ...] = FORMULA_PACKAGES) -> dict[str, list[Place]]:

@@ -62,6 +62,11 @@ class Report:
     def speedup(self, arm, over):
         return self.ms[over] / self.ms[arm]
 
+def ceiling(arm, base, cost_ms, step_ms):
+    decode = arm.decode_tokens_per_s / base.decode_tokens_per_s
+    cost_ratio = cost_ms / step_ms
+    return decode, cost_ratio
+
 def uses(plan, alpha):
     best = plan.best_speedup
     return leviathan_speedup(alpha, 4, 0.1), best
@@ -86,6 +91,7 @@ def test_formula_places_follow_the_documented_rule(tmp_path: Path) -> None:
     assert places["speedup"] == [
         "controlplane/figures.py:6 (arm)",
         "controlplane/figures.py:18,19 (Report.speedup)",
+        "controlplane/figures.py:22 (ceiling)",
     ]
 
 
