@@ -193,6 +193,55 @@ def validate_realign_params(params: dict[str, Any], *, settings: Settings | None
     return clean
 
 
+def queue_realign_job(
+    *,
+    session: Session,
+    deployment: Deployment,
+    requested_by: str,
+    trigger: str,
+    params: dict[str, Any],
+    settings: Settings | None = None,
+    drift_event_id: int | None = None,
+    due: datetime | None = None,
+    progress_message: str = "queued",
+    result: dict[str, Any] | None = None,
+) -> RealignRequest:
+    """The one way a realign job comes to exist, whatever asked for it (a person, a drift event,
+    a guardrail, the adaptation policy, the check that speculation pays): ``trigger`` must be one
+    of ``TRIGGERS`` and ``params`` pass ``validate_realign_params``. Without ``due`` the caller
+    sends the job's message right after its commit; a job ``due`` later waits for the sweep. When
+    a realignment is already queued or running it is returned instead (``created`` False): the
+    database holds one per deployment. The caller records the audit entry."""
+    if trigger not in TRIGGERS:
+        raise ValueError(f"unknown job trigger {trigger!r}; known: {sorted(TRIGGERS)}")
+    job = Job(
+        deployment_id=deployment.id,
+        kind=JobKind.realign,
+        state=JobState.queued,
+        drift_event_id=drift_event_id,
+        requested_by=requested_by,
+        trigger=trigger,
+        attempts=0,
+        progress=0.0,
+        progress_message=progress_message,
+        params=validate_realign_params(params, settings=settings),
+        result=result or {},
+        next_attempt_at=due,
+        # Sent right after the caller's commit (see controlplane.jobs.queue), or by the sweep once due.
+        enqueued_at=utcnow() if due is None else None,
+    )
+    try:
+        with session.begin_nested():
+            session.add(job)
+            session.flush()
+    except IntegrityError:
+        existing = active_realign_job(session=session, deployment_id=deployment.id)
+        if existing is None:  # some other constraint failed: not ours to hide
+            raise
+        return RealignRequest(existing, created=False)
+    return RealignRequest(job, created=True)
+
+
 def request_realign(
     *,
     session: Session,
@@ -208,32 +257,18 @@ def request_realign(
     ``settings`` bounds the time budget by the broker's visibility timeout (the API passes them);
     ``trigger`` says what asked for it (one of ``TRIGGERS``).
     """
-    if trigger not in TRIGGERS:
-        raise ValueError(f"unknown job trigger {trigger!r}; known: {sorted(TRIGGERS)}")
-    job = Job(
-        deployment_id=deployment.id,
-        kind=JobKind.realign,
-        state=JobState.queued,
-        drift_event_id=drift_event_id,
+    outcome = queue_realign_job(
+        session=session,
+        deployment=deployment,
         requested_by=actor,
         trigger=trigger,
-        attempts=0,
-        progress=0.0,
-        progress_message="queued",
-        params=validate_realign_params(params or {}, settings=settings),
-        result={},
-        # The caller sends the message right after its commit (see controlplane.jobs.queue).
-        enqueued_at=utcnow(),
+        params=params or {},
+        settings=settings,
+        drift_event_id=drift_event_id,
     )
-    try:
-        with session.begin_nested():
-            session.add(job)
-            session.flush()
-    except IntegrityError:
-        existing = active_realign_job(session=session, deployment_id=deployment.id)
-        if existing is None:  # some other constraint failed: not ours to hide
-            raise
-        return RealignRequest(existing, created=False)
+    if not outcome.created:
+        return outcome
+    job = outcome.job
     record_change(
         session=session,
         account_id=deployment.account_id,
@@ -248,7 +283,7 @@ def request_realign(
             "params": job.params,
         },
     )
-    return RealignRequest(job, created=True)
+    return outcome
 
 
 # Modes whose drafter is a model that realignment can train; an n-gram or disabled deployment has none.
@@ -285,30 +320,20 @@ def schedule_guardrail_realign(
     delay_s = recovery.guardrail_realign_delay_s(losses, cooldown_s=cooldown_s)
     reason = _guardrail_reason(marker)
     due = now + timedelta(seconds=delay_s)
-    job = Job(
-        deployment_id=deployment.id,
-        kind=JobKind.realign,
-        state=JobState.queued,
+    outcome = queue_realign_job(
+        session=session,
+        deployment=deployment,
         requested_by=GUARDRAIL_ACTOR,
         # Speculation measured slower than none: the fallback serves until a drafter pays again.
         trigger=TRIGGER_UNPROFITABLE,
-        attempts=0,
-        progress=0.0,
-        progress_message=f"queued {reason}; starts after {delay_s:g} s"[:500],
         params={"since": str(marker.get("since") or now.isoformat())},
+        due=due,
+        progress_message=f"queued {reason}; starts after {delay_s:g} s"[:500],
         result={"reason": reason, "losses_since_switch": losses, "delay_s": delay_s},
-        next_attempt_at=due,
-        enqueued_at=None,  # the sweep sends it once it is due
     )
-    try:
-        with session.begin_nested():
-            session.add(job)
-            session.flush()
-    except IntegrityError:
-        existing = active_realign_job(session=session, deployment_id=deployment.id)
-        if existing is None:
-            raise
-        return existing
+    job = outcome.job
+    if not outcome.created:
+        return job
     record_change(
         session=session,
         account_id=deployment.account_id,

@@ -155,13 +155,14 @@ def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
 
 # The control plane's top-level packages (and single-module packages such as config.py), bottom
 # layer first; a package may import only packages of lower layers. The lifecycles stand in the
-# order in which one acts on the other's state: a drafter version is served by the fleet, a drift
-# event is answered by a realign job (its end ends the event), a job's trained version is judged by
-# a canary (a promotion resolves the events); the continuous triggers (adaptation, the check that
-# speculation pays) request realignments and canaries; ``loop`` carries one lifecycle into the next
-# where a lower package would otherwise have to call up (see controlplane/loop/__init__.py).
+# order in which one acts on the other's state: the drafters' serving config names the fleet's
+# backends, a drift event is answered by a realign job (its end ends the event), a job's trained
+# version is judged by a canary (a promotion resolves the events); the continuous triggers
+# (adaptation, the check that speculation pays) request realignments and canaries; ``loop`` carries
+# one lifecycle into the next where a lower package would otherwise have to call up (see
+# controlplane/loop/__init__.py).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # Pure leaves: no I/O, nothing of the project below them.
+    # Leaves: nothing of the project below them.
     (
         "errors",
         "timestamps",
@@ -308,6 +309,46 @@ def test_every_control_plane_package_has_a_layer() -> None:
 
 def test_packages_import_only_lower_layers() -> None:
     assert imports_against_layers(package_imports()) == []
+
+
+def realign_jobs_built_outside_the_one_validated_function(root: Path = ROOT) -> list[str]:
+    """``Job(kind=JobKind.realign, ...)`` anywhere but in ``jobs.service.queue_realign_job``, the one
+    function that checks a realignment's trigger and validates its params, whatever asked for it."""
+    found: list[str] = []
+    for module, path, tree in _modules("controlplane", root):
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if module == "controlplane.jobs.service" and function.name == "queue_realign_job":
+                continue
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id == "Job"
+                    and any(
+                        k.arg == "kind" and isinstance(k.value, ast.Attribute) and k.value.attr == "realign"
+                        for k in node.keywords
+                    )
+                ):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} in {function.name}")
+    return found
+
+
+def test_every_realignment_is_created_by_the_one_validated_function() -> None:
+    assert realign_jobs_built_outside_the_one_validated_function() == []
+
+
+def test_the_realign_check_finds_a_job_built_elsewhere(tmp_path: Path) -> None:
+    (tmp_path / "controlplane" / "jobs").mkdir(parents=True)
+    (tmp_path / "controlplane" / "jobs" / "service.py").write_text(
+        "def queue_realign_job():\n    return Job(kind=JobKind.realign)\n"
+        "def schedule():\n    return Job(kind=JobKind.realign, params={})\n"
+        "def replay():\n    return Job(kind=JobKind.replay)\n"
+    )
+    assert realign_jobs_built_outside_the_one_validated_function(tmp_path) == [
+        "controlplane/jobs/service.py:4 in schedule"
+    ]
 
 
 def test_the_graph_checks_find_what_they_look_for(tmp_path: Path) -> None:
