@@ -38,7 +38,7 @@ With ``aggregate_window_s`` above 0 every served request is summed into the wind
 record; the control plane's own rate for a deployment wins over the file's once serving-config
 carries one. With 0 (the default) every request is sent as a raw record: a deployment's detector
 then steps per request, which notices a drop within a window's worth fewer requests; aggregate
-windows are for fleets whose record rate one control plane cannot take (see README, Fleet scale).
+windows are for fleets whose record rate one control plane cannot take (see docs/results.md, Fleet scale).
 """
 
 from __future__ import annotations
