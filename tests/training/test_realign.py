@@ -338,6 +338,13 @@ def test_only_named_categories_the_incumbent_still_serves_as_before_count_as_ste
     assert steady_categories(recent, old, key=key, tolerance=0.02, min_positions=128) == ["prose"]
     assert steady_categories(recent, old, key=key, tolerance=0.02, min_positions=400) == []
     assert steady_categories(recent, None, key=key, tolerance=0.02, min_positions=1) == []
+    # A category the incumbent was as poor at before did not drift, but holds nothing to keep.
+    poor_old = _scores({"prose": (0.60, 300), "structured": (0.14, 300)})
+    poor_recent = _scores({"prose": (0.59, 300), "structured": (0.13, 300)})
+    assert steady_categories(poor_recent, poor_old, key=key, tolerance=0.02, min_positions=128) == ["prose"]
+    assert steady_categories(
+        poor_recent, poor_old, key=key, tolerance=0.02, min_positions=128, worth_keeping=0.1
+    ) == ["prose", "structured"]
 
 
 def test_realign_keeps_the_incumbent_when_every_gain_costs_a_category(

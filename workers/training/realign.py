@@ -659,20 +659,37 @@ def anchor_targets(
 
 
 def steady_categories(
-    recent: RowScores, old: RowScores | None, *, key: str, tolerance: float, min_positions: int
+    recent: RowScores,
+    old: RowScores | None,
+    *,
+    key: str,
+    tolerance: float,
+    min_positions: int,
+    worth_keeping: float | None = None,
 ) -> list[str]:
-    """The named categories whose traffic did not drift for the incumbent: held out in both windows
-    (``min_positions`` each at least) and its ``key`` figure on the recent window no more than
-    ``tolerance`` below the old one's. Uncategorized traffic cannot be matched across windows."""
+    """The named categories the incumbent still serves as before: held out in both windows
+    (``min_positions`` each at least), its ``key`` figure on the recent window no more than
+    ``tolerance`` below the old one's, and at least ``worth_keeping`` there (None:
+    ``OLD_NOTHING_TO_KEEP``, below which the learning-rate rule too finds nothing to protect).
+    Uncategorized traffic cannot be matched across windows. A category it was as poor at before
+    (the partial shift's structured requests, seen at 0.14 agreement among the no-speculation
+    calibration requests of the old window) did not drift but holds nothing to keep: fitting its
+    rows to the incumbent anchored every recent row and the realignment learnt nothing (140
+    steps, agreement flat)."""
     if old is None:
         return []
+    floor = OLD_NOTHING_TO_KEEP if worth_keeping is None else worth_keeping
     before = old.by_category()
     out = []
     for category, (positions, figures) in recent.by_category().items():
         if category == UNCATEGORIZED or category not in before:
             continue
         old_positions, old_figures = before[category]
-        if min(positions, old_positions) >= min_positions and figures[key] >= old_figures[key] - tolerance:
+        if (
+            min(positions, old_positions) >= min_positions
+            and figures[key] >= old_figures[key] - tolerance
+            and figures[key] >= floor
+        ):
             out.append(category)
     return out
 
