@@ -19,12 +19,10 @@ from controlplane.db.models import AcceptanceRecordRow, Canary, Deployment
 from controlplane.deployments.spec import speculation_of
 from controlplane.drafters.service import active_drafter
 from controlplane.ingest.record import ARM_LIVE
+from controlplane.speculation_math import ASSUMED_DRAFTER_COST_RATIO
 from controlplane.tuning import draft_length, draft_stop
 
 RECENT_RECORDS = 2000
-# Without a measurement yet: the drafter/target step cost on the reference setup (FEASIBILITY.md
-# measured 0.07 for a 0.9M drafter against a 12M target). The answer says which one it used.
-DEFAULT_COST_RATIO = 0.07
 
 
 def measured_costs(session: Session, deployment_id: int) -> dict[str, Any]:
@@ -36,7 +34,8 @@ def measured_costs(session: Session, deployment_id: int) -> dict[str, Any]:
         costs = shadow.get("costs") or {}
         if isinstance(costs.get("cost_ratio"), int | float):
             return {"source": f"canary {canary.id} shadow replay", **costs}
-    return {"source": "default (no shadow replay measured yet)", "cost_ratio": DEFAULT_COST_RATIO}
+    # Without a measurement yet, the assumed ratio; the answer says which one it used.
+    return {"source": "default (no shadow replay measured yet)", "cost_ratio": ASSUMED_DRAFTER_COST_RATIO}
 
 
 def live_acceptance(

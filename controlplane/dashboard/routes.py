@@ -85,7 +85,11 @@ class OverviewRow(schemas.Reply):
     requests_last_hour: int
     hit_rate: float | None
     mean_accepted_length: float | None
-    speedup_estimate: float | None = Field(description="from the hit rate, k and the assumed cost ratio")
+    speedup_estimate: float | None = Field(
+        description="Leviathan et al.'s, from the hit rate, k and the drafter cost ratio below"
+    )
+    draft_cost_ratio: float = Field(description="drafter step time / target step time the estimate used")
+    draft_cost_source: str = Field(description="the shadow replay that measured it, or the assumption")
     open_drift_events: int
     running_jobs: int
 
@@ -94,7 +98,9 @@ class DashboardOverview(schemas.Reply):
     account: str
     generated_at: str
     current_window_s: int
-    assumed_draft_cost_ratio: float
+    assumed_draft_cost_ratio: float = Field(
+        description="the drafter cost ratio assumed where no shadow replay measured one"
+    )
     deployments: list[OverviewRow]
 
 
@@ -150,7 +156,9 @@ class CategoryRow(schemas.Reply):
     speedup_vs_no_speculation: float | None = Field(
         description="measured against the no-speculation arm's records of the same category"
     )
-    speedup_estimate: float | None = Field(description="from the hit rate, k and the assumed cost ratio")
+    speedup_estimate: float | None = Field(
+        description="from the hit rate, k and the measured cost ratio (else the assumed one)"
+    )
 
 
 class DashboardDeployment(schemas.Reply):

@@ -17,6 +17,7 @@ from sqlalchemy import Select, func, or_, select
 from sqlalchemy.orm import Session
 
 from controlplane.audit.service import entry_summary
+from controlplane.canary.tuning_view import measured_costs, verify_cost_of
 from controlplane.db.models import (
     AcceptanceRollupRow,
     AuditEntry,
@@ -33,8 +34,10 @@ from controlplane.errors import ValidationProblem
 from controlplane.ingest.service import fold_before_reading
 from controlplane.jobs.service import job_summary
 from controlplane.loop.deployments import describe
+from controlplane.speculation_math import ASSUMED_DRAFTER_COST_RATIO, speedup_from_hit_rate
 from controlplane.stats.service import acceptance_series
 from controlplane.timestamps import as_utc
+from controlplane.tuning.draft_length import verify_cost_at, verify_cost_function
 
 SelectT = TypeVar("SelectT", bound=Select[*tuple[Any, ...]])
 
@@ -58,9 +61,6 @@ RANGES: dict[str, TimeRange] = {
 }
 DEFAULT_RANGE = "24h"
 CURRENT_WINDOW = timedelta(hours=1)
-# Until the draft-length tuner reports a measured drafter/target step-time ratio, the overview's
-# speed-up estimate assumes a small drafter costs 5% of a target step (Leviathan et al.'s c).
-ASSUMED_DRAFT_COST_RATIO = 0.05
 BASELINE_ARM = "baseline"
 # Audit actions that move the active drafter (written by the canary service).
 PROMOTION_ACTION_WORDS = ("promote", "activate")
@@ -102,30 +102,13 @@ def resolve_range(*, name: str, end: datetime | None, now: datetime) -> tuple[da
     return end_at - timedelta(seconds=chosen.seconds), end_at, grid
 
 
-def speedup_estimate(*, hit_rate: float | None, k: int | None, cost_ratio: float) -> float | None:
-    """Leviathan et al.'s expected speed-up from the hit rate, k and the drafter's cost ratio c.
-
-    The per-token acceptance α is recovered from the hit rate by inverting
-    hit = α(1 − α^k) / (k(1 − α)) (monotone in α, so bisection), then
-    speed-up = (1 − α^(k+1)) / ((1 − α)(1 + k·c)).
-    """
-    if hit_rate is None or not k:
-        return None
-    target = min(max(hit_rate, 0.0), 0.999999)
-
-    def hit_of(alpha: float) -> float:
-        return alpha * (1 - alpha**k) / (k * (1 - alpha))
-
-    lo, hi = 0.0, 0.999999
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if hit_of(mid) < target:
-            lo = mid
-        else:
-            hi = mid
-    alpha = (lo + hi) / 2
-    tokens_per_step = (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens_per_step / (1 + k * cost_ratio)
+def estimate_costs(session: Session, deployment_id: int, k: int | None) -> tuple[float, float, str]:
+    """(drafter cost ratio c, verify cost of k + 1 tokens, where they come from) for the speed-up
+    estimate: the newest shadow replay's measurement, else the assumed ratio and a free verify."""
+    costs = measured_costs(session, deployment_id)
+    verify = verify_cost_of(costs)
+    verify_cost = verify_cost_at(verify_cost_function(verify), k) if verify and k else 1.0
+    return float(costs["cost_ratio"]), verify_cost, str(costs["source"])
 
 
 def _slim(bucket: dict[str, Any]) -> dict[str, Any]:
@@ -160,6 +143,7 @@ def overview(*, session: Session, account_id: int, account_name: str, now: datet
             percentiles=False,  # the overview shows counts and ratios only
         )["total"]
         k = info["effective_draft_token_count"]
+        cost_ratio, verify_cost, cost_source = estimate_costs(session, deployment.id, k)
         rows.append(
             {
                 "deployment_id": deployment.name,
@@ -171,9 +155,9 @@ def overview(*, session: Session, account_id: int, account_name: str, now: datet
                 "requests_last_hour": current["requests"],
                 "hit_rate": current["hit_rate"],
                 "mean_accepted_length": current["mean_accepted_length"],
-                "speedup_estimate": speedup_estimate(
-                    hit_rate=current["hit_rate"], k=k, cost_ratio=ASSUMED_DRAFT_COST_RATIO
-                ),
+                "speedup_estimate": speedup_from_hit_rate(current["hit_rate"], k, cost_ratio, verify_cost),
+                "draft_cost_ratio": cost_ratio,
+                "draft_cost_source": cost_source,
                 "open_drift_events": open_drift.get(deployment.id, 0),
                 "running_jobs": running_jobs.get(deployment.id, 0),
             }
@@ -182,7 +166,7 @@ def overview(*, session: Session, account_id: int, account_name: str, now: datet
         "account": account_name,
         "generated_at": now.isoformat(),
         "current_window_s": int(CURRENT_WINDOW.total_seconds()),
-        "assumed_draft_cost_ratio": ASSUMED_DRAFT_COST_RATIO,
+        "assumed_draft_cost_ratio": ASSUMED_DRAFTER_COST_RATIO,
         "deployments": rows,
     }
 
@@ -257,13 +241,20 @@ def deployment_view(
             end=end_at,
             now=now,
         ),
-        "categories": category_rows(series["per_category"], k=info["effective_draft_token_count"]),
+        "categories": category_rows(
+            series["per_category"],
+            k=info["effective_draft_token_count"],
+            costs=estimate_costs(session, deployment.id, info["effective_draft_token_count"])[:2],
+        ),
     }
 
 
-def category_rows(per_category: list[dict[str, Any]], *, k: int | None) -> list[dict[str, Any]]:
+def category_rows(
+    per_category: list[dict[str, Any]], *, k: int | None, costs: tuple[float, float]
+) -> list[dict[str, Any]]:
     """The per-category table: requests, hit rate, and speed-up against no speculation, measured
-    where the category has no-speculation records in the range, else Leviathan's estimate."""
+    where the category has no-speculation records in the range, else Leviathan's estimate from
+    ``costs`` (drafter cost ratio, verify cost of k + 1 tokens)."""
     return [
         {
             "category": figures["category"],
@@ -272,9 +263,7 @@ def category_rows(per_category: list[dict[str, Any]], *, k: int | None) -> list[
             "mean_accepted_length": figures["mean_accepted_length"],
             "no_speculation_requests": figures["no_speculation_requests"],
             "speedup_vs_no_speculation": figures["speedup_vs_no_speculation"],
-            "speedup_estimate": speedup_estimate(
-                hit_rate=figures["hit_rate"], k=k, cost_ratio=ASSUMED_DRAFT_COST_RATIO
-            ),
+            "speedup_estimate": speedup_from_hit_rate(figures["hit_rate"], k, *costs),
         }
         for figures in per_category
     ]

@@ -19,6 +19,9 @@ is the number of verify steps in which at least ``i + 1`` draft tokens were acce
 (non-increasing in ``i``), out of ``verify_steps`` drafts, so ``beta_1 = a_0 / N`` and
 ``beta_j = a_{j-1} / a_{j-2}``. It is assumed, as in the references, that the first ``k``
 positions are accepted the same way whether or not more are drafted after them.
+
+The i.i.d. closed form and the speed-up of a round are :mod:`controlplane.speculation_math`'s
+(``controlplane.tuning`` re-exports ``leviathan_speedup``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from controlplane.speculation_math import expected_speedup
 
 # One-sided 90 % normal quantile for the Wilson lower bound used in extrapolation.
 _EXTRAPOLATION_Z = 1.2815515655446004
@@ -73,12 +78,6 @@ class DraftLengthPlan:
                 for r in self.rows
             ],
         }
-
-
-def leviathan_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """Closed form for i.i.d. acceptance: ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))``."""
-    tokens = float(k + 1) if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return tokens / (k * cost_ratio + 1.0)
 
 
 def conditional_acceptance(accepted_per_position: Sequence[int], verify_steps: int) -> list[float]:
@@ -191,7 +190,7 @@ def plan_from_conditional_rates(
         reach *= beta
         tokens += reach
         cost = k * cost_ratio + verify_cost_at(costs, k)
-        rows.append(DraftLengthRow(k, beta, tokens, cost, tokens / cost, not observed))
+        rows.append(DraftLengthRow(k, beta, tokens, cost, expected_speedup(tokens, cost), not observed))
     # Ties go to the smaller k: the same speed for less drafting and verify work.
     best = max(rows, key=lambda r: (r.expected_speedup, -r.k))
     return DraftLengthPlan(

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.speculation_math import expected_speedup, hit_rate
 from controlplane.tuning.draft_length import verify_cost_at, verify_cost_function
 
 # A threshold must beat the reference by this share of speed-up, pessimistically counted.
@@ -181,7 +182,7 @@ def _speedup(
     d, a = drafted / rounds, accepted / rounds
     tokens = a + 1.0
     cost = verify_cost_at(costs, d) + d * cost_ratio
-    return tokens, cost, tokens / cost
+    return tokens, cost, expected_speedup(tokens, cost)
 
 
 def plan_draft_stop(
@@ -227,7 +228,7 @@ def plan_draft_stop(
             True,
             counts.reference_drafted / counts.rounds,
             counts.reference_accepted / counts.rounds,
-            counts.reference_accepted / counts.reference_drafted if counts.reference_drafted else None,
+            hit_rate(counts.reference_accepted, counts.reference_drafted),
             ref_tokens,
             ref_cost,
             ref_speedup,
@@ -255,7 +256,7 @@ def plan_draft_stop(
                 False,
                 drafted / counts.rounds,
                 accepted / counts.rounds,
-                accepted / drafted if drafted else None,
+                hit_rate(accepted, drafted),
                 tokens,
                 cost,
                 speedup,

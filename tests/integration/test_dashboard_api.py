@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from controlplane.audit.service import record_change
 from controlplane.dashboard.routes import CONTENT_SECURITY_POLICY
-from controlplane.dashboard.service import RANGES, speedup_estimate
+from controlplane.dashboard.service import RANGES
 from controlplane.db.models import Account
 from tests.conftest import TEST_SECRET, Database
 from tests.e2e.dashboard_seed import CANARY_START, SHIFT_AT, SeededHistory, seed_loop_history
@@ -143,15 +143,6 @@ def test_overview_canaries_promotions_and_jobs(
     assert {j["deployment"] for j in jobs} == {seeded.deployment, seeded.idle_deployment}
     running = next(j for j in jobs if j["id"] == seeded.running_job_id)
     assert any("started" in line for line in running["log"])
-
-
-def test_speedup_estimate_inverts_the_hit_rate() -> None:
-    alpha, k, cost = 0.8, 4, 0.05
-    hit = alpha * (1 - alpha**k) / (k * (1 - alpha))
-    expected = (1 - alpha ** (k + 1)) / (1 - alpha) / (1 + k * cost)
-    assert speedup_estimate(hit_rate=hit, k=k, cost_ratio=cost) == pytest.approx(expected, rel=1e-6)
-    assert speedup_estimate(hit_rate=None, k=k, cost_ratio=cost) is None
-    assert speedup_estimate(hit_rate=0.5, k=None, cost_ratio=cost) is None
 
 
 def test_pages_need_no_key_carry_no_data_and_load_nothing_from_elsewhere(client: TestClient) -> None:

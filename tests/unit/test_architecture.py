@@ -172,8 +172,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "canary_policy",
         "adaptation_policy",
         "artifacts",
-        "tuning",
     ),
+    # The draft tuner's arithmetic, on speculation_math's figures.
+    ("tuning",),
     ("config", "db"),
     ("audit",),
     # Acceptance records, rollups and window aggregates: data every lifecycle reads.

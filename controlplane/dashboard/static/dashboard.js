@@ -222,7 +222,7 @@
         el("td", { class: "num", text: int(d.requests_last_hour) }),
         el("td", { class: "num hit-rate", text: pct(d.hit_rate) }),
         el("td", { class: "num", text: fmt(d.mean_accepted_length, 2) }),
-        el("td", { class: "num", text: isNum(d.speedup_estimate) ? `${d.speedup_estimate.toFixed(2)}x` : "—" }),
+        el("td", { class: "num", title: `c = ${d.draft_cost_ratio} (${d.draft_cost_source})`, text: isNum(d.speedup_estimate) ? `${d.speedup_estimate.toFixed(2)}x` : "—" }),
         el("td", { class: "num" }, d.open_drift_events ? badge(`${d.open_drift_events} open`) : "0"),
         el("td", { class: "num", text: d.running_jobs }),
         el("td", {}, el("a", { href: `/dashboard/deployments/${encodeURIComponent(d.deployment_id)}/canary`, text: "canary" }))));
@@ -231,7 +231,7 @@
           el("table", { id: "deployments" }, el("thead", {}, el("tr", {}, head.map((h) => el("th", { text: h })))),
             el("tbody", {}, rows))),
         el("p", { class: "status", text: `Hit rate and accepted length over the last ${data.current_window_s / 60} minutes. `
-          + `Speed-up estimate: Leviathan et al. with an assumed drafter/target step-cost ratio of ${data.assumed_draft_cost_ratio}.` }));
+          + `Speed-up estimate: Leviathan et al. with the drafter/target step-cost ratio a shadow replay measured, else an assumed ${data.assumed_draft_cost_ratio}.` }));
     });
   }
 
