@@ -32,7 +32,13 @@ from typing import Any, Final
 
 import httpx
 
-from controlplane.ingest.formats import BatchValidationError, detect_format, parse_record
+from controlplane.ingest.formats import (
+    FORMAT_ADAPTERS,
+    PERF_METRICS_IN_RESPONSE,
+    BatchValidationError,
+    detect_format,
+    parse_record,
+)
 from controlplane.ingest.record import AcceptanceRecord
 from loadbench.prompts import PromptItem
 from loadbench.report import (
@@ -50,13 +56,15 @@ ARRIVALS: Final = ("poisson", "constant")
 _METRIC_KEYS: Final = ("usage", "perf_metrics", "speculation_record", "metrics", "meta_info")
 
 
-# Engines whose servers take Fireworks' `perf_metrics_in_response` (ours answers it like Fireworks).
-PERF_FLAG_ENGINES: Final = ("fireworks", "reference")
-# Engines whose OpenAI servers have no such field (TensorRT-LLM's refuses unknown fields).
-NO_PERF_FLAG_ENGINES: Final = ("vllm", "sglang", "trtllm")
+PERF_FLAG: Final = PERF_METRICS_IN_RESPONSE
+# The engines of the ingest formats' registry (controlplane.ingest.formats.FORMAT_ADAPTERS):
+# those whose servers take Fireworks' `perf_metrics_in_response` (our reference server answers it
+# like Fireworks), and those whose OpenAI servers have no such field (TensorRT-LLM's refuses
+# unknown fields).
+PERF_FLAG_ENGINES: Final = tuple(a.engine for a in FORMAT_ADAPTERS if a.request_flag == PERF_FLAG)
+NO_PERF_FLAG_ENGINES: Final = tuple(a.engine for a in FORMAT_ADAPTERS if a.request_flag != PERF_FLAG)
 ENGINES: Final = ("auto", *PERF_FLAG_ENGINES, *NO_PERF_FLAG_ENGINES)
 _EXTRA_REFUSED = re.compile(r"extra[ _](fields|inputs)[^.]*not permitted|extra_forbidden", re.IGNORECASE)
-PERF_FLAG: Final = "perf_metrics_in_response"
 
 
 def refuses_perf_flag(status: int, message: str) -> bool:
