@@ -74,6 +74,7 @@ from controlplane.ingest.aggregate_store import aggregate_from_row
 from controlplane.ingest.aggregates import WindowAggregate
 from controlplane.ingest.record import ARM_BASELINE, ARM_CANARY_PREFIX, ARM_LIVE
 from controlplane.jobs.service import enter_guardrail_fallback
+from controlplane.speculation_math import mean_of
 from controlplane.timestamps import parse_utc, utcnow
 from controlplane.tuning.draft_length import plan_draft_length
 
@@ -468,15 +469,19 @@ def category_figures(tally: JudgeTally, categories: dict[str, Any]) -> dict[str,
             n = arm.timed
             figures[name] = {
                 "requests": n,
-                "hit_rate": round(arm.hit_rate, 4) if arm.hit_rate is not None else None,
-                "tokens_per_step": round(arm.tokens_per_step_sum / n, 4) if n else None,
-                "latency_per_token_ms": round(arm.ms_per_token_sum / n, 4) if n else None,
+                "hit_rate": _rounded(arm.hit_rate, 4),
+                "tokens_per_step": _rounded(mean_of(arm.tokens_per_step_sum, n), 4),
+                "latency_per_token_ms": _rounded(mean_of(arm.ms_per_token_sum, n), 4),
             }
         judged = verdicts.get(bucket) or {}
         figures["verdict"] = judged.get("verdict", "no requests to judge")
         figures["comparisons"] = judged.get("comparisons", {})
         out[bucket] = figures
     return out
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
 
 
 def category_accumulators(tally: JudgeTally) -> dict[str, dict[str, ArmAccumulator]]:
@@ -492,11 +497,11 @@ def arm_figures(arms: dict[str, ArmTally]) -> dict[str, dict[str, Any]]:
         hit_rate_se = tally.hit_rate_spread()[0]
         out[name] = {
             "requests": n,
-            "hit_rate": round(tally.hit_rate, 4) if tally.hit_rate is not None else None,
+            "hit_rate": _rounded(tally.hit_rate, 4),
             # Request-level standard error: what the post-promotion watch allows for.
-            "hit_rate_se": round(hit_rate_se, 5) if hit_rate_se is not None else None,
-            "tokens_per_step": round(tally.tokens_per_step_sum / n, 4) if n else None,
-            "ms_per_token": round(tally.ms_per_token_sum / n, 4) if n else None,
+            "hit_rate_se": _rounded(hit_rate_se, 5),
+            "tokens_per_step": _rounded(mean_of(tally.tokens_per_step_sum, n), 4),
+            "ms_per_token": _rounded(mean_of(tally.ms_per_token_sum, n), 4),
             "accepted_per_position": list(tally.accepted_per_position),
             "verify_steps": tally.verify_steps,
         }

@@ -45,6 +45,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from controlplane import speculation_math
 from controlplane.canary.statistics import (
     LATENCY_MS_PER_TOKEN,
     PRIMARY_METRICS,
@@ -787,7 +788,9 @@ def guardrail_check(
                     "every drafted token is wasted work",
                     {
                         "accepted_per_step": accepted_per_step,
-                        "mean_accepted_length": 1.0 + accepted_per_step,
+                        "mean_accepted_length": speculation_math.mean_accepted_length(
+                            accepted_tokens, verify_steps
+                        ),
                         "verify_steps": verify_steps,
                         "drafted_tokens": drafted_tokens,
                         "accepted_tokens": accepted_tokens,
@@ -915,7 +918,7 @@ def rollback_check(
     figures: dict[str, Any] = {
         "canary_hit_rate_estimate": canary_hit_rate_estimate,
         "null_hit_rate": null_rate,
-        "live_hit_rate": live_accepted / live_drafted if live_drafted else None,
+        "live_hit_rate": speculation_math.hit_rate(live_accepted, live_drafted),
         "live_drafted": live_drafted,
         "live_accepted": live_accepted,
         "n_requests": n_requests,

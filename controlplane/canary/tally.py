@@ -32,13 +32,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from controlplane import speculation_math
 from controlplane.canary.statistics import (
     LATENCY_MS_PER_TOKEN,
     TOKENS_PER_STEP,
     ArmAccumulator,
     MetricAccumulator,
 )
-from controlplane.speculation_math import ms_per_token
 
 # 2 added the per-category sums; a version-1 state (written before) is still read: its earlier
 # records are in the per-arm sums only, and the per-category sums start from the next record.
@@ -94,9 +94,9 @@ class ArmTally:
         steps = int(row.verify_steps or 0)
         if generated <= 0:
             return
-        latency = ms_per_token(row.inter_token_ms, row.total_ms, row.ttft_ms, generated)
+        latency = speculation_math.ms_per_token(row.inter_token_ms, row.total_ms, row.ttft_ms, generated)
         if latency is not None:  # the two primary metrics stay paired request by request
-            tokens_per_step = generated / steps if steps > 0 else 1.0
+            tokens_per_step = speculation_math.tokens_per_step(generated, steps)
             self.timed += 1
             self.tokens_per_step_sum += tokens_per_step
             self.ms_per_token_sum += latency
@@ -128,7 +128,7 @@ class ArmTally:
             mean_tokens_per_step = tokens_per_step.mean
         else:
             steps, generated = int(agg.verify_steps), int(agg.generated_tokens)
-            mean_tokens_per_step = generated / steps if steps > 0 else 1.0
+            mean_tokens_per_step = speculation_math.tokens_per_step(generated, steps)
         self.timed += timed
         self.tokens_per_step_sum += tokens_per_step_sums[1] + zero_latency * mean_tokens_per_step
         self.ms_per_token_sum += latency_sums[1]  # zero-latency requests add nothing here
@@ -161,7 +161,7 @@ class ArmTally:
 
     @property
     def hit_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
+        return speculation_math.hit_rate(self.accepted, self.drafted)
 
     def hit_rate_spread(self) -> tuple[float | None, float | None]:
         """Standard error and design effect of the pooled hit rate, as

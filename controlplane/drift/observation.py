@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from controlplane import speculation_math
+
 
 @dataclass(frozen=True, slots=True)
 class RequestObservation:
@@ -80,6 +82,6 @@ class RequestObservation:
         return (out + [0] * n_positions)[:n_positions]
 
     @property
-    def hit_rate(self) -> float:
-        """Accepted over drafted tokens (NaN for a request that drafted nothing)."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else float("nan")
+    def hit_rate(self) -> float | None:
+        """Accepted over drafted tokens (None for a request that drafted nothing)."""
+        return speculation_math.hit_rate(self.accepted_tokens, self.drafted_tokens)

@@ -35,7 +35,7 @@ import orjson
 from ddsketch import DDSketch
 
 from controlplane.ingest.record import AcceptanceRecord
-from controlplane.speculation_math import ms_per_token
+from controlplane.speculation_math import ms_per_token, tokens_per_step
 
 FORMAT = "edge-window/v1"
 SKETCH_RELATIVE_ACCURACY = 0.01
@@ -250,7 +250,7 @@ class WindowAccumulator:
         if generated > 0:
             latency = ms_per_token(record.inter_token_ms, record.total_ms, record.ttft_ms, generated)
             if latency is not None:
-                tps = generated / record.verify_steps if record.verify_steps > 0 else 1.0
+                tps = tokens_per_step(generated, record.verify_steps)
                 agg.timed_requests += 1
                 if tps > 0 and latency > 0:
                     for sums, value in ((agg.tokens_per_step, tps), (agg.ms_per_token, latency)):

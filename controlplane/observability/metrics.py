@@ -48,6 +48,7 @@ from controlplane.drafters.service import active_drafter
 from controlplane.ingest.service import fold_before_reading, quarantined_counts
 from controlplane.loop.drift import monitor_status
 from controlplane.speculation_check.metrics import speculation_families
+from controlplane.speculation_math import hit_rate, mean_accepted_length
 from controlplane.timestamps import as_utc
 
 DAY = 86400
@@ -205,14 +206,16 @@ def _acceptance_recent(session: Session, account: str, names: dict[int, str], no
         sums[0] += int(draft or 0)
         sums[1] += int(accept or 0)
         sums[2] += int(steps or 0)
-        if draft:
-            by_category.add_metric([account, names[deployment_id], arm, category], accept / draft)
+        category_rate = hit_rate(int(accept or 0), int(draft or 0))
+        if category_rate is not None:
+            by_category.add_metric([account, names[deployment_id], arm, category], category_rate)
     for (deployment_id, arm), (draft, accept, steps) in per_arm.items():
         key = [account, names[deployment_id], arm]
-        if draft:
-            hit.add_metric(key, accept / draft)
-        if steps:
-            length.add_metric(key, 1 + accept / steps)
+        rate, accepted_length = hit_rate(accept, draft), mean_accepted_length(accept, steps)
+        if rate is not None:
+            hit.add_metric(key, rate)
+        if accepted_length is not None:
+            length.add_metric(key, accepted_length)
     return [hit, length, by_category]
 
 

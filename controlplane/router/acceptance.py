@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from controlplane.ingest.formats import NATIVE_FIELDS, BatchValidationError, parse_record
 from controlplane.ingest.record import AcceptanceRecord
+from controlplane.speculation_math import ms_per_token
 from controlplane.traces.chat_template import render_chat
 
 # Substrings of an SSE event that may carry acceptance or usage; other events are not decoded.
@@ -213,9 +214,8 @@ def acceptance_of(
     generated = record.generated_tokens
     record.ttft_ms = ttft_ms
     record.total_ms = total_ms
-    record.inter_token_ms = (
-        (total_ms - ttft_ms) / (generated - 1) if ttft_ms is not None and generated > 1 else None
-    )
+    # Measured here, so the record carries it: the decode time per token (TTFT left out).
+    record.inter_token_ms = ms_per_token(None, total_ms, ttft_ms, generated) if ttft_ms is not None else None
     record.created_at = finished_at or datetime.now(UTC)
     return record
 

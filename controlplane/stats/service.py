@@ -38,6 +38,7 @@ from controlplane.ingest.rollups import (
     row_percentiles,
 )
 from controlplane.ingest.service import fold_before_reading, quarantined_counts
+from controlplane.speculation_math import hit_rate, mean_accepted_length, ms_per_token, speedup
 from controlplane.timestamps import as_utc
 
 MAX_BUCKETS = 10_000
@@ -99,8 +100,8 @@ def summarise(sums: BucketSums, *, bucket_seconds: int) -> dict[str, Any]:
         "accepted_tokens": sums.accepted_tokens,
         "verify_steps": sums.verify_steps,
         "generated_tokens": sums.generated_tokens,
-        "hit_rate": _ratio(sums.accepted_tokens, sums.drafted_tokens),
-        "mean_accepted_length": (1 + sums.accepted_tokens / sums.verify_steps) if sums.verify_steps else None,
+        "hit_rate": hit_rate(sums.accepted_tokens, sums.drafted_tokens),
+        "mean_accepted_length": mean_accepted_length(sums.accepted_tokens, sums.verify_steps),
         "per_position_acceptance": [_ratio(c, sums.verify_steps) for c in positions],
         "per_position_conditional_acceptance": conditional,
         "inter_token_latency_ms_p50": it50,
@@ -460,8 +461,9 @@ class _CategorySums:
             added = float(value) if name == "total_ms_sum" else int(value)
             setattr(self, name, getattr(self, name) + added)
 
-    def ms_per_token(self) -> float | None:
-        return _ratio(self.total_ms_sum, self.generated_tokens)
+    def wall_ms_per_token(self) -> float | None:
+        # The rollups keep no TTFT sum, so this is wall time per token, TTFT included.
+        return ms_per_token(None, self.total_ms_sum, None, self.generated_tokens, include_ttft=True)
 
 
 def category_figures(
@@ -476,10 +478,11 @@ def category_figures(
     """Each category's figures over the rows of ``blocks``, most requests first.
 
     The counts and ratios are those of the records the arm and drafter-version filters keep.
-    ``speedup_vs_no_speculation`` compares their speculating arms' milliseconds per generated
-    token with the no-speculation arm's (``baseline``, whatever the filters) in the same category
-    and range: the standing no-speculation share makes it a like-for-like figure; None where
-    either side has no timed tokens. Records without a category are listed under "".
+    ``speedup_vs_no_speculation`` compares their speculating arms' wall milliseconds per generated
+    token (TTFT included: the rollups sum no TTFT) with the no-speculation arm's (``baseline``,
+    whatever the filters) in the same category and range: the standing no-speculation share makes
+    it a like-for-like figure; None where either side has no timed tokens. Records without a
+    category are listed under "".
     """
     if not blocks:
         return []
@@ -514,8 +517,8 @@ def category_figures(
     for name, sums in kept.items():
         spec = speculating.get(name)
         plain = baseline.get(name)
-        spec_ms = spec.ms_per_token() if spec else None
-        plain_ms = plain.ms_per_token() if plain else None
+        spec_ms = spec.wall_ms_per_token() if spec else None
+        plain_ms = plain.wall_ms_per_token() if plain else None
         figures.append(
             {
                 "category": name,
@@ -523,13 +526,11 @@ def category_figures(
                 "drafted_tokens": sums.drafted_tokens,
                 "accepted_tokens": sums.accepted_tokens,
                 "generated_tokens": sums.generated_tokens,
-                "hit_rate": _ratio(sums.accepted_tokens, sums.drafted_tokens),
-                "mean_accepted_length": (1 + sums.accepted_tokens / sums.verify_steps)
-                if sums.verify_steps
-                else None,
+                "hit_rate": hit_rate(sums.accepted_tokens, sums.drafted_tokens),
+                "mean_accepted_length": mean_accepted_length(sums.accepted_tokens, sums.verify_steps),
                 "decode_tokens_per_s": _ratio(sums.generated_tokens * 1000.0, sums.total_ms_sum),
                 "no_speculation_requests": plain.requests if plain else 0,
-                "speedup_vs_no_speculation": _ratio(plain_ms, spec_ms) if plain_ms and spec_ms else None,
+                "speedup_vs_no_speculation": speedup(plain_ms, spec_ms),
             }
         )
     figures.sort(key=lambda f: (-f["requests"], f["category"]))
