@@ -25,7 +25,7 @@ from controlplane.ingest.formats.replies import _baseline, _build, _envelope, _o
 from controlplane.ingest.record import ARM_BASELINE, AcceptanceRecord
 
 _FW_HEADER_PREFIX: Final = "fireworks-"
-
+# Any one of these at the top of a record makes it a bare perf-metrics body (no perf_metrics key).
 _FIREWORKS_BARE_KEYS: Final = frozenset(
     {
         "speculation-acceptance",
