@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from controlplane.ingest.record import AcceptanceRecord
+from controlplane.speculation_math import hit_rate, mean_accepted_length, ms_per_token
 
 PERCENTILES: Final = (50, 90, 95, 99)
 JSONL_NAME: Final = "profile_export.jsonl"
@@ -138,9 +139,10 @@ def stats(values: Sequence[float], unit: str) -> dict[str, Any]:
 
 def inter_token_latency_ms(first_token_ns: int, last_token_ns: int, output_tokens: int) -> float | None:
     """AIPerf's per-request ITL: (last token time - first token time) / (tokens - 1), in ms."""
-    if output_tokens < 2 or last_token_ns < first_token_ns:
+    if last_token_ns < first_token_ns:
         return None
-    return (last_token_ns - first_token_ns) / 1e6 / (output_tokens - 1)
+    # The decode time (first token to last) over the tokens after the first: TTFT is left out.
+    return ms_per_token(None, (last_token_ns - first_token_ns) / 1e6, None, output_tokens)
 
 
 def acceptance_histogram(accepted_per_position: Sequence[int], verify_steps: int) -> list[int]:
@@ -210,6 +212,11 @@ class RequestRecord:
         return self.acceptance is not None and self.acceptance.drafted_tokens > 0
 
 
+def _percent(rate: float | None) -> float | None:
+    """A rate in AIPerf's "%" unit (the one place a rate is multiplied by 100)."""
+    return 100.0 * rate if rate is not None else None
+
+
 def _metric(value: float | int | None, unit: str) -> dict[str, Any] | None:
     return None if value is None else {"value": value, "unit": unit}
 
@@ -218,8 +225,8 @@ def spec_decode_record_metrics(acc: AcceptanceRecord) -> dict[str, float | int |
     """AIPerf's spec-decode record metrics of one request that drafted (None where undefined)."""
     steps, accepted, drafted = acc.verify_steps, acc.accepted_tokens, acc.drafted_tokens
     return {
-        "spec_decode_acceptance_length": 1.0 + accepted / steps if steps else None,
-        "spec_decode_draft_acceptance_rate": 100.0 * accepted / drafted if drafted else None,
+        "spec_decode_acceptance_length": mean_accepted_length(accepted, steps),
+        "spec_decode_draft_acceptance_rate": _percent(hit_rate(accepted, drafted)),
         "spec_decode_accepted_per_verified": (accepted + steps) / (drafted + steps)
         if drafted + steps
         else None,
@@ -251,8 +258,8 @@ def spec_decode_acceptance(acc: AcceptanceRecord, engine: str | None) -> dict[st
     hist = acceptance_histogram(acc.accepted_per_position, steps)
     return {
         "engine": engine,
-        "mean_acceptance_length": 1.0 + acc.accepted_tokens / steps if steps else None,
-        "draft_acceptance_rate": acc.accepted_tokens / acc.drafted_tokens if acc.drafted_tokens else None,
+        "mean_acceptance_length": mean_accepted_length(acc.accepted_tokens, steps),
+        "draft_acceptance_rate": hit_rate(acc.accepted_tokens, acc.drafted_tokens),
         "acceptance_histogram": {str(j): c for j, c in enumerate(hist)},
         "num_accepted_draft_tokens": acc.accepted_tokens,
         "num_draft_tokens": acc.drafted_tokens,
@@ -368,11 +375,11 @@ def pooled_acceptance(accs: Sequence[AcceptanceRecord]) -> dict[str, Any]:
         "total_draft_tokens": {"unit": "tokens", "avg": drafted},
         "spec_decode_overall_draft_acceptance_rate": {
             "unit": "%",
-            "avg": 100.0 * accepted / drafted if drafted else None,
+            "avg": _percent(hit_rate(accepted, drafted)),
         },
         "spec_decode_token_weighted_acceptance_length": {
             "unit": "ratio",
-            "avg": 1.0 + accepted / steps if steps else None,
+            "avg": mean_accepted_length(accepted, steps),
         },
         "spec_decode_per_position_acceptance_rates": [c / steps if steps else 0.0 for c in positions],
         "spec_decode_accepted_per_position": positions,

@@ -52,6 +52,7 @@ from controlplane.accounts.service import first_account, issue_key
 from controlplane.config import Settings, get_settings
 from controlplane.db.models import Role
 from controlplane.db.session import unit_of_work
+from controlplane.speculation_math import hit_rate, ms_per_token, speedup
 from controlplane.supervisor import (
     Supervisor,
     SupervisorError,
@@ -260,8 +261,12 @@ class Watcher(threading.Thread):
             self.observed.drift_event = event
             self._once(
                 "drift",
-                f"drift detected: hit rate {event.get('baseline_rate') or 0:.1%} -> "
-                f"{event.get('current_rate') or 0:.1%} (event {event.get('event_id', event.get('id'))})",
+                # The detector's rates: accepted over tried draft positions (a position is tried
+                # only after the one before it was accepted), higher than the hit rate the tables
+                # show (accepted over drafted).
+                f"drift detected: per-position acceptance {_pct(event.get('baseline_rate'))} -> "
+                f"{_pct(event.get('current_rate'))} (the detector's conditional rate, not the hit rate; "
+                f"event {event.get('event_id', event.get('id'))})",
             )
         jobs = [j for j in self.api.of("/jobs")["jobs"] if j["kind"] == "realign"]
         if jobs:
@@ -622,26 +627,30 @@ def probe_heldout(
             domain = counts.setdefault(request.domain, [0, 0])
             domain[0] += measured["live"][2]
             domain[1] += measured["live"][3]
-            if measured["live"][1] and measured["baseline"][1]:
-                ratios.append(
-                    (measured["baseline"][0] / measured["baseline"][1])
-                    / (measured["live"][0] / measured["live"][1])
-                )
-    ms = {arm: 1000.0 * latency[arm] / tokens[arm] if tokens[arm] else None for arm in arms}
+            (baseline_s, baseline_tokens, _, _), (live_s, live_tokens, _, _) = (
+                measured["baseline"],
+                measured["live"],
+            )
+            pair = speedup(
+                _wall_ms_per_token(baseline_s, baseline_tokens), _wall_ms_per_token(live_s, live_tokens)
+            )
+            if pair is not None:
+                ratios.append(pair)
+    ms = {arm: _wall_ms_per_token(latency[arm], tokens[arm]) for arm in arms}
     accepted = sum(a for a, _ in counts.values())
     drafted = sum(d for _, d in counts.values())
     ratios.sort()
     return {
         "pairs": pairs,
         "planned": PAIRED_WARMUP_PAIRS + pairs,
-        "hit_rate": accepted / drafted if drafted else None,
+        "hit_rate": hit_rate(accepted, drafted),
         "by_domain": {
-            d: {"hit_rate": a / n if n else None, "accepted_tokens": a, "drafted_tokens": n}
+            d: {"hit_rate": hit_rate(a, n), "accepted_tokens": a, "drafted_tokens": n}
             for d, (a, n) in sorted(counts.items())
         },
         "per_prompt": per_prompt,
         "ms_per_token": ms,
-        "speedup_vs_nospec": _ratio(ms["baseline"], ms["live"]),
+        "speedup_vs_nospec": _speedup(ms["baseline"], ms["live"]),
         "per_pair_speedup_median": round(ratios[len(ratios) // 2], 3) if ratios else None,
         "per_pair_speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None,
         "heldout_prompt_overlap": ledger.figures(tally).heldout_prompt_overlap
@@ -665,8 +674,14 @@ def _drafter_label(knobs: dict[str, Any]) -> str:
     return "generic drafter" if knobs["draft_model"] else "no drafter yet"
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return round(num / den, 3) if num and den else None
+def _speedup(baseline_ms_per_token: float | None, ms: float | None) -> float | None:
+    value = speedup(baseline_ms_per_token, ms)
+    return round(value, 3) if value is not None else None
+
+
+def _wall_ms_per_token(seconds: float, tokens: int) -> float | None:
+    """Wall milliseconds per token of requests timed end to end by the client (TTFT included)."""
+    return ms_per_token(None, 1000.0 * seconds, None, tokens, include_ttft=True)
 
 
 def mix_label(phase: Phase) -> str:
@@ -689,7 +704,8 @@ def nospec_ms_per_token(report: PhaseReport, calibration: dict[str, PhaseReport]
             return None  # a domain never calibrated: no fair denominator
         weighted += cost * group.completion_tokens
         tokens += group.completion_tokens
-    return weighted / tokens if tokens else None
+    # The calibration's figures are wall time per token: weighted by tokens, they sum to wall time.
+    return ms_per_token(None, weighted, None, tokens, include_ttft=True)
 
 
 def _mixed(phases: list[Phase]) -> bool:
@@ -702,8 +718,7 @@ def _iso(epoch: float) -> str:
 
 def _ms_per_token(results: list[RequestResult]) -> float | None:
     ok = [r for r in results if r.ok]
-    tokens = sum(r.completion_tokens for r in ok)
-    return 1000.0 * sum(r.latency_s for r in ok) / tokens if tokens else None
+    return _wall_ms_per_token(sum(r.latency_s for r in ok), sum(r.completion_tokens for r in ok))
 
 
 def per_category_figures(
@@ -738,7 +753,7 @@ def per_category_figures(
             # The records the hit rate counts (those of the range's edge minutes included).
             "records": total["requests"],
             "drafted_tokens": total["drafted_tokens"],
-            "speedup_vs_nospec": _ratio(nospec.get(domain), ms_per_token),
+            "speedup_vs_nospec": _speedup(nospec.get(domain), ms_per_token),
         }
 
     def shifted(domain: str, arm: str) -> list[RequestResult]:
@@ -814,14 +829,14 @@ def _summary(
         "before_shift": {
             "what": f"{_drafter_label(knobs)} on {home_traffic}",
             **_stage(before),
-            "speedup_vs_nospec": _ratio(nospec_ms_per_token(before, calibration), before.ms_per_token),
+            "speedup_vs_nospec": _speedup(nospec_ms_per_token(before, calibration), before.ms_per_token),
         },
         "after_shift_stale": {
             "what": f"generic (stale) drafter on {shifted_traffic}",
             "hit_rate": stale_live.hit_rate if stale_live else None,
             "requests": stale_live.requests if stale_live else 0,
             "ms_per_token": incumbent.get("ms_per_token"),
-            "speedup_vs_nospec": _ratio(baseline.get("ms_per_token"), incumbent.get("ms_per_token")),
+            "speedup_vs_nospec": _speedup(baseline.get("ms_per_token"), incumbent.get("ms_per_token")),
             "source": "canary live split (interleaved arms)",
         },
         "after_realignment": {
@@ -829,14 +844,14 @@ def _summary(
             "hit_rate": candidate.get("hit_rate"),
             "requests": candidate.get("requests"),
             "ms_per_token": candidate.get("ms_per_token"),
-            "speedup_vs_nospec": _ratio(baseline.get("ms_per_token"), candidate.get("ms_per_token")),
-            "speedup_vs_stale": _ratio(incumbent.get("ms_per_token"), candidate.get("ms_per_token")),
+            "speedup_vs_nospec": _speedup(baseline.get("ms_per_token"), candidate.get("ms_per_token")),
+            "speedup_vs_stale": _speedup(incumbent.get("ms_per_token"), candidate.get("ms_per_token")),
             "source": "canary live split (interleaved arms)",
         },
         "after_promotion_live": {
             "what": f"promoted drafter serving all traffic ({after_traffic})",
             **_stage(after),
-            "speedup_vs_nospec": _ratio(
+            "speedup_vs_nospec": _speedup(
                 nospec_ms_per_token(after, calibration) if after else None,
                 after.ms_per_token if after else None,
             ),

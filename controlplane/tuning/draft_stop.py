@@ -175,7 +175,7 @@ class DraftStopPlan:
         }
 
 
-def _speedup(
+def _per_round(
     drafted: float, accepted: float, rounds: int, cost_ratio: float, costs: Mapping[int, float]
 ) -> tuple[float, float, float]:
     """(tokens per round, cost per round, speed-up) for summed counts over ``rounds``."""
@@ -219,7 +219,7 @@ def plan_draft_stop(
 
     if counts.rounds == 0:
         return plan(reference, "no drafting rounds counted", 1.0, ())
-    ref_tokens, ref_cost, ref_speedup = _speedup(
+    ref_tokens, ref_cost, ref_speedup = _per_round(
         counts.reference_drafted, counts.reference_accepted, counts.rounds, cost_ratio, costs
     )
     rows = [
@@ -238,12 +238,12 @@ def plan_draft_stop(
     for t, drafted, accepted in zip(counts.thresholds, counts.drafted, counts.accepted, strict=True):
         if t == reference:
             continue  # the reference row already is this threshold
-        tokens, cost, speedup = _speedup(drafted, accepted, counts.rounds, cost_ratio, costs)
+        tokens, cost, speedup = _per_round(drafted, accepted, counts.rounds, cost_ratio, costs)
         lost = counts.reference_accepted - accepted
         saved = counts.reference_drafted - drafted
         lost_high = lost + z * math.sqrt(lost) + z * z
         saved_low = max(0.0, saved - z * math.sqrt(saved))
-        pessimistic = _speedup(
+        pessimistic = _per_round(
             counts.reference_drafted - saved_low,
             max(0.0, counts.reference_accepted - lost_high),
             counts.rounds,

@@ -60,6 +60,13 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from controlplane.speculation_math import (
+    hit_rate,
+    leviathan_speedup,
+    mean_accepted_length,
+    ms_per_token,
+    speedup,
+)
 from workers.devices import autocast_for
 from workers.engine.decoder import GenerationResult, SpeculativeDecoder
 from workers.engine.metrics import RequestMetrics
@@ -193,12 +200,12 @@ class ReplayResult:
 
     def speedup(self, arm: str, over: str) -> float:
         """Aggregate tokens/s of ``arm`` over ``over`` (same prompts, same output tokens)."""
-        return self.arms[arm].tokens_per_s / self.arms[over].tokens_per_s
+        return _times_faster(self.arms[over].tokens_per_s, self.arms[arm].tokens_per_s)
 
     def paired_speedup(self, arm: str, over: str) -> float:
         """Median over prompts of over's latency per token / arm's: robust to drift between prompts."""
         pairs = zip(self.per_prompt[over]["ms_per_token"], self.per_prompt[arm]["ms_per_token"], strict=True)
-        ratios = [a / b for a, b in pairs if a is not None and b]
+        ratios = [r for a, b in pairs if (r := speedup(a, b)) is not None]
         return statistics.median(ratios) if ratios else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
@@ -616,15 +623,21 @@ def _check_ceiling_arm(arms: Mapping[str, ArmSpec], of: str, greedy: bool) -> Tr
 def analytic_ceiling(k: int, cost_ratio: float, verify_cost: float) -> float:
     """Leviathan et al.'s speed-up at acceptance 1: k + 1 tokens per round for one verify pass of
     k + 1 tokens (``verify_cost`` one-token steps) and k drafter steps (``cost_ratio`` each)."""
-    return (k + 1) / (verify_cost + k * cost_ratio)
+    return leviathan_speedup(1.0, k, cost_ratio, verify_cost)
+
+
+def _times_faster(baseline_tokens_per_s: float, tokens_per_s: float) -> float:
+    """How many times faster a rate is than the baseline's; NaN where either arm timed nothing."""
+    value = speedup(baseline_tokens_per_s, tokens_per_s, higher_is_faster=True)
+    return value if value is not None else float("nan")
 
 
 def _decode_ms_per_token(figures: Mapping[str, list[float | None]], i: int) -> float | None:
     """One prompt's time after the first token per token after it (None with fewer than 2 tokens)."""
     per_token, ttft, tokens = (figures[f][i] for f in ("ms_per_token", "ttft_ms", "generated_tokens"))
-    if per_token is None or ttft is None or tokens is None or tokens < 2:
+    if per_token is None or ttft is None or tokens is None:
         return None
-    return (per_token * tokens - ttft) / (tokens - 1)
+    return ms_per_token(None, per_token * tokens, ttft, int(tokens))
 
 
 def _ceiling_report(
@@ -637,8 +650,8 @@ def _ceiling_report(
 ) -> CeilingReport:
     base = reports[BASELINE]
     speculating = [n for n, r in reports.items() if r.speculative]
-    decode = {n: reports[n].decode_tokens_per_s / base.decode_tokens_per_s for n in speculating}
-    with_prefill = {n: reports[n].tokens_per_s / base.tokens_per_s for n in speculating}
+    decode = {n: _times_faster(base.decode_tokens_per_s, reports[n].decode_tokens_per_s) for n in speculating}
+    with_prefill = {n: _times_faster(base.tokens_per_s, reports[n].tokens_per_s) for n in speculating}
     ceiling = decode[NEVER_MISSING]
     paired = [
         nm / arm
@@ -721,7 +734,8 @@ def _summarise(
             decode_tokens += m.generated_tokens - 1
         tps = m.mean_accepted_length if m.verify_steps else 1.0
         figures["tokens_per_step"].append(tps)
-        figures["ms_per_token"].append(total / m.generated_tokens if m.generated_tokens else None)
+        # Wall time per token, TTFT included: a drafter that slowed the prefill must not look faster.
+        figures["ms_per_token"].append(ms_per_token(None, total, ttft, m.generated_tokens, include_ttft=True))
         figures["ttft_ms"].append(ttft)
         figures["inter_token_ms"].append(itl)
         figures["tokens_per_s"].append(1000.0 * m.generated_tokens / total if total else None)
@@ -745,10 +759,10 @@ def _summarise(
         verify_steps=steps,
         accepted_per_position=acc_pos,
         drafted_per_position=drf_pos,
-        hit_rate=accepted / drafted if drafted else None,
+        hit_rate=hit_rate(accepted, drafted),
         per_position_acceptance=[a / d if d else 0.0 for a, d in zip(acc_pos, drf_pos, strict=True)],
         conditional_acceptance=conditional,
-        mean_accepted_length=1.0 + accepted / steps if steps else 1.0,
+        mean_accepted_length=mean_accepted_length(accepted, steps) or 1.0,
         tokens_per_s=1000.0 * generated / total_ms if total_ms else 0.0,
         decode_tokens_per_s=1000.0 * decode_tokens / decode_ms if decode_ms else 0.0,
         ttft_ms_p50=_quantile(ttfts, 0.5),

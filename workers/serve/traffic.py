@@ -85,6 +85,7 @@ from typing import Any
 
 import httpx
 
+from controlplane import speculation_math
 from controlplane.traces.holdout import prompt_hash
 from workers import corpora
 from workers.engine.stop_strings import parse_stop
@@ -366,7 +367,7 @@ class RequestResult:
 
     @property
     def hit_rate(self) -> float | None:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+        return speculation_math.hit_rate(self.accepted_tokens, self.drafted_tokens)
 
 
 @dataclass
@@ -423,8 +424,9 @@ def _group(results: list[RequestResult]) -> Group:
     return Group(
         requests=len(results),
         errors=len(results) - len(ok),
-        hit_rate=accepted / drafted if drafted else None,
-        ms_per_token=1000.0 * latency / tokens if tokens else None,
+        hit_rate=speculation_math.hit_rate(accepted, drafted),
+        # The client times each request end to end: wall time per token, TTFT included.
+        ms_per_token=speculation_math.ms_per_token(None, 1000.0 * latency, None, tokens, include_ttft=True),
         drafted_tokens=drafted,
         accepted_tokens=accepted,
         completion_tokens=tokens,
