@@ -80,7 +80,8 @@ def test_formula_places_follow_the_documented_rule(tmp_path: Path) -> None:
         "workers/more.py",
         "def decode(total_ms, generated_tokens):\n    return total_ms / generated_tokens\n",
     )
-    write(tmp_path, "loadbench/ignored.py", "def speedup(a, b):\n    return a / b\n")
+    write(tmp_path, "loadbench/client.py", "def speedup(a, b):\n    return a / b\n")
+    write(tmp_path, "bench/ignored.py", "def speedup(a, b):\n    return a / b\n")
     places = {figure: [str(place) for place in found] for figure, found in formula_places(tmp_path).items()}
     assert places["ms_per_token"] == [
         "controlplane/figures.py:2,3 (ms_per_token)",
@@ -92,7 +93,32 @@ def test_formula_places_follow_the_documented_rule(tmp_path: Path) -> None:
         "controlplane/figures.py:6 (arm)",
         "controlplane/figures.py:18,19 (Report.speedup)",
         "controlplane/figures.py:22 (ceiling)",
+        "loadbench/client.py:1,2 (speedup)",
     ]
+
+
+COSTS_AND_LATENCIES = """
+def in_situ(rep, step):
+    propose_per_token = rep.propose_ms_per_step * rep.verify_steps / rep.drafted_tokens
+    return propose_per_token / step
+
+def _target_seconds_per_token(elapsed, rows):
+    return elapsed / len(rows.ids[0])
+
+def engine(metrics, t_end, t_first):
+    metrics.inter_token_ms = (t_end - t_first) * 1000.0 / (metrics.generated_tokens - 1)
+
+def itl(first_ns, last_ns, tokens):
+    return ms_per_token(None, (last_ns - first_ns) / 1e6, None, tokens)
+"""
+
+
+def test_component_costs_and_unit_conversions_are_not_ms_per_token_but_itl_is(tmp_path: Path) -> None:
+    write(tmp_path, "workers/costs.py", COSTS_AND_LATENCIES)
+    places = [str(place) for place in formula_places(tmp_path)["ms_per_token"]]
+    # The drafter's time per drafted token and the target's per row token are step costs; the
+    # last function only converts ns to ms before calling the definition.
+    assert places == ["workers/costs.py:10 (engine)"]
 
 
 def test_problems_are_counted_from_a_checks_message() -> None:
