@@ -798,8 +798,8 @@ def guardrail_check(
                 )
             )
 
-    if drafted_tokens > 0 and verify_steps >= limits.min_verify_steps:
-        hit_rate = accepted_tokens / drafted_tokens
+    hit_rate = speculation_math.hit_rate(accepted_tokens, drafted_tokens)
+    if hit_rate is not None and verify_steps >= limits.min_verify_steps:
         if hit_rate > limits.suspicious_hit_rate:
             figures = {
                 "hit_rate": hit_rate,
@@ -951,7 +951,7 @@ def rollback_check(
             "p_value": p_value,
         }
     )
-    live = live_accepted / live_drafted
+    live = figures["live_hit_rate"]  # live_drafted > 0 here
     if log_evidence >= math.log(1.0 / alpha):
         reason = (
             f"live hit rate {live:.3f} over {n_requests} requests is significantly below the canary's "
