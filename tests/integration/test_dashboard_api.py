@@ -13,7 +13,8 @@ from sqlalchemy import select
 from controlplane.audit.service import record_change
 from controlplane.dashboard.routes import CONTENT_SECURITY_POLICY
 from controlplane.dashboard.service import RANGES
-from controlplane.db.models import Account
+from controlplane.db.models import Account, Canary
+from controlplane.speculation_math import ASSUMED_DRAFTER_COST_RATIO
 from tests.conftest import TEST_SECRET, Database
 from tests.e2e.dashboard_seed import CANARY_START, SHIFT_AT, SeededHistory, seed_loop_history
 
@@ -143,6 +144,30 @@ def test_overview_canaries_promotions_and_jobs(
     assert {j["deployment"] for j in jobs} == {seeded.deployment, seeded.idle_deployment}
     running = next(j for j in jobs if j["id"] == seeded.running_job_id)
     assert any("started" in line for line in running["log"])
+
+
+def test_overview_estimate_uses_the_measured_drafter_cost_once_a_shadow_replay_has_one(
+    client: TestClient, seeded: SeededHistory, db: Database
+) -> None:
+    def chat_row() -> dict:  # type: ignore[type-arg]
+        rows = _get(client, seeded, "/overview")["deployments"]
+        return next(row for row in rows if row["deployment_id"] == seeded.deployment)
+
+    assumed = chat_row()
+    assert assumed["draft_cost_ratio"] == ASSUMED_DRAFTER_COST_RATIO
+    assert assumed["draft_cost_source"].startswith("default")
+    session = db.new_session()
+    canary = session.get(Canary, seeded.canary_id)
+    assert canary is not None
+    canary.arms = {**(canary.arms or {}), "shadow": {"costs": {"cost_ratio": 0.3}}}
+    session.commit()
+    session.close()
+    measured = chat_row()
+    assert measured["draft_cost_ratio"] == 0.3
+    assert measured["draft_cost_source"] == f"canary {seeded.canary_id} shadow replay"
+    # A dearer drafter at the same hit rate and k: a smaller expected speed-up.
+    assert measured["hit_rate"] == assumed["hit_rate"]
+    assert measured["speedup_estimate"] < assumed["speedup_estimate"]
 
 
 def test_pages_need_no_key_carry_no_data_and_load_nothing_from_elsewhere(client: TestClient) -> None:
