@@ -18,8 +18,8 @@ Conventions, once for all:
 from __future__ import annotations
 
 # Drafter step time / target step time where nothing measured one yet (no shadow replay). An
-# assumption, not a measurement: FEASIBILITY.md measured 0.07 for a 0.9M drafter against a 12M
-# target on the reference setup, and a small drafter of a large target costs about that.
+# assumption, not a measurement of the deployment: the reference pair's small drafter measured
+# about this (0.07 for a 0.9M drafter against a 12M target; docs/results.md's first drafter 0.075).
 ASSUMED_DRAFTER_COST_RATIO = 0.07
 
 
