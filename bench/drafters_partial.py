@@ -125,6 +125,7 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
         "shift_to_promotion_s": summary.get("shift_to_promotion_s"),
         "detection_delay_requests": summary.get("detection_delay_requests"),
         "decision": summary.get("decision"),
+        "decision_reason": summary.get("decision_reason"),
         "chosen_k": summary.get("chosen_k"),
         "stages": {name: stage.get("what") for name, stage in (summary.get("stages") or {}).items()},
     }
