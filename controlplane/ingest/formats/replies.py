@@ -280,9 +280,18 @@ def _first_choice(rec: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _spec_counts(
-    sd: dict[str, Any], p: str, drafted_key: str, accepted_key: str, errs: _Errs
-) -> tuple[_Names, int | None, int | None, int | None, int | None, list[int] | None]:
+class _SpecCounts(NamedTuple):
+    """A reply's acceptance totals, its field names for problems, and its histogram (if sent)."""
+
+    names: _Names
+    steps: int | None
+    accepted: int | None
+    drafted: int | None
+    k: int | None
+    hist: list[int] | None
+
+
+def _spec_counts(sd: dict[str, Any], p: str, drafted_key: str, accepted_key: str, errs: _Errs) -> _SpecCounts:
     """Totals and the acceptance histogram that vLLM and TensorRT-LLM report alike (only the
     names of the two totals differ); an inconsistent histogram is reported and dropped."""
     names = _Names(
@@ -299,4 +308,39 @@ def _spec_counts(
             hist, steps, accepted, k, f"{p}acceptance_histogram", names, errs
         ):
             hist = None  # already reported; deriving positions from it would only repeat the problem
-    return names, steps, accepted, drafted, k, hist
+    return _SpecCounts(names, steps, accepted, drafted, k, hist)
+
+
+def _build_spec(
+    env: _Envelope | None,
+    errs: _Errs,
+    counts: _SpecCounts,
+    *,
+    generated: int | None,
+    prompt_tokens: int | None,
+    positions: list[int] | None = None,
+    ttft_ms: float | None = None,
+    inter_token_ms: float | None = None,
+    total_ms: float | None = None,
+) -> AcceptanceRecord | None:
+    """``_build`` from a reply's counts; unless given, per-position counts come from the
+    histogram, as wide as k (or, without k, as the histogram is deep)."""
+    if positions is None:
+        hist, k = counts.hist, counts.k
+        width = k if k is not None else (len(hist) - 1 if hist else 0)
+        positions = _positions_from_histogram(hist, width) if hist else []
+    return _build(
+        env,
+        errs,
+        counts.names,
+        drafted=counts.drafted,
+        accepted=counts.accepted,
+        steps=counts.steps,
+        generated=generated,
+        positions=positions,
+        k=counts.k,
+        prompt_tokens=prompt_tokens,
+        ttft_ms=ttft_ms,
+        inter_token_ms=inter_token_ms,
+        total_ms=total_ms,
+    )

@@ -22,7 +22,7 @@ from controlplane.ingest.formats.base import (
 )
 from controlplane.ingest.formats.replies import (
     _baseline,
-    _build,
+    _build_spec,
     _check_histogram,
     _envelope,
     _first_choice,
@@ -30,6 +30,7 @@ from controlplane.ingest.formats.replies import (
     _obj,
     _positions_from_histogram,
     _single_choice,
+    _SpecCounts,
     _trim,
     _usage,
 )
@@ -157,17 +158,20 @@ def _from_sglang(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
             if positions and _trim(direct) != _trim(positions):
                 errs.append((f"{p}spec_num_correct_drafts_by_position", f"disagrees with {hist_key}"))
             positions = direct
-    return _build(
+    return _build_spec(
         env,
         errs,
-        names._replace(positions=f"{p}{hist_key or 'spec_num_correct_drafts_by_position'}"),
-        drafted=drafted,
-        accepted=accepted,
-        steps=steps,
+        _SpecCounts(
+            names._replace(positions=f"{p}{hist_key or 'spec_num_correct_drafts_by_position'}"),
+            steps,
+            accepted,
+            drafted,
+            k,
+            hist,
+        ),
         generated=completion,
-        positions=positions,
-        k=k,
         prompt_tokens=prompt,
+        positions=positions,
         total_ms=total,
     )
 

@@ -12,11 +12,10 @@ from typing import Any, Final
 from controlplane.ingest.formats.base import _MISSING, FormatAdapter, _Errs
 from controlplane.ingest.formats.replies import (
     _baseline,
-    _build,
+    _build_spec,
     _envelope,
     _first_choice,
     _obj,
-    _positions_from_histogram,
     _single_choice,
     _spec_counts,
     _usage,
@@ -54,23 +53,8 @@ def _from_trtllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     if sd is None:
         return None
     p = f"{path}." if path else ""
-    names, steps, accepted, drafted, k, hist = _spec_counts(
-        sd, p, "total_draft_tokens", "total_accepted_draft_tokens", errs
-    )
-    width = k if k is not None else (len(hist) - 1 if hist else 0)
-    positions = _positions_from_histogram(hist, width) if hist else []
-    return _build(
-        env,
-        errs,
-        names,
-        drafted=drafted,
-        accepted=accepted,
-        steps=steps,
-        generated=completion,
-        positions=positions,
-        k=k,
-        prompt_tokens=prompt,
-    )
+    counts = _spec_counts(sd, p, "total_draft_tokens", "total_accepted_draft_tokens", errs)
+    return _build_spec(env, errs, counts, generated=completion, prompt_tokens=prompt)
 
 
 def _detects_trtllm(rec: dict[str, Any]) -> bool:

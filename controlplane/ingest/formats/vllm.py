@@ -21,13 +21,13 @@ from controlplane.ingest.formats.base import (
 )
 from controlplane.ingest.formats.replies import (
     _baseline,
-    _build,
+    _build_spec,
     _envelope,
     _first_choice,
     _obj,
-    _positions_from_histogram,
     _single_choice,
     _spec_counts,
+    _SpecCounts,
     _trim,
     _usage,
 )
@@ -126,18 +126,11 @@ def _from_vllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
     if by_length is not None and hist is not None:
         _vllm_by_length(by_length, hist, drafted, f"{p}acceptance_histogram_by_draft_length", names, errs)
 
-    width = k if k is not None else (len(hist) - 1 if hist else 0)
-    positions = _positions_from_histogram(hist, width) if hist else []
-    return _build(
+    return _build_spec(
         env,
         errs,
-        names,
-        drafted=drafted,
-        accepted=accepted,
-        steps=steps,
+        _SpecCounts(names, steps, accepted, drafted, k, hist),
         generated=completion,
-        positions=positions,
-        k=k,
         prompt_tokens=prompt,
         ttft_ms=ttft,
         inter_token_ms=itl,
