@@ -5,7 +5,8 @@ config takes, whether its events are delivered at all, the validation of those f
 config to store, what it draws anew each time it is set, its signing secret, how long one attempt
 may take, and the claim of one attempt from a delivery row. It also owns ``Attempt`` (one claimed
 attempt, read in a transaction and sent outside it, by the kind's own ``send``), ``Outcome``, and
-what the kinds share: the 422 naming a field, the candidate pool's ready timeout, the error tail.
+what the kinds share: ``DeliveringActuator`` (the base of the kinds that deliver), the 422
+naming a field, the candidate pool's ready timeout, the error tail.
 """
 
 from __future__ import annotations
@@ -76,6 +77,30 @@ class ActuatorKind(Protocol):
     ) -> Attempt | None:
         """The attempt that sends ``body`` for ``delivery`` (None: this kind is not configured to)."""
         ...
+
+
+class DeliveringActuator(ABC):
+    """What the kinds that deliver events share: a config of the kind's own target fields and the
+    candidate pool's ready timeout, checked first; no secret drawn or signed with unless the kind
+    says otherwise."""
+
+    name: str
+    fields: frozenset[str]
+    delivers = True
+
+    def validate(self, fields: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+        timeout = ready_timeout(fields.get("ready_timeout_s"))
+        return {"kind": self.name, **self.validate_target(fields, settings), "ready_timeout_s": timeout}
+
+    @abstractmethod
+    def validate_target(self, fields: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+        """The config's fields that say where events go; a 422 naming the field otherwise."""
+
+    def to_store(self, config: dict[str, Any]) -> dict[str, Any]:
+        return config
+
+    def signing_secret(self, deployment: Deployment, settings: Settings) -> str | None:
+        return None
 
 
 def problem(field: str, message: str) -> ValidationProblem:

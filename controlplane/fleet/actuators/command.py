@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from controlplane.config import Settings
 from controlplane.db.models import ActuatorDelivery, Deployment
-from controlplane.fleet.actuators.base import Attempt, Outcome, error_tail, problem, ready_timeout
+from controlplane.fleet.actuators.base import Attempt, DeliveringActuator, Outcome, error_tail, problem
 
 ACTUATOR_COMMAND: Final = "command"
 
@@ -41,26 +41,18 @@ class CommandAttempt(Attempt):
         return Outcome(False, done.returncode, stderr or f"command exited {done.returncode}")
 
 
-class CommandActuator:
+class CommandActuator(DeliveringActuator):
     name = ACTUATOR_COMMAND
     fields = frozenset({"kind", "command", "ready_timeout_s"})
-    delivers = True
 
-    def validate(self, fields: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
-        timeout = ready_timeout(fields.get("ready_timeout_s"))
+    def validate_target(self, fields: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
         # Only a name the operator configured: the API never takes a command line, since an API key
         # must not be able to run a program of its choosing on the control plane's hosts.
         name = fields.get("command")
         if not isinstance(name, str) or name not in settings.actuator_commands:
             configured = ", ".join(sorted(settings.actuator_commands)) or "none are configured"
             raise problem("command", f"must name a command the operator configured ({configured})")
-        return {"kind": self.name, "command": name, "ready_timeout_s": timeout}
-
-    def to_store(self, config: dict[str, Any]) -> dict[str, Any]:
-        return config
-
-    def signing_secret(self, deployment: Deployment, settings: Settings) -> str | None:
-        return None
+        return {"command": name}
 
     def attempt_timeout_s(self, settings: Settings) -> float:
         return settings.actuator_command_timeout_s

@@ -55,16 +55,39 @@ def set_actuator(
     config = kind.to_store(config)
     deployment.actuator = config["kind"]
     deployment.actuator_config = config
-    record_change(
+    record_actuator_change(
         session=session,
-        account_id=principal.account_id,
-        actor=principal.actor,
+        principal=principal,
+        deployment=deployment,
         action="actuator.update",
-        resource=f"{resource_name(principal.account_name, deployment.name)}/actuator",
+        under="actuator",
         before=before,
         after=actuator_view(deployment),
     )
     return {**actuator_view(deployment), "signing_secret": kind.signing_secret(deployment, settings)}
+
+
+def record_actuator_change(
+    *,
+    session: Session,
+    principal: Principal,
+    deployment: Deployment,
+    action: str,
+    under: str,
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> None:
+    """Audit a change to the deployment's actuator or its deliveries, ``under`` the deployment's
+    resource name, by ``principal``."""
+    record_change(
+        session=session,
+        account_id=principal.account_id,
+        actor=principal.actor,
+        action=action,
+        resource=f"{resource_name(principal.account_name, deployment.name)}/{under}",
+        before=before,
+        after=after,
+    )
 
 
 def ready_timeout_s(deployment: Deployment) -> int:

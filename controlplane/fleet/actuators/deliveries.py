@@ -13,14 +13,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.accounts.service import Principal
-from controlplane.audit.service import record_change
 from controlplane.config import Settings, get_settings
 from controlplane.db.models import Account, ActuatorDelivery, Canary, Deployment, DrafterVersion
 from controlplane.deployments.lookup import resource_name
 from controlplane.deployments.spec import DEFAULT_DRAFT_TOKEN_COUNT, speculation_of
 from controlplane.errors import NotFoundError
 from controlplane.fleet import payloads
-from controlplane.fleet.actuators.configuration import waits_for_pool
+from controlplane.fleet.actuators.configuration import record_actuator_change, waits_for_pool
 from controlplane.messaging import ACTUATOR_DELIVER, TaskMessage
 from controlplane.models.location import drafter_kind_of, location_of_version
 from controlplane.timestamps import as_utc, utcnow
@@ -147,12 +146,12 @@ def retry_delivery(
     delivery.attempts = 0
     delivery.next_attempt_at = utcnow()
     session.info.setdefault(_OUTBOX, []).append(delivery.id)
-    record_change(
+    record_actuator_change(
         session=session,
-        account_id=principal.account_id,
-        actor=principal.actor,
+        principal=principal,
+        deployment=deployment,
         action="delivery.retry",
-        resource=f"{resource_name(principal.account_name, deployment.name)}/deliveries/{delivery.id}",
+        under=f"deliveries/{delivery.id}",
         before=before,
         after={"state": delivery.state, "attempts": 0},
     )

@@ -19,7 +19,7 @@ import httpx
 from controlplane.config import Settings
 from controlplane.db.models import ActuatorDelivery, Deployment
 from controlplane.fleet import payloads
-from controlplane.fleet.actuators.base import Attempt, Outcome, error_tail, ready_timeout
+from controlplane.fleet.actuators.base import Attempt, DeliveringActuator, Outcome, error_tail
 from controlplane.fleet.backends import check_http_url
 
 ACTUATOR_WEBHOOK: Final = "webhook"
@@ -55,15 +55,12 @@ class WebhookAttempt(Attempt):
         return Outcome(False, status, error_tail(f"HTTP {status}: {response.text}"))
 
 
-class WebhookActuator:
+class WebhookActuator(DeliveringActuator):
     name = ACTUATOR_WEBHOOK
     fields = frozenset({"kind", "url", "ready_timeout_s"})
-    delivers = True
 
-    def validate(self, fields: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
-        timeout = ready_timeout(fields.get("ready_timeout_s"))
-        url = check_http_url(fields.get("url"), "url")
-        return {"kind": self.name, "url": url, "ready_timeout_s": timeout}
+    def validate_target(self, fields: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+        return {"url": check_http_url(fields.get("url"), "url")}
 
     def to_store(self, config: dict[str, Any]) -> dict[str, Any]:
         return {**config, "secret_nonce": secrets.token_hex(16)}
