@@ -5,7 +5,6 @@ a recorded reason once the deployment's GPU budget for the day is spent."""
 
 from __future__ import annotations
 
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from sqlalchemy import func, select
 
 from controlplane.adaptation.service import adapt_deployment
 from controlplane.app import create_app
-from controlplane.canary.evaluate import evaluate_deployment, record_shadow_result
+from controlplane.canary.evaluate import record_shadow_result
 from controlplane.canary.service import start_canary
 from controlplane.canary.shadow import claim_replay
 from controlplane.config import Settings
@@ -36,8 +35,9 @@ from controlplane.db.models import (
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.jobs.service import finish_job, start_job
 from controlplane.timestamps import utcnow
-from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant
+from tests.conftest import Database, Tenant, make_tenant
 from tests.fleet.canary_setup import arm_records, passing_shadow
+from tests.in_process import evaluate_canary, in_process_settings, post_native
 from tests.integration.test_recovery import _register_tiny, _tiny_models
 
 BASE = "/v1/accounts/acme/deployments/svc"
@@ -58,25 +58,12 @@ def _add_traces(sessions: Any, pk: int, n: int, start: int = 0) -> None:
         session.commit()
 
 
-def _post(client: TestClient, headers: dict[str, str], records: list[dict[str, Any]]) -> None:
-    reply = client.post(f"{BASE}/acceptance", json={"format": "native", "records": records}, headers=headers)
-    assert reply.status_code == 200, reply.text
-
-
 def _no_speculation(arm: str, n: int, *, ms: float, start: int) -> list[dict[str, Any]]:
     """Records of an arm that serves without a drafter (the live arm of a drafter-less deployment)."""
     return [
         {**r, "arm": arm, "request_id": f"{arm}-{start + i}"}
         for i, r in enumerate(arm_records("baseline", n, tps=1.0, ms=ms, hit=0.0, version=None, start=start))
     ]
-
-
-def _evaluate(sessions: Any, settings: Settings, pk: int) -> dict[str, Any]:
-    with sessions() as session:
-        outcome = evaluate_deployment(session=session, deployment_id=pk, settings=settings)
-        session.commit()
-    assert outcome is not None
-    return outcome
 
 
 def _adapt(sessions: Any, settings: Settings, pk: int) -> Any:
@@ -95,22 +82,17 @@ def test_a_deployment_without_a_drafter_gets_a_first_drafter_canaried_against_no
     import controlplane.canary.service
     import workers.tasks
 
-    path = tmp_path / "day0.db"
-    shutil.copy(sqlite_template, path)
-    url = f"sqlite:///{path}"
-    settings = Settings(
-        database_url=url,
-        environment="test",
-        secret_key=TEST_SECRET,
-        artifact_dir=tmp_path / "art",
-        artifact_cache_dir=tmp_path / "cache",
-        var_dir=tmp_path / "var",
+    settings = in_process_settings(
+        sqlite_template,
+        tmp_path,
+        "day0.db",
         model_roots=[_tiny_models(tmp_path / "models")],
         realign_time_budget_s=2,
         realign_min_traces=30,
         drift_enqueue_on_ingest=False,
         api_gc_freeze=False,
     )
+    url = settings.database_url
     monkeypatch.setattr(workers.tasks, "get_settings", lambda: settings)
     monkeypatch.setattr(controlplane.canary.service, "get_settings", lambda: settings)
     sent: list[Any] = []
@@ -183,14 +165,14 @@ def test_a_deployment_without_a_drafter_gets_a_first_drafter_canaried_against_no
         arms = {a["arm"]: a for a in config["arms"]}
         assert arms["live"]["speculation"] == "disabled" and arms["canary:1"]["drafter_version"] == 1
 
-        _post(
+        post_native(
             client,
             serving,
             _no_speculation("live", 480, ms=5.0, start=0)
             + arm_records("canary:1", 60, tps=3.0, ms=2.2, hit=0.6, version=1, start=1000)
             + _no_speculation("baseline", 60, ms=5.0, start=2000),
         )
-        decided = _evaluate(sessions, settings, pk)
+        decided = evaluate_canary(sessions, settings, pk)
         assert decided["decision"] == "promote", decided
         deployment = client.get(BASE, headers=viewer).json()
         assert deployment["speculation_mode"] == "draft_model" and deployment["active_drafter_version"] == 1
@@ -310,13 +292,13 @@ def test_continuous_canaries_candidate_after_candidate_and_rejects_a_worse_one_t
     _add_traces(sessions, pk, 15, start=100)
     busy = _adapt(sessions, settings, pk)
     assert busy.job_id is None and "is live" in busy.decision.reason
-    _post(client, serving, _split(1, 0, wins=True, live_version=None))
-    assert _evaluate(sessions, settings, pk)["decision"] == "promote"
+    post_native(client, serving, _split(1, 0, wins=True, live_version=None))
+    assert evaluate_canary(sessions, settings, pk)["decision"] == "promote"
     assert client.get(BASE, headers=viewer).json()["active_drafter_version"] == 1
     assert "is watching" in _adapt(sessions, settings, pk).decision.reason
     # The promotion's watch sees the hit rate the canary measured, and closes.
-    _post(client, serving, arm_records("live", 30, tps=3.0, ms=2.2, hit=0.6, version=1, start=5000))
-    _evaluate(sessions, settings, pk)
+    post_native(client, serving, arm_records("live", 30, tps=3.0, ms=2.2, hit=0.6, version=1, start=5000))
+    evaluate_canary(sessions, settings, pk)
     with sessions() as session:
         assert session.scalars(select(Canary.phase).order_by(Canary.id.desc())).first() == "closed"
 
@@ -324,8 +306,8 @@ def test_continuous_canaries_candidate_after_candidate_and_rejects_a_worse_one_t
     second = _adapt(sessions, settings, pk)
     assert second.decision.trigger == "continuous" and second.job_id is not None
     _pretend_trained(db, second.job_id, pk, 2)
-    _post(client, serving, _split(2, 10_000, wins=False, live_version=1))
-    assert _evaluate(sessions, settings, pk)["decision"] == "reject"
+    post_native(client, serving, _split(2, 10_000, wins=False, live_version=1))
+    assert evaluate_canary(sessions, settings, pk)["decision"] == "reject"
     deployment = client.get(BASE, headers=viewer).json()
     assert deployment["active_drafter_version"] == 1 and deployment["speculation_mode"] == "draft_model"
     jobs = client.get(f"{BASE}/jobs", headers=viewer).json()["jobs"]

@@ -6,7 +6,6 @@ promotes the better one; and a later realignment can move the deployment back to
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,12 @@ from sqlalchemy import select
 from controlplane.app import create_app
 from controlplane.canary.evaluate import record_shadow_result
 from controlplane.canary.service import start_canary
-from controlplane.config import Settings
 from controlplane.db.models import Canary, Deployment, DrafterVersion, Job, JobState, Role, Trace, TraceSource
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.models.service import ModelSource, register_model
-from tests.conftest import TEST_SECRET, make_tenant
+from tests.conftest import make_tenant
 from tests.fleet.canary_setup import arm_records, passing_shadow
-from tests.integration.test_continuous_adaptation import _evaluate, _post
+from tests.in_process import evaluate_canary, in_process_settings, post_native
 
 BASE = "/v1/accounts/acme/deployments/svc"
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,22 +67,17 @@ def test_a_head_is_trained_replayed_against_the_drafter_promoted_and_replaced_by
     import workers.canary_tasks
     import workers.tasks
 
-    path = tmp_path / "heads.db"
-    shutil.copy(sqlite_template, path)
-    url = f"sqlite:///{path}"
-    settings = Settings(
-        database_url=url,
-        environment="test",
-        secret_key=TEST_SECRET,
-        artifact_dir=tmp_path / "art",
-        artifact_cache_dir=tmp_path / "cache",
-        var_dir=tmp_path / "var",
+    settings = in_process_settings(
+        sqlite_template,
+        tmp_path,
+        "heads.db",
         model_roots=[_tiny_pair(tmp_path / "models")],
         realign_time_budget_s=3,
         realign_min_traces=30,
         drift_enqueue_on_ingest=False,
         api_gc_freeze=False,
     )
+    url = settings.database_url
     for module in (workers.tasks, workers.canary_tasks, controlplane.canary.service):
         monkeypatch.setattr(module, "get_settings", lambda: settings)
     sent: list[Any] = []
@@ -177,7 +170,7 @@ def test_a_head_is_trained_replayed_against_the_drafter_promoted_and_replaced_by
                 )
                 session.commit()
             assert phase == "live"
-        _post(
+        post_native(
             client,
             serving,
             arm_records("live", 480, tps=1.6, ms=4.0, hit=0.2, version=None, start=0)
@@ -189,7 +182,7 @@ def test_a_head_is_trained_replayed_against_the_drafter_promoted_and_replaced_by
                 )
             ],
         )
-        decided = _evaluate(sessions, settings, pk)
+        decided = evaluate_canary(sessions, settings, pk)
         assert decided["decision"] == "promote", decided
         live = {a["arm"]: a for a in client.get(f"{BASE}/serving-config", headers=serving).json()["arms"]}
         assert live["live"]["drafter_version"] == 1

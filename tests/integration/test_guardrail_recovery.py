@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import random
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from controlplane.app import create_app
-from controlplane.canary.evaluate import evaluate_deployment, record_shadow_result
+from controlplane.canary.evaluate import record_shadow_result
 from controlplane.canary.service import start_canary
 from controlplane.config import Settings
 from controlplane.db.models import (
@@ -54,8 +53,9 @@ from controlplane.jobs.service import (
 )
 from controlplane.loop.drift import advance_monitor
 from controlplane.timestamps import as_utc, utcnow
-from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant
+from tests.conftest import Database, Tenant, make_tenant
 from tests.fleet.canary_setup import arm_records, passing_shadow
+from tests.in_process import evaluate_canary, in_process_settings, post_native
 from tests.integration.test_drift_monitor import request_record
 from tests.integration.test_recovery import _register_tiny, _tiny_models
 
@@ -86,19 +86,6 @@ def _candidate_split(version: int, start: int, *, wins: bool) -> list[dict[str, 
         + candidate
         + arm_records("baseline", 60, tps=1.0, ms=5.0, hit=0.0, version=None, start=start + 2000)
     )
-
-
-def _post(client: TestClient, headers: dict[str, str], records: list[dict[str, Any]]) -> None:
-    reply = client.post(f"{BASE}/acceptance", json={"format": "native", "records": records}, headers=headers)
-    assert reply.status_code == 200, reply.text
-
-
-def _evaluate(sessions: Any, settings: Settings, deployment_id: int) -> dict[str, Any]:
-    with sessions() as session:
-        outcome = evaluate_deployment(session=session, deployment_id=deployment_id, settings=settings)
-        session.commit()
-    assert outcome is not None
-    return outcome
 
 
 def _fake_version(session: Any, deployment_id: int, number: int) -> DrafterVersion:
@@ -141,8 +128,8 @@ def _trip_guardrail(client: TestClient, sessions: Any, settings: Settings, tenan
         session.commit()
         event_id, version_id = event.id, version.id
     _go_live(sessions, settings, version_id)
-    _post(client, tenant.headers(Role.serving), _slow_split(0))
-    assert _evaluate(sessions, settings, pk)["decision"] == "reject"
+    post_native(client, tenant.headers(Role.serving), _slow_split(0))
+    assert evaluate_canary(sessions, settings, pk)["decision"] == "reject"
     return event_id
 
 
@@ -161,21 +148,16 @@ def test_after_a_guardrail_switch_a_realignment_wins_the_deployment_back_from_ng
     import controlplane.canary.service
     import workers.tasks
 
-    path = tmp_path / "guardrail.db"
-    shutil.copy(sqlite_template, path)
-    url = f"sqlite:///{path}"
-    settings = Settings(
-        database_url=url,
-        environment="test",
-        secret_key=TEST_SECRET,
-        artifact_dir=tmp_path / "art",
-        artifact_cache_dir=tmp_path / "cache",
-        var_dir=tmp_path / "var",
+    settings = in_process_settings(
+        sqlite_template,
+        tmp_path,
+        "guardrail.db",
         model_roots=[_tiny_models(tmp_path / "models")],
         realign_time_budget_s=2,
         drift_enqueue_on_ingest=False,
         api_gc_freeze=False,
     )
+    url = settings.database_url
     monkeypatch.setattr(workers.tasks, "get_settings", lambda: settings)
     monkeypatch.setattr(controlplane.canary.service, "get_settings", lambda: settings)
     sessions = get_sessionmaker(url)
@@ -269,8 +251,8 @@ def test_after_a_guardrail_switch_a_realignment_wins_the_deployment_back_from_ng
             )
             session.commit()
         assert phase == "live"
-        _post(client, tenant.headers(Role.serving), _candidate_split(2, 50_000, wins=True))
-        assert _evaluate(sessions, settings, pk)["decision"] == "promote"
+        post_native(client, tenant.headers(Role.serving), _candidate_split(2, 50_000, wins=True))
+        assert evaluate_canary(sessions, settings, pk)["decision"] == "promote"
         deployment = client.get(BASE, headers=viewer).json()
         assert deployment["speculation_mode"] == "draft_model" and deployment["active_drafter_version"] == 2
         assert "guardrail_fallback" not in deployment["drift_policy"]
@@ -333,9 +315,9 @@ def test_a_candidate_that_loses_to_the_fallback_is_tried_again_after_a_longer_wa
 
     version_id = _pretend_trained(db, first_id, pk, 2)
     _go_live(db.new_session, settings, version_id)
-    _post(client, acme.headers(Role.serving), _candidate_split(2, 60_000, wins=False))
+    post_native(client, acme.headers(Role.serving), _candidate_split(2, 60_000, wins=False))
     lost_from = utcnow()
-    assert _evaluate(db.new_session, settings, pk)["decision"] == "reject"
+    assert evaluate_canary(db.new_session, settings, pk)["decision"] == "reject"
     lost_to = utcnow()
     viewer = acme.headers(Role.viewer)
     assert client.get(BASE, headers=viewer).json()["speculation_mode"] == "ngram"
@@ -374,8 +356,8 @@ def test_a_person_choosing_ngram_queues_no_realignment(
         session.commit()
     _go_live(db.new_session, settings, version_id)
     # The candidate loses to the n-gram a person chose: nothing is queued to try again.
-    _post(client, acme.headers(Role.serving), _candidate_split(1, 70_000, wins=False))
-    assert _evaluate(db.new_session, settings, pk)["decision"] == "reject"
+    post_native(client, acme.headers(Role.serving), _candidate_split(1, 70_000, wins=False))
+    assert evaluate_canary(db.new_session, settings, pk)["decision"] == "reject"
     with db.new_session() as session:
         assert active_realign_job(session=session, deployment_id=pk) is None
         assert session.scalars(select(Job).where(Job.requested_by == GUARDRAIL_ACTOR)).first() is None
@@ -450,16 +432,16 @@ def test_a_promotion_the_watch_rolls_back_to_the_fallback_resumes_the_loop_with_
         first_id = _guardrail_job(session, pk).id
     version_id = _pretend_trained(db, first_id, pk, 2)
     _go_live(db.new_session, settings, version_id)
-    _post(client, serving, _candidate_split(2, 80_000, wins=True))
-    assert _evaluate(db.new_session, settings, pk)["decision"] == "promote"
+    post_native(client, serving, _candidate_split(2, 80_000, wins=True))
+    assert evaluate_canary(db.new_session, settings, pk)["decision"] == "promote"
     assert client.get(BASE, headers=viewer).json()["speculation_mode"] == "draft_model"
     with db.new_session() as session:
         assert active_realign_job(session=session, deployment_id=pk) is None
 
     # Served for real, the promoted drafter falls far short of its canary: the watch rolls back
     # to n-gram, and the loop resumes, one loss further on.
-    _post(client, serving, arm_records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=2, start=90_000))
-    assert _evaluate(db.new_session, settings, pk)["watch"] == "rolled back"
+    post_native(client, serving, arm_records("live", 400, tps=1.2, ms=4.0, hit=0.1, version=2, start=90_000))
+    assert evaluate_canary(db.new_session, settings, pk)["watch"] == "rolled back"
     assert client.get(BASE, headers=viewer).json()["speculation_mode"] == "ngram"
     with db.new_session() as session:
         resumed = _guardrail_job(session, pk)

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +65,7 @@ from controlplane.loop.drift import advance_monitor, monitor_status
 from controlplane.models.service import ModelSource, register_model
 from controlplane.timestamps import as_utc, utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, recreate_pg_database
+from tests.in_process import in_process_settings
 from tests.integration.test_drift_monitor import request_record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -381,19 +381,15 @@ def test_too_few_traces_resolve_not_enough_data_at_once_and_rearm(
 ) -> None:
     import workers.tasks
 
-    path = tmp_path / "recovery.db"
-    shutil.copy(sqlite_template, path)
-    url = f"sqlite:///{path}"
-    settings = Settings(
-        database_url=url,
-        environment="test",
-        secret_key=TEST_SECRET,
-        artifact_dir=tmp_path / "art",
-        var_dir=tmp_path / "var",
+    settings = in_process_settings(
+        sqlite_template,
+        tmp_path,
+        "recovery.db",
         model_roots=[_tiny_models(tmp_path / "models")],
         realign_min_traces=1,
         realign_max_wait_s=0,
     )
+    url = settings.database_url
     monkeypatch.setattr(workers.tasks, "get_settings", lambda: settings)
     sessions = get_sessionmaker(url)
     with sessions() as session:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections import Counter
 from dataclasses import replace
 from datetime import timedelta
@@ -19,7 +18,6 @@ import torch
 from sqlalchemy import func, select
 
 from controlplane.artifacts.store import VerifiedArtifactCache
-from controlplane.config import Settings
 from controlplane.db.models import (
     Deployment,
     DrafterState,
@@ -43,7 +41,8 @@ from controlplane.traces.holdout import (
     overlap_count,
     prompt_hash,
 )
-from tests.conftest import TEST_SECRET, Database, add_deployment, make_tenant
+from tests.conftest import Database, add_deployment, make_tenant
+from tests.in_process import in_process_settings
 from workers.engine.hf_io import load_hf_folder, save_hf_folder
 from workers.engine.model import ModelConfig, Transformer, build_model
 from workers.engine.tokenizer import Tokenizer
@@ -648,18 +647,13 @@ def task_db(
 ) -> tuple[str, int]:
     import workers.tasks
 
-    path = tmp_path / "tasks.db"
-    shutil.copy(sqlite_template, path)
-    url = f"sqlite:///{path}"
-    settings = Settings(
-        database_url=url,
-        environment="test",
-        secret_key=TEST_SECRET,
-        artifact_dir=tmp_path / "art",
-        artifact_cache_dir=tmp_path / "cache",
-        var_dir=tmp_path / "var",
+    settings = in_process_settings(
+        sqlite_template,
+        tmp_path,
+        "tasks.db",
         model_roots=[tmp_path / "models"],
     )
+    url = settings.database_url
     monkeypatch.setattr(workers.tasks, "get_settings", lambda: settings)
     monkeypatch.setattr(workers.tasks, "DEFAULT_TIME_BUDGET_S", 8.0)
     target, drafter = models
