@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from controlplane.canary.evaluate import record_shadow_result
 from controlplane.canary.service import start_canary
@@ -33,6 +34,22 @@ def passing_shadow(n: int = 30) -> dict[str, Any]:
     }
 
 
+def candidate_version(session: Session, deployment_id: int, number: int, **fields: Any) -> DrafterVersion:
+    """An untrained candidate drafter version ``number`` (its artifact a placeholder), added and
+    flushed; ``fields`` add to or replace its columns."""
+    columns: dict[str, Any] = {
+        "artifact_path": f"/artifacts/v{number}",
+        "artifact_sha256": f"{number:064d}",
+        "state": DrafterState.candidate,
+        "training_metrics": {"seed": 0},
+        "eval_metrics": {},
+    }
+    version = DrafterVersion(deployment_id=deployment_id, version=number, **(columns | fields))
+    session.add(version)
+    session.flush()
+    return version
+
+
 def open_live_canary(database_url: str, deployment_name: str, version_number: int = 1) -> int:
     """A candidate ``version_number`` of ``deployment_name`` in a live canary; returns its id."""
     sessions = get_sessionmaker(database_url)
@@ -40,17 +57,13 @@ def open_live_canary(database_url: str, deployment_name: str, version_number: in
         deployment = session.scalars(
             select(Deployment).where(Deployment.name == deployment_name, Deployment.deleted_at.is_(None))
         ).one()
-        version = DrafterVersion(
-            deployment_id=deployment.id,
-            version=version_number,
+        version = candidate_version(
+            session,
+            deployment.id,
+            version_number,
             artifact_path=f"file:///artifacts/{deployment_name}/v{version_number}",
-            artifact_sha256=f"{version_number:064d}",
-            state=DrafterState.candidate,
             training_metrics={},
-            eval_metrics={},
         )
-        session.add(version)
-        session.flush()
         canary, _job = start_canary(session=session, version=version)
         session.commit()
         canary_id = canary.id

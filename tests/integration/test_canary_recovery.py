@@ -31,8 +31,6 @@ from controlplane.db.models import (
     Account,
     Canary,
     Deployment,
-    DrafterState,
-    DrafterVersion,
     DriftEvent,
     DriftResolution,
     DriftState,
@@ -44,7 +42,7 @@ from controlplane.db.models import (
 from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.timestamps import utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant
-from tests.fleet.canary_setup import arm_records, passing_shadow
+from tests.fleet.canary_setup import arm_records, candidate_version, passing_shadow
 
 BASE = "/v1/accounts/acme/deployments"
 
@@ -76,21 +74,6 @@ def _deployment(
         )
 
 
-def _version(session: Any, deployment_id: int, number: int) -> DrafterVersion:
-    version = DrafterVersion(
-        deployment_id=deployment_id,
-        version=number,
-        artifact_path=f"/artifacts/v{number}",
-        artifact_sha256=f"{number:064d}",
-        state=DrafterState.candidate,
-        training_metrics={"seed": 0},
-        eval_metrics={},
-    )
-    session.add(version)
-    session.flush()
-    return version
-
-
 def _open_event(session: Any, deployment_id: int) -> int:
     event = DriftEvent(deployment_id=deployment_id, state=DriftState.open, detector="test", evidence={})
     session.add(event)
@@ -100,7 +83,7 @@ def _open_event(session: Any, deployment_id: int) -> int:
 
 def _live_canary(db: Database, settings: Settings, deployment_id: int, number: int = 1) -> int:
     with db.new_session() as session:
-        version = _version(session, deployment_id, number)
+        version = candidate_version(session, deployment_id, number)
         canary, _job = start_canary(session=session, version=version)
         session.commit()
         canary_id = canary.id
@@ -204,7 +187,7 @@ def test_a_guardrail_trips_only_on_serving_records_and_then_a_candidate_beats_ng
 
     # The loop goes on: a new candidate is canaried against the n-gram fallback now serving.
     with db.new_session() as session:
-        version = _version(session, deployment_id, 2)
+        version = candidate_version(session, deployment_id, 2)
         canary, job = start_canary(session=session, version=version)
         session.commit()
         second_id, job_id = canary.id, job.id
@@ -316,7 +299,7 @@ def test_a_lost_replay_is_sent_again_then_ends_its_canary_and_drift_event_with_t
     deployment_id = _deployment(client, db, acme)
     with db.new_session() as session:
         event_id = _open_event(session, deployment_id)
-        canary, job = start_canary(session=session, version=_version(session, deployment_id, 1))
+        canary, job = start_canary(session=session, version=candidate_version(session, deployment_id, 1))
         session.commit()
         canary_id, job_id = canary.id, job.id
         sent_at = canary.shadow_sent_at
@@ -359,7 +342,7 @@ def test_a_failed_replay_ends_its_canary_and_drift_event_with_the_error(
     deployment_id = _deployment(client, db, acme)
     with db.new_session() as session:
         event_id = _open_event(session, deployment_id)
-        canary, job = start_canary(session=session, version=_version(session, deployment_id, 1))
+        canary, job = start_canary(session=session, version=candidate_version(session, deployment_id, 1))
         session.commit()
         canary_id, job_id = canary.id, job.id
     with db.new_session() as session:

@@ -32,6 +32,7 @@ from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.errors import ConflictError
 from controlplane.timestamps import utcnow
 from tests.conftest import Database, RecordingWorkQueue, Tenant, make_tenant
+from tests.fleet.canary_setup import candidate_version
 
 BASE = "/v1/accounts/acme/deployments"
 
@@ -53,17 +54,7 @@ def _deployment(client: TestClient, tenant: Tenant, k: int = 4) -> None:
 def _add_version(db: Database, number: int, parent_id: int | None = None) -> int:
     with db.new_session() as session:
         deployment = session.scalars(select(Deployment).where(Deployment.name == "svc")).one()
-        version = DrafterVersion(
-            deployment_id=deployment.id,
-            version=number,
-            parent_version_id=parent_id,
-            artifact_path=f"/artifacts/v{number}",
-            artifact_sha256=f"{number:064d}",
-            state=DrafterState.candidate,
-            training_metrics={"seed": 0},
-            eval_metrics={},
-        )
-        session.add(version)
+        version = candidate_version(session, deployment.id, number, parent_version_id=parent_id)
         session.commit()
         return version.id
 

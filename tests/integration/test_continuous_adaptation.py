@@ -36,7 +36,7 @@ from controlplane.db.session import get_engine, get_sessionmaker
 from controlplane.jobs.service import finish_job, start_job
 from controlplane.timestamps import utcnow
 from tests.conftest import Database, Tenant, make_tenant
-from tests.fleet.canary_setup import arm_records, passing_shadow
+from tests.fleet.canary_setup import arm_records, candidate_version, passing_shadow
 from tests.in_process import evaluate_canary, in_process_settings, post_native
 from tests.integration.test_recovery import _register_tiny, _tiny_models
 
@@ -222,18 +222,7 @@ def _pretend_trained(db: Database, job_id: int, pk: int, number: int) -> int:
     with db.new_session() as session:
         start_job(session=session, job_id=job_id)
         finish_job(session=session, job_id=job_id, result={"drafter_version": number})
-        version = DrafterVersion(
-            deployment_id=pk,
-            version=number,
-            training_job_id=job_id,
-            artifact_path=f"/artifacts/v{number}",
-            artifact_sha256=f"{number:064d}",
-            state=DrafterState.candidate,
-            training_metrics={"seed": 0},
-            eval_metrics={},
-        )
-        session.add(version)
-        session.flush()
+        version = candidate_version(session, pk, number, training_job_id=job_id)
         canary, replay = start_canary(session=session, version=version, actor=f"job:{job_id}")
         assert replay.trigger == "continuous"
         session.commit()

@@ -30,7 +30,6 @@ from controlplane.db.models import (
     AuditEntry,
     Canary,
     Deployment,
-    DrafterState,
     DrafterVersion,
     DriftEvent,
     DriftMonitorState,
@@ -54,7 +53,7 @@ from controlplane.jobs.service import (
 from controlplane.loop.drift import advance_monitor
 from controlplane.timestamps import as_utc, utcnow
 from tests.conftest import Database, Tenant, make_tenant
-from tests.fleet.canary_setup import arm_records, passing_shadow
+from tests.fleet.canary_setup import arm_records, candidate_version, passing_shadow
 from tests.in_process import evaluate_canary, in_process_settings, post_native
 from tests.integration.test_drift_monitor import request_record
 from tests.integration.test_recovery import _register_tiny, _tiny_models
@@ -88,21 +87,6 @@ def _candidate_split(version: int, start: int, *, wins: bool) -> list[dict[str, 
     )
 
 
-def _fake_version(session: Any, deployment_id: int, number: int) -> DrafterVersion:
-    version = DrafterVersion(
-        deployment_id=deployment_id,
-        version=number,
-        artifact_path=f"/artifacts/v{number}",
-        artifact_sha256=f"{number:064d}",
-        state=DrafterState.candidate,
-        training_metrics={"seed": 0},
-        eval_metrics={},
-    )
-    session.add(version)
-    session.flush()
-    return version
-
-
 def _go_live(sessions: Any, settings: Settings, version_id: int) -> int:
     with sessions() as session:
         canary, _job = start_canary(session=session, version=session.get_one(DrafterVersion, version_id))
@@ -124,7 +108,7 @@ def _trip_guardrail(client: TestClient, sessions: Any, settings: Settings, tenan
     with sessions() as session:
         event = DriftEvent(deployment_id=pk, state=DriftState.open, detector="test", evidence={})
         session.add(event)
-        version = _fake_version(session, pk, 1)
+        version = candidate_version(session, pk, 1)
         session.commit()
         event_id, version_id = event.id, version.id
     _go_live(sessions, settings, version_id)
@@ -297,7 +281,7 @@ def _pretend_trained(db: Database, job_id: int, pk: int, number: int) -> int:
     with db.new_session() as session:
         start_job(session=session, job_id=job_id)
         finish_job(session=session, job_id=job_id, result={"drafter_version": number})
-        version = _fake_version(session, pk, number)
+        version = candidate_version(session, pk, number)
         session.commit()
         return version.id
 
@@ -352,7 +336,7 @@ def test_a_person_choosing_ngram_queues_no_realignment(
     patched = client.patch(BASE, json={"ngram_speculation_length": 3}, headers=acme.headers(Role.admin))
     assert patched.status_code == 200 and patched.json()["speculation_mode"] == "ngram", patched.text
     with db.new_session() as session:
-        version_id = _fake_version(session, pk, 1).id
+        version_id = candidate_version(session, pk, 1).id
         session.commit()
     _go_live(db.new_session, settings, version_id)
     # The candidate loses to the n-gram a person chose: nothing is queued to try again.
