@@ -41,6 +41,7 @@ from sqlalchemy import create_engine, func, select, text
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.api_process import start_api  # noqa: E402
 from controlplane.accounts.service import get_account_by_name, issue_key  # noqa: E402
 from controlplane.db.migrate import upgrade_to_head  # noqa: E402
 from controlplane.db.models import (  # noqa: E402
@@ -233,28 +234,7 @@ def _built(key: str, records: int) -> dict[str, Any]:
 
 
 def start_server(url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "CONTROLPLANE_DATABASE_URL": url,
-        "CONTROLPLANE_ENVIRONMENT": "test",
-        "CONTROLPLANE_SECRET_KEY": SECRET,
-        "CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST": "false",
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("w"),
-    )
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"server did not start: {log.read_text()[-2000:]}")
+    return start_api(url, port, log, secret=SECRET, env={"CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST": "false"})
 
 
 TIMINGS_JS = """() => {

@@ -71,6 +71,7 @@ from sqlalchemy import create_engine, select, text
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import api_process  # noqa: E402
 from controlplane.accounts.service import Principal, create_account, issue_key  # noqa: E402
 from controlplane.config import Settings  # noqa: E402
 from controlplane.db.migrate import upgrade_to_head  # noqa: E402
@@ -434,29 +435,17 @@ def create_fleet(url: str, deployments: int) -> tuple[str, dict[str, int]]:
 
 
 def start_api(url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "CONTROLPLANE_DATABASE_URL": url,
-        "CONTROLPLANE_ENVIRONMENT": "test",
-        "CONTROLPLANE_SECRET_KEY": SECRET,
-        "CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST": "false",
-        "CONTROLPLANE_RATE_LIMIT_PER_MINUTE": "1000000",
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("w"),
+    return api_process.start_api(
+        url,
+        port,
+        log,
+        secret=SECRET,
+        env={
+            "CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST": "false",
+            "CONTROLPLANE_RATE_LIMIT_PER_MINUTE": "1000000",
+        },
+        what="API",
     )
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"API did not start: {log.read_text()[-2000:]}")
 
 
 # ------------------------------------------------------------------------------------ monitor

@@ -44,6 +44,7 @@ from sqlalchemy import create_engine, func, select, text
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.api_process import start_api  # noqa: E402
 from controlplane.accounts.service import Principal, create_account, get_account_by_name, issue_key  # noqa: E402
 from controlplane.db.migrate import upgrade_to_head  # noqa: E402
 from controlplane.db.models import AcceptanceRecordRow, Deployment, Role  # noqa: E402
@@ -136,30 +137,18 @@ def start_server(
     url: str, port: int, workers: int = 1, synchronous_commit: bool = True
 ) -> subprocess.Popen[bytes]:
     SERVER_LOG.parent.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "CONTROLPLANE_DATABASE_URL": url,
-        "CONTROLPLANE_ENVIRONMENT": "test",
-        "CONTROLPLANE_SECRET_KEY": SECRET,
-        # Production wiring: ingestion nudges the drift monitor through Redis.
-        "CONTROLPLANE_BROKER_URL": "redis://127.0.0.1:6379/13",
-        "CONTROLPLANE_INGEST_SYNCHRONOUS_COMMIT": "true" if synchronous_commit else "false",
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane", "serve", "--port", str(port), "--workers", str(workers)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=SERVER_LOG.open("w"),
+    return start_api(
+        url,
+        port,
+        SERVER_LOG,
+        secret=SECRET,
+        env={
+            # Production wiring: ingestion nudges the drift monitor through Redis.
+            "CONTROLPLANE_BROKER_URL": "redis://127.0.0.1:6379/13",
+            "CONTROLPLANE_INGEST_SYNCHRONOUS_COMMIT": "true" if synchronous_commit else "false",
+        },
+        serve_args=("--workers", str(workers)),
     )
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"server did not start: {SERVER_LOG.read_text()[-2000:]}")
 
 
 def batch_client(base: str, key: str, bodies: list[bytes], connections: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
