@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from controlplane.db.models import Role
-from controlplane.db.session import get_engine, get_sessionmaker
-from tests.conftest import TEST_SECRET, make_tenant, prepare_database, recreate_pg_database
+from controlplane.db.session import get_engine
+from tests.fleet.api_on_postgres import api_on_fresh_postgres
 from tests.fleet.fuzz import FuzzedAccount, fuzz
 from tests.fleet.processes import ControlPlaneProcess
 
@@ -21,19 +21,7 @@ CASES_PER_OPERATION = 2
 
 @pytest.fixture
 def fuzzed(tmp_path: Path) -> Iterator[tuple[ControlPlaneProcess, FuzzedAccount]]:
-    url = recreate_pg_database("controlplane_fuzz")
-    prepare_database(url)
-    with get_sessionmaker(url)() as session:
-        tenant = make_tenant(session, "acme")
-        session.commit()
-    api = ControlPlaneProcess(
-        tmp_path,
-        CONTROLPLANE_DATABASE_URL=url,
-        CONTROLPLANE_ENVIRONMENT="test",
-        CONTROLPLANE_SECRET_KEY=TEST_SECRET,
-        CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST="false",
-        CONTROLPLANE_VAR_DIR=str(tmp_path / "var"),
-    ).start()
+    url, (tenant,), api = api_on_fresh_postgres(tmp_path, "controlplane_fuzz", ("acme",))
     account = FuzzedAccount(
         api.url,
         url,

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from controlplane.db.models import Role
-from controlplane.db.session import get_engine, get_sessionmaker
-from tests.conftest import TEST_SECRET, make_tenant, prepare_database, recreate_pg_database
+from controlplane.db.session import get_engine
+from tests.conftest import TEST_SECRET
+from tests.fleet.api_on_postgres import api_on_fresh_postgres
 from tests.fleet.fuzz import STATE_CHANGING_METHODS, FuzzedAccount, fuzz, load_schema
 from tests.fleet.processes import ControlPlaneProcess
 from tests.fleet.seed_objects import PATH_PARAMETERS, AccountSeeder, open_states_present
@@ -25,19 +26,7 @@ OBJECT_PARAMETERS = set(PATH_PARAMETERS) - {"account", "deployment"}
 
 @pytest.fixture
 def seeded_account(tmp_path: Path) -> Iterator[tuple[ControlPlaneProcess, FuzzedAccount]]:
-    url = recreate_pg_database("controlplane_fuzz_seeded")
-    prepare_database(url)
-    with get_sessionmaker(url)() as session:
-        tenant = make_tenant(session, "acme")
-        session.commit()
-    api = ControlPlaneProcess(
-        tmp_path,
-        CONTROLPLANE_DATABASE_URL=url,
-        CONTROLPLANE_ENVIRONMENT="test",
-        CONTROLPLANE_SECRET_KEY=TEST_SECRET,
-        CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST="false",
-        CONTROLPLANE_VAR_DIR=str(tmp_path / "var"),
-    ).start()
+    url, (tenant,), api = api_on_fresh_postgres(tmp_path, "controlplane_fuzz_seeded", ("acme",))
     try:
         seeder = AccountSeeder(
             api.url,
@@ -100,19 +89,7 @@ def test_every_state_changing_operation_on_an_object_runs_and_none_fails(
 def test_a_server_that_stops_answering_counts_as_transport_errors(tmp_path: Path) -> None:
     """The figure can fail: once the API process is gone, every case is a transport error (none is
     skipped, and none is mistaken for an answer)."""
-    url = recreate_pg_database("controlplane_fuzz_crash")
-    prepare_database(url)
-    with get_sessionmaker(url)() as session:
-        tenant = make_tenant(session, "acme")
-        session.commit()
-    api = ControlPlaneProcess(
-        tmp_path,
-        CONTROLPLANE_DATABASE_URL=url,
-        CONTROLPLANE_ENVIRONMENT="test",
-        CONTROLPLANE_SECRET_KEY=TEST_SECRET,
-        CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST="false",
-        CONTROLPLANE_VAR_DIR=str(tmp_path / "var"),
-    ).start()
+    url, (tenant,), api = api_on_fresh_postgres(tmp_path, "controlplane_fuzz_crash", ("acme",))
     prepared = 0
 
     def prepare() -> dict[str, str]:

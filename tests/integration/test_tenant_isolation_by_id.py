@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from controlplane.db.models import Role
-from controlplane.db.session import get_engine, get_sessionmaker
-from tests.conftest import TEST_SECRET, Tenant, make_tenant, prepare_database, recreate_pg_database
+from controlplane.db.session import get_engine
+from tests.conftest import TEST_SECRET, Tenant
+from tests.fleet.api_on_postgres import api_on_fresh_postgres
 from tests.fleet.fuzz import load_schema
 from tests.fleet.processes import ControlPlaneProcess
 from tests.fleet.seed_objects import (
@@ -64,20 +65,9 @@ def accounts_on_a_broken_api(tmp_path: Path) -> Iterator[Accounts]:
 
 
 def _seeded_accounts(tmp_path: Path, **env: str) -> Iterator[Accounts]:
-    url = recreate_pg_database("controlplane_idor")
-    prepare_database(url)
-    with get_sessionmaker(url)() as session:
-        victim, attacker = make_tenant(session, "victim"), make_tenant(session, "attacker")
-        session.commit()
-    api = ControlPlaneProcess(
-        tmp_path,
-        CONTROLPLANE_DATABASE_URL=url,
-        CONTROLPLANE_ENVIRONMENT="test",
-        CONTROLPLANE_SECRET_KEY=TEST_SECRET,
-        CONTROLPLANE_DRIFT_ENQUEUE_ON_INGEST="false",
-        CONTROLPLANE_VAR_DIR=str(tmp_path / "var"),
-        **env,
-    ).start()
+    url, (victim, attacker), api = api_on_fresh_postgres(
+        tmp_path, "controlplane_idor", ("victim", "attacker"), **env
+    )
     try:
         seeder = AccountSeeder(
             api.url,
