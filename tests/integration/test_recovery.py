@@ -62,6 +62,7 @@ from controlplane.jobs.service import (
     request_realign,
 )
 from controlplane.loop.drift import advance_monitor, monitor_status
+from controlplane.messaging import QUEUES
 from controlplane.models.service import ModelSource, register_model
 from controlplane.timestamps import as_utc, utcnow
 from tests.conftest import TEST_SECRET, Database, Tenant, make_tenant, recreate_pg_database
@@ -568,6 +569,19 @@ class Stack:
         raise AssertionError(f"timed out waiting for {what}\n{self.processes.logs()}")
 
 
+def _declare_queues(broker: str) -> None:
+    """Create the embedded broker's queue rows before any process starts: kombu's SQLAlchemy
+    transport creates a queue's row on first use with a select-then-insert, and the beat and two
+    workers starting together raced on it (a worker died of "UNIQUE constraint failed:
+    kombu_queue.name" under a loaded CI run, leaving no worker for the second attempt)."""
+    from kombu import Connection, Queue
+
+    with Connection(broker) as connection:
+        channel = connection.default_channel
+        for name in QUEUES:
+            Queue(name, channel=channel).declare()
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("recovery")
@@ -598,6 +612,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         tenant = make_tenant(session, "acme")
         _register_tiny(session, tenant.account_id, settings)
         session.commit()
+    _declare_queues(broker)
     processes = Processes(env, tmp)
     processes.start(workers=2)
     try:
