@@ -291,6 +291,18 @@ class _SpecCounts(NamedTuple):
     hist: list[int] | None
 
 
+def _names_spec_count(rec: dict[str, Any], choice: dict[str, Any] | None, key: str) -> bool:
+    """Whether ``key`` (an engine's accepted-draft count) stands where that engine puts it: at
+    the reply's top level, in its ``speculative_decoding`` block, or in its first choice's."""
+    sd = rec.get("speculative_decoding")
+    choice_sd = choice.get("speculative_decoding") if choice is not None else None
+    return (
+        key in rec
+        or (isinstance(sd, dict) and key in sd)
+        or (isinstance(choice_sd, dict) and key in choice_sd)
+    )
+
+
 def _spec_counts(sd: dict[str, Any], p: str, drafted_key: str, accepted_key: str, errs: _Errs) -> _SpecCounts:
     """Totals and the acceptance histogram that vLLM and TensorRT-LLM report alike (only the
     names of the two totals differ); an inconsistent histogram is reported and dropped."""

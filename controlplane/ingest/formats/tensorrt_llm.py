@@ -15,6 +15,7 @@ from controlplane.ingest.formats.replies import (
     _build_spec,
     _envelope,
     _first_choice,
+    _names_spec_count,
     _obj,
     _single_choice,
     _spec_counts,
@@ -58,17 +59,7 @@ def _from_trtllm(rec: dict[str, Any], errs: _Errs) -> AcceptanceRecord | None:
 
 
 def _detects_trtllm(rec: dict[str, Any]) -> bool:
-    choice = _first_choice(rec)
-    sd = rec.get("speculative_decoding")
-    return (
-        "total_accepted_draft_tokens" in rec
-        or (isinstance(sd, dict) and "total_accepted_draft_tokens" in sd)
-        or (
-            choice is not None
-            and isinstance(choice.get("speculative_decoding"), dict)
-            and "total_accepted_draft_tokens" in choice["speculative_decoding"]
-        )
-    )
+    return _names_spec_count(rec, _first_choice(rec), "total_accepted_draft_tokens")
 
 
 ADAPTER: Final = FormatAdapter(

@@ -24,6 +24,7 @@ from controlplane.ingest.formats.replies import (
     _build_spec,
     _envelope,
     _first_choice,
+    _names_spec_count,
     _obj,
     _single_choice,
     _spec_counts,
@@ -215,17 +216,10 @@ def _vllm_by_length(
 
 def _detects_vllm(rec: dict[str, Any]) -> bool:
     choice = _first_choice(rec)
-    sd = rec.get("speculative_decoding")
     return (
         "metrics" in rec
-        or "num_accepted_draft_tokens" in rec
-        or (isinstance(sd, dict) and "num_accepted_draft_tokens" in sd)
         or (choice is not None and "speculative_decoding_stats" in choice)
-        or (
-            choice is not None
-            and isinstance(choice.get("speculative_decoding"), dict)
-            and "num_accepted_draft_tokens" in choice["speculative_decoding"]
-        )
+        or _names_spec_count(rec, choice, "num_accepted_draft_tokens")
     )
 
 
